@@ -1,0 +1,209 @@
+"""Tokenizers that need no files and download nothing, plus Megatron's vocabulary padding.
+
+Both tokenizers subclass megatron-core's ``MegatronTokenizerBase`` and expose what
+``GPTDataset`` / ``MockGPTDataset`` read from a tokenizer: ``eod``, ``pad``, ``vocab_size`` and
+``unique_identifiers`` (which enters the hash of the dataset index cache).
+
+- ``ByteTokenizer``: the UTF-8 bytes of the text, ids 0-255, then end-of-document (256) and pad
+  (257); ``vocab_size`` is 258. Any Unicode text round-trips exactly.
+- ``NullTokenizer``: Megatron-LM's synthetic tokenizer. The text is a whitespace-separated list
+  of integer ids. ``--vocab-size V`` declares ids ``0 .. V-1``; the end-of-document id is ``V``
+  and the reported ``vocab_size`` is ``V + 1``, exactly as Megatron-LM's ``_NullTokenizer`` and
+  megatron-core's ``NullTokenizer`` do. It has no pad id (megatron-core then pads with -1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer")
+"""The values accepted by ``--tokenizer-type``."""
+
+
+class _LocalTokenizer(MegatronTokenizerBase):
+    """Shared plumbing for tokenizers that live entirely in this file."""
+
+    def __init__(self) -> None:
+        super().__init__(path="", config={})
+
+    def apply_chat_template(self, *args, **kwargs):
+        """Chat templates are not supported by pretraining tokenizers."""
+        raise NotImplementedError(f"{type(self).__name__} has no chat template.")
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """What identifies this tokenizer in megatron-core's dataset cache descriptions."""
+        return OrderedDict(
+            [
+                ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                ("vocab_size", self.vocab_size),
+            ]
+        )
+
+
+class ByteTokenizer(_LocalTokenizer):
+    """UTF-8 byte tokenizer: ids 0-255 are bytes, 256 ends a document, 257 pads."""
+
+    EOD_ID = 256
+    PAD_ID = 257
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode text as its UTF-8 bytes.
+
+        Args:
+            text: Any Unicode string (may be empty).
+
+        Returns:
+            One id per UTF-8 byte, each in ``[0, 256)``.
+        """
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode byte ids back to text, dropping the end-of-document and pad ids.
+
+        A byte sequence cut inside a multi-byte character (e.g. a training sample window) decodes
+        with U+FFFD replacement characters instead of failing.
+
+        Args:
+            ids: Token ids as produced by ``tokenize`` (special ids are skipped).
+
+        Returns:
+            The decoded text; ``detokenize(tokenize(t)) == t`` for every string ``t``.
+        """
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token name to id: ``<0xNN>`` for bytes, then ``<eod>`` and ``<pad>``."""
+        names = {f"<0x{i:02X}>": i for i in range(256)}
+        names.update({"<eod>": self.EOD_ID, "<pad>": self.PAD_ID})
+        return names
+
+    @property
+    def vocab_size(self) -> int:
+        """256 byte ids plus end-of-document and pad."""
+        return 258
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id."""
+        return self.EOD_ID
+
+    @property
+    def pad(self) -> int:
+        """Padding id (never produced by ``tokenize``)."""
+        return self.PAD_ID
+
+
+class NullTokenizer(_LocalTokenizer):
+    """Megatron-LM's NullTokenizer: text is a whitespace-separated list of integer ids.
+
+    Args:
+        vocab_size: The ``--vocab-size`` flag: ids ``0 .. vocab_size-1`` are regular tokens, the
+            end-of-document id is ``vocab_size`` and ``self.vocab_size`` is ``vocab_size + 1``.
+    """
+
+    def __init__(self, *, vocab_size: int) -> None:
+        super().__init__()
+        self._vocab_size_without_eod = int(vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Parse whitespace-separated integer ids.
+
+        Args:
+            text: For example ``"17 4 1022"``; empty or blank text gives no ids.
+
+        Returns:
+            The ids, each checked to lie in ``[0, vocab_size)``.
+
+        Raises:
+            ValueError: A field is not an integer or an id is outside the vocabulary.
+        """
+        ids = []
+        for field in text.split():
+            try:
+                ids.append(int(field))
+            except ValueError:
+                raise ValueError(
+                    f"NullTokenizer expects whitespace-separated integer ids, got {field[:40]!r}."
+                ) from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"NullTokenizer id {bad[0]} is outside [0, {self.vocab_size}); "
+                f"raise --vocab-size or fix the input."
+            )
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Join ids with single spaces (the inverse of ``tokenize``)."""
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def vocab(self):
+        """Not available: the vocabulary is only a range of integers."""
+        raise NotImplementedError("NullTokenizer has no vocabulary mapping.")
+
+    @property
+    def vocab_size(self) -> int:
+        """The flag's vocabulary size plus one for the end-of-document id."""
+        return self._vocab_size_without_eod + 1
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id: the flag's ``--vocab-size``."""
+        return self._vocab_size_without_eod
+
+
+def build_tokenizer(*, tokenizer_type: str, vocab_size: int | None = None) -> MegatronTokenizerBase:
+    """Build a tokenizer by its ``--tokenizer-type`` name.
+
+    Args:
+        tokenizer_type: ``"ByteTokenizer"`` or ``"NullTokenizer"``.
+        vocab_size: ``--vocab-size``; required by ``NullTokenizer``, ignored by ``ByteTokenizer``.
+
+    Returns:
+        A megatron-core tokenizer usable by ``GPTDatasetConfig``.
+
+    Raises:
+        ValueError: Unknown type, or ``NullTokenizer`` without a positive ``vocab_size``.
+    """
+    if tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(
+                f"NullTokenizer needs --vocab-size set to a positive integer, got {vocab_size}."
+            )
+        return NullTokenizer(vocab_size=vocab_size)
+    raise ValueError(
+        f"Unknown --tokenizer-type {tokenizer_type!r}; "
+        f"valid types are {', '.join(TOKENIZER_TYPES)}."
+    )
+
+
+def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:
+    """Round a vocabulary size up as Megatron-LM's ``--make-vocab-size-divisible-by`` does.
+
+    The embedding table is split over tensor-parallel ranks, so the padded size is a multiple of
+    ``divisible_by * tp_size``.
+
+    Args:
+        vocab_size: The tokenizer's ``vocab_size`` (special ids included).
+        divisible_by: ``--make-vocab-size-divisible-by``.
+        tp_size: ``--tensor-model-parallel-size``.
+
+    Returns:
+        The smallest multiple of ``divisible_by * tp_size`` that is ``>= vocab_size``.
+    """
+    if divisible_by < 1 or tp_size < 1:
+        raise ValueError(
+            f"divisible_by and tp_size must be positive, got {divisible_by} and {tp_size}."
+        )
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -1,0 +1,88 @@
+"""Tokenizers: exact round trips, special ids, Megatron-compatible NullTokenizer, vocab padding."""
+
+import pytest
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+from memo_ext.training.tokenizers import (
+    ByteTokenizer,
+    NullTokenizer,
+    build_tokenizer,
+    padded_vocab_size,
+)
+
+TEXTS = [
+    "",
+    "hello world",
+    "tabs\tand\nnewlines\r\n",
+    "héllo — ünïcödé, 日本語, emoji 🌍🚀, combining e\u0301",
+    "\x00nul and \ufeffBOM",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokenizer_round_trips_exactly(text):
+    tokenizer = build_tokenizer(tokenizer_type="ByteTokenizer")
+    ids = tokenizer.tokenize(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(0 <= i < 256 for i in ids)
+    assert tokenizer.detokenize(ids) == text
+
+
+def test_byte_tokenizer_special_ids():
+    tokenizer = ByteTokenizer()
+    assert isinstance(tokenizer, MegatronTokenizerBase)
+    assert (tokenizer.eod, tokenizer.pad, tokenizer.vocab_size) == (256, 257, 258)
+    assert len(tokenizer.vocab) == tokenizer.vocab_size
+    # Special ids are dropped on decode; a cut multi-byte character does not raise.
+    ids = tokenizer.tokenize("ab") + [tokenizer.eod] + tokenizer.tokenize("c") + [tokenizer.pad]
+    assert tokenizer.detokenize(ids) == "abc"
+    assert tokenizer.detokenize(tokenizer.tokenize("é")[:1]) == "\ufffd"
+
+
+def test_null_tokenizer_matches_megatron():
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import (
+        NullTokenizer as MegatronNull,
+    )
+
+    ours = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=1000)
+    theirs = MegatronNull(1000)
+    assert isinstance(ours, NullTokenizer)
+    assert (ours.eod, ours.vocab_size) == (theirs.eod, theirs.vocab_size) == (1000, 1001)
+    text = "5 17 999 0"
+    assert ours.tokenize(text) == theirs.text_to_ids(text) == [5, 17, 999, 0]
+    assert ours.detokenize([5, 17, 999, 0]) == theirs.ids_to_text([5, 17, 999, 0]) == text
+    assert ours.tokenize("") == []
+    assert ours.tokenize(" 1\n2  3 ") == [1, 2, 3]
+
+
+def test_null_tokenizer_rejects_bad_ids():
+    tokenizer = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=10)
+    with pytest.raises(ValueError, match="outside"):
+        tokenizer.tokenize("1 11")
+    with pytest.raises(ValueError, match="integer ids"):
+        tokenizer.tokenize("1 two")
+    with pytest.raises(ValueError, match="--vocab-size"):
+        build_tokenizer(tokenizer_type="NullTokenizer")
+
+
+def test_unknown_tokenizer_type_lists_valid_types():
+    with pytest.raises(ValueError, match="ByteTokenizer, NullTokenizer"):
+        build_tokenizer(tokenizer_type="GPT2BPETokenizer")
+
+
+def test_unique_identifiers_distinguish_tokenizers():
+    a = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=10).unique_identifiers
+    b = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=11).unique_identifiers
+    c = build_tokenizer(tokenizer_type="ByteTokenizer").unique_identifiers
+    assert len({str(a), str(b), str(c)}) == 3
+
+
+@pytest.mark.parametrize(
+    "vocab_size, divisible_by, tp_size, expected",
+    [(258, 128, 1, 384), (256, 128, 1, 256), (50257, 128, 1, 50304), (50257, 128, 8, 51200),
+     (1, 1, 1, 1), (1001, 64, 2, 1024)],
+)  # fmt: skip
+def test_padded_vocab_size(vocab_size, divisible_by, tp_size, expected):
+    got = padded_vocab_size(vocab_size, divisible_by=divisible_by, tp_size=tp_size)
+    assert got == expected
+    assert got % (divisible_by * tp_size) == 0 and got - vocab_size < divisible_by * tp_size
