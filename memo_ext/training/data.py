@@ -1,0 +1,469 @@
+"""Training data: JSON Lines → indexed datasets, GPT dataset splits, and the micro-batch order.
+
+Three stages, each usable on its own:
+
+1. ``preprocess_jsonl`` tokenizes a JSON Lines corpus into megatron-core ``IndexedDataset`` files
+   (``{prefix}_{key}_document.bin`` / ``.idx``), optionally on a pool of spawned workers. The
+   ``tools/preprocess_data.py`` command line and the demo corpus both call it.
+2. ``build_gpt_datasets`` turns ``--data-path`` / ``--split`` / ``--mock-data`` into train, valid
+   and test ``GPTDataset`` s with megatron-core's ``BlendedMegatronDatasetBuilder``.
+3. ``build_batch_iterator`` walks one dataset in a fixed global order and hands every
+   data-parallel rank its own micro-batches.
+
+Sampling order contract (what resume and DP-size changes rely on): the global sample order is
+``consumed_samples, consumed_samples + 1, ...``. Micro-batch ``i`` of data-parallel rank ``r`` holds
+the samples ``consumed_samples + (i * dp + r) * mbs + [0, mbs)``. Hence the ``dp * mbs`` samples of
+one micro-step, and the ``global_batch_size`` samples of one optimizer step (``gbs / (dp * mbs)``
+micro-steps), are the same contiguous block of the global order whatever the DP size; only their
+assignment to ranks changes. This is the order of Megatron-LM's ``MegatronPretrainingSampler``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.tokenizers import MegatronTokenizerBase
+from tqdm import tqdm
+
+from memo_ext.training.tokenizers import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# 1. JSON Lines → indexed dataset
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreprocessSummary:
+    """What ``preprocess_jsonl`` wrote."""
+
+    documents: int
+    """Non-blank JSON lines read."""
+    tokens: int
+    """Tokens written, summed over all JSON keys (end-of-document ids included)."""
+    seconds: float
+    """Wall-clock time of the whole run."""
+    prefixes: dict[str, str] = field(default_factory=dict)
+    """Output data prefix per JSON key, ready for ``--data-path``."""
+    empty_documents: int = 0
+    """(line, key) pairs whose text had no tokens; they are not written."""
+
+
+def document_prefix(output_prefix: str, json_key: str) -> str:
+    """Megatron-LM's output naming: ``{output_prefix}_{json_key}_document``."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+# Per-process encoder state; set by ``_init_encoder`` in the main process or in each pool worker.
+_ENCODER: dict = {}
+
+
+def _init_encoder(
+    tokenizer_type: str, vocab_size: int | None, json_keys: tuple[str, ...], append_eod: bool
+) -> None:
+    _ENCODER.update(
+        tokenizer=build_tokenizer(tokenizer_type=tokenizer_type, vocab_size=vocab_size),
+        json_keys=json_keys,
+        append_eod=append_eod,
+    )
+
+
+def _parse_line(line_no: int, raw: bytes) -> dict:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"Line {line_no} of the input is not valid JSON ({err}).") from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"Line {line_no} of the input is a JSON {type(record).__name__}, not an object."
+        )
+    return record
+
+
+def _encode_line(item: tuple[int, bytes]) -> tuple[int, dict[str, np.ndarray] | None]:
+    """Tokenize the configured keys of one JSON line.
+
+    Returns:
+        The line's size in bytes (for the progress bar) and the ids per key, or ``None`` for a
+        blank line.
+    """
+    line_no, raw = item
+    if not raw.strip():
+        return len(raw), None
+    record = _parse_line(line_no, raw)
+    tokenizer = _ENCODER["tokenizer"]
+    encoded = {}
+    for key in _ENCODER["json_keys"]:
+        if key not in record:
+            raise ValueError(
+                f"Line {line_no} of the input has no key {key!r} (keys: {', '.join(record)}); "
+                f"pass --json-keys with keys that every line has."
+            )
+        text = record[key]
+        if not isinstance(text, str):
+            raise ValueError(f"Line {line_no}: value of {key!r} must be a string.")
+        ids = tokenizer.tokenize(text)
+        if ids and _ENCODER["append_eod"]:
+            ids.append(tokenizer.eod)
+        encoded[key] = np.asarray(ids, dtype=np.int64)
+    return len(raw), encoded
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Yield (1-based line number, raw line) for every line, blank ones included."""
+    with open(path, "rb") as handle:
+        yield from enumerate(handle, start=1)
+
+
+class _AtomicIndexedWriter:
+    """An ``IndexedDatasetBuilder`` that writes to temporary names and renames on ``close``."""
+
+    def __init__(self, prefix: str, dtype: type) -> None:
+        self.prefix = prefix
+        self._tmp_bin = f"{prefix}.bin.tmp"
+        self._tmp_idx = f"{prefix}.idx.tmp"
+        self._builder = IndexedDatasetBuilder(self._tmp_bin, dtype=dtype)
+
+    def add(self, ids: np.ndarray) -> None:
+        """Append one document made of one sequence."""
+        self._builder.add_document(ids, [int(ids.size)])
+
+    def abort(self) -> None:
+        """Close and delete the temporary files (after an error)."""
+        self._builder.data_file.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(path):
+                os.remove(path)
+
+    def close(self) -> None:
+        """Write the index and move both files to their final names."""
+        self._builder.finalize(self._tmp_idx)
+        os.replace(self._tmp_bin, f"{self.prefix}.bin")
+        os.replace(self._tmp_idx, f"{self.prefix}.idx")
+
+
+def _encoded_lines(
+    lines: Iterable[tuple[int, bytes]], *, workers: int, chunk_size: int, init_args: tuple
+) -> Iterator[tuple[int, dict[str, np.ndarray] | None]]:
+    """Encode lines in input order, in-process or on a pool of ``workers`` spawned processes."""
+    if workers <= 1:
+        _init_encoder(*init_args)
+        yield from map(_encode_line, lines)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_encoder, initargs=init_args) as pool:
+        yield from pool.imap(_encode_line, lines, chunksize=chunk_size)
+
+
+def preprocess_jsonl(
+    *,
+    input_path: str | Path,
+    output_prefix: str,
+    tokenizer_type: str,
+    vocab_size: int | None = None,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    chunk_size: int = 64,
+    show_progress: bool = True,
+) -> PreprocessSummary:
+    """Tokenize a JSON Lines file into one megatron-core indexed dataset per JSON key.
+
+    Each non-blank line is one document; documents keep the input order for any ``workers``.
+
+    Args:
+        input_path: The ``.jsonl`` file; each line a JSON object holding ``json_keys``.
+        output_prefix: Outputs go to ``{output_prefix}_{key}_document.bin`` / ``.idx``.
+        tokenizer_type: See ``memo_ext.training.tokenizers.build_tokenizer``.
+        vocab_size: ``--vocab-size`` (``NullTokenizer`` only).
+        json_keys: The keys to tokenize, one output dataset each.
+        append_eod: Append the end-of-document id to every non-empty document.
+        workers: Number of spawned tokenizer processes (1 tokenizes in this process).
+        chunk_size: Lines sent to a worker at a time.
+        show_progress: Show a tqdm progress bar over input bytes.
+
+    Returns:
+        Counts, timing and the output prefixes.
+
+    Raises:
+        FileNotFoundError: The input file does not exist.
+        ValueError: A line is not a JSON object, lacks a key, or has text the tokenizer rejects.
+    """
+    start = time.perf_counter()
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(
+            f"Input file {input_path} does not exist; pass --input an existing .jsonl file."
+        )
+    json_keys = tuple(json_keys)
+    tokenizer = build_tokenizer(tokenizer_type=tokenizer_type, vocab_size=vocab_size)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    writers = {
+        key: _AtomicIndexedWriter(document_prefix(output_prefix, key), dtype) for key in json_keys
+    }
+    summary = PreprocessSummary(documents=0, tokens=0, seconds=0.0)
+    encoded_lines = _encoded_lines(
+        _read_lines(input_path),
+        workers=workers,
+        chunk_size=chunk_size,
+        init_args=(tokenizer_type, vocab_size, json_keys, append_eod),
+    )
+    progress = tqdm(
+        total=input_path.stat().st_size, unit="B", unit_scale=True, disable=not show_progress,
+        desc=f"tokenizing {input_path.name}",
+    )  # fmt: skip
+    try:
+        for nbytes, encoded in encoded_lines:
+            if encoded is not None:
+                _write_document(writers, encoded, summary)
+            progress.update(nbytes)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    finally:
+        progress.close()
+    for writer in writers.values():
+        writer.close()
+    summary.prefixes = {key: writer.prefix for key, writer in writers.items()}
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _write_document(
+    writers: dict[str, _AtomicIndexedWriter],
+    encoded: dict[str, np.ndarray],
+    summary: PreprocessSummary,
+) -> None:
+    summary.documents += 1
+    for key, ids in encoded.items():
+        if ids.size == 0:
+            summary.empty_documents += 1
+            continue
+        writers[key].add(ids)
+        summary.tokens += int(ids.size)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. GPT dataset splits
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Parse Megatron's ``--data-path`` blend syntax.
+
+    Args:
+        data_path: Either prefixes (``["a", "b"]``, blended in proportion to their sizes) or
+            alternating weights and prefixes (``["0.7", "a", "0.3", "b"]``).
+
+    Returns:
+        The prefixes and their weights (``None`` when none were given), as megatron-core's
+        ``get_blend_from_list`` reads them.
+
+    Raises:
+        ValueError: The list is empty or a weight is negative or all weights are zero.
+    """
+    if not data_path:
+        raise ValueError("--data-path is empty; give at least one dataset prefix.")
+    prefixes, weights = get_blend_from_list(list(data_path))
+    if weights is not None and (min(weights) < 0 or sum(weights) <= 0):
+        raise ValueError(
+            f"--data-path weights must be non-negative with a positive sum, got {weights}."
+        )
+    return prefixes, weights
+
+
+def check_data_files(prefixes: Iterable[str]) -> None:
+    """Raise ``FileNotFoundError`` naming the first missing ``.bin`` / ``.idx`` file."""
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise FileNotFoundError(
+                    f"Dataset file {prefix + suffix} does not exist; create it with "
+                    f"tools/preprocess_data.py or fix --data-path."
+                )
+
+
+def check_split(split: str) -> None:
+    """Check a ``--split`` string such as ``"969,30,1"`` (at most three non-negative weights).
+
+    megatron-core's own parser silently ignores signs and non-numeric text, so check first.
+    """
+    parts = [part.strip() for part in split.split(",")]
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(
+            f"--split must be up to three comma-separated non-negative weights with a positive "
+            f"sum, such as 969,30,1; got {split!r}."
+        )
+
+
+def _build_on_every_rank() -> bool:
+    return True
+
+
+def build_gpt_datasets(
+    *,
+    data_path: list[str] | None,
+    split: str,
+    mock: bool,
+    seq_length: int,
+    seed: int,
+    tokenizer: MegatronTokenizerBase,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+    is_built_on_rank: Callable[[], bool] = _build_on_every_rank,
+) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
+    """Build the train, valid and test datasets with megatron-core's blended dataset builder.
+
+    Works in a single process and under an initialized ``torch.distributed`` group: megatron-core
+    then builds on rank 0 first (writing the index cache), waits on a barrier, and the other
+    ranks load the cached indices. Call it on every rank.
+
+    Args:
+        data_path: ``--data-path`` in Megatron's blend syntax (see ``parse_blend``).
+        split: ``--split``, e.g. ``"969,30,1"``; a split with weight 0 is returned as ``None``.
+        mock: ``--mock-data``: synthetic documents, ``data_path`` must be ``None``.
+        seq_length: ``--seq-length``; every sample has this many tokens (labels shifted by one).
+        seed: ``--seed``; fixes the document and sample shuffles.
+        tokenizer: From ``build_tokenizer``; its ``eod`` / ``pad`` ids enter the samples.
+        num_samples: Samples wanted from (train, valid, test); data repeats in epochs if needed.
+        cache_dir: ``--data-cache-path`` for the shuffle indices; ``None`` lets megatron-core use
+            ``{prefix}/cache`` next to the data (mock data is then not cached).
+        is_built_on_rank: Returns False on ranks that need no data (they get ``None``).
+
+    Returns:
+        ``(train, valid, test)``.
+
+    Raises:
+        ValueError: Inconsistent flags, a bad ``--split`` or a bad blend.
+        FileNotFoundError: A ``.bin`` / ``.idx`` file of the blend is missing.
+    """
+    check_split(split)
+    if mock == (data_path is not None):
+        raise ValueError("Pass exactly one of --data-path and --mock-data.")
+    blend = None
+    if not mock:
+        blend = parse_blend(data_path)
+        check_data_files(blend[0])
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    dataset_cls = MockGPTDataset if mock else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        dataset_cls, list(num_samples), is_built_on_rank, config
+    )
+    train, valid, test = builder.build()
+    return train, valid, test
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Micro-batches in a fixed global order
+# ---------------------------------------------------------------------------------------------
+
+
+def micro_batch_indices(
+    *,
+    num_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_samples: int = 0,
+) -> Iterator[list[int]]:
+    """Yield this rank's micro-batches as lists of global sample indices.
+
+    Micro-batch ``i`` of rank ``r`` is ``consumed_samples + (i * dp + r) * mbs + [0, mbs)``.
+    Iteration stops before the first micro-step whose ``dp * mbs`` samples are not all in the
+    dataset, so every rank yields the same number of micro-batches.
+    """
+    if micro_batch_size < 1 or data_parallel_size < 1:
+        raise ValueError(
+            f"micro_batch_size and data_parallel_size must be positive, "
+            f"got {micro_batch_size} and {data_parallel_size}."
+        )
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(
+            f"data_parallel_rank must be in [0, {data_parallel_size}), got {data_parallel_rank}."
+        )
+    if not 0 <= consumed_samples <= num_samples:
+        raise ValueError(
+            f"consumed_samples must be in [0, {num_samples}] for this dataset, "
+            f"got {consumed_samples}."
+        )
+    step_samples = micro_batch_size * data_parallel_size
+    for step_start in range(consumed_samples, num_samples - step_samples + 1, step_samples):
+        first = step_start + data_parallel_rank * micro_batch_size
+        yield list(range(first, first + micro_batch_size))
+
+
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack samples into ``[b, s]`` tensors: int64 ids and positions, float32 loss mask."""
+    batch = {key: torch.stack([sample[key] for sample in samples]) for key in _BATCH_KEYS}
+    batch["loss_mask"] = batch["loss_mask"].to(torch.float32)
+    for key in ("tokens", "labels", "position_ids"):
+        batch[key] = batch[key].to(torch.int64)
+    return batch
+
+
+def build_batch_iterator(
+    dataset: torch.utils.data.Dataset,
+    *,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_samples: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Iterate over this data-parallel rank's micro-batches, in the contract's global order.
+
+    Args:
+        dataset: A dataset from ``build_gpt_datasets`` (any map-style dataset whose items hold
+            ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` of shape ``[s]``).
+        micro_batch_size: ``--micro-batch-size``.
+        data_parallel_rank: This rank's index in the data-parallel group.
+        data_parallel_size: Size of the data-parallel group.
+        consumed_samples: Global samples already trained on (from a checkpoint); iteration
+            continues exactly where a run that consumed them left off.
+
+    Yields:
+        ``{"tokens", "labels", "position_ids"}`` as int64 ``[b, s]`` and ``"loss_mask"`` as
+        float32 ``[b, s]``, where ``labels[:, t]`` is the token after ``tokens[:, t]``.
+    """
+    batches = micro_batch_indices(
+        num_samples=len(dataset),
+        micro_batch_size=micro_batch_size,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+        consumed_samples=consumed_samples,
+    )
+    for indices in batches:
+        yield _collate([dataset[index] for index in indices])

@@ -1,0 +1,114 @@
+"""tools/preprocess_data.py: round trips through megatron-core's IndexedDataset, errors, workers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from memo_ext.training.tokenizers import ByteTokenizer
+from tools.preprocess_data import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TEXTS = ["first document", "", "ünïcödé 🌍 and\nnewlines", "x" * 1000, "last"]
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def _read_documents(prefix: str) -> list[list[int]]:
+    dataset = IndexedDataset(prefix)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def _run(input_path: Path, prefix: Path, *extra: str) -> int:
+    argv = ["--input", str(input_path), "--output-prefix", str(prefix), "--no-progress"]
+    return main([*argv, "--tokenizer-type", "ByteTokenizer", *extra])
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_round_trip_equals_tokenized_text(tmp_path, append_eod):
+    source = _write_jsonl(
+        tmp_path / "in.jsonl", [{"text": t, "id": i} for i, t in enumerate(TEXTS)]
+    )
+    assert _run(source, tmp_path / "out", *(["--append-eod"] if append_eod else [])) == 0
+
+    tokenizer = ByteTokenizer()
+    # Empty texts are skipped; eod is appended to the others when asked.
+    expected = [tokenizer.tokenize(t) + [tokenizer.eod] * append_eod for t in TEXTS if t]
+    documents = _read_documents(str(tmp_path / "out_text_document"))
+    assert documents == expected
+    assert [tokenizer.detokenize(d) for d in documents] == [t for t in TEXTS if t]
+
+
+def test_one_output_per_json_key_and_null_tokenizer(tmp_path):
+    records = [{"a": "1 2 3", "b": "9"}, {"a": "4", "b": "0 0"}]
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    argv = ["--input", str(source), "--output-prefix", str(tmp_path / "n"), "--no-progress"]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--json-keys", "a", "b"]
+    assert main([*argv, "--append-eod"]) == 0
+    assert _read_documents(str(tmp_path / "n_a_document")) == [[1, 2, 3, 10], [4, 10]]
+    assert _read_documents(str(tmp_path / "n_b_document")) == [[9, 10], [0, 0, 10]]
+
+
+def test_workers_give_identical_files(tmp_path):
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(list("abcé🌍 \n"), size=rng.integers(0, 50))) for _ in range(300)]
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    assert _run(source, tmp_path / "one", "--append-eod") == 0
+    assert (
+        _run(source, tmp_path / "two", "--append-eod", "--workers", "2", "--chunk-size", "7") == 0
+    )
+    for suffix in (".bin", ".idx"):
+        one = (tmp_path / f"one_text_document{suffix}").read_bytes()
+        two = (tmp_path / f"two_text_document{suffix}").read_bytes()
+        assert one == two
+
+
+def test_subprocess_run_prints_summary(tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}, {"text": "world!"}])
+    command = [sys.executable, "tools/preprocess_data.py", "--input", str(source)]
+    command += ["--output-prefix", str(tmp_path / "sub"), "--tokenizer-type", "ByteTokenizer"]
+    result = subprocess.run(
+        command + ["--append-eod"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 documents, 13 tokens" in result.stdout
+    assert _read_documents(str(tmp_path / "sub_text_document"))[1] == list(b"world!") + [256]
+
+
+def test_missing_input_file(tmp_path, capsys):
+    assert _run(tmp_path / "nope.jsonl", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert "nope.jsonl does not exist" in err and err.count("\n") == 1
+
+
+def test_bad_json_line_names_its_line_number(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "ok"}\n\n{"text": broken}\n')
+    assert _run(source, tmp_path / "out") == 1
+    assert "Line 3 of the input is not valid JSON" in capsys.readouterr().err
+    # No partial outputs are left behind.
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_bad_json_line_in_a_worker(tmp_path, capsys):
+    lines = [json.dumps({"text": str(i)}) for i in range(20)] + ["[1, 2]"]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    assert _run(tmp_path / "in.jsonl", tmp_path / "out", "--workers", "2") == 1
+    assert "Line 21 of the input is a JSON list, not an object" in capsys.readouterr().err
+
+
+def test_missing_key(tmp_path, capsys):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"body": "b"}])
+    assert _run(source, tmp_path / "out") == 1
+    assert "Line 2 of the input has no key 'text' (keys: body)" in capsys.readouterr().err

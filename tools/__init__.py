@@ -1,0 +1,1 @@
+"""Command-line tools that call the memo_ext package."""

@@ -1,0 +1,83 @@
+"""Tokenize a JSON Lines corpus into megatron-core indexed datasets, as Megatron-LM's tool does.
+
+Each line of the input is a JSON object; every ``--json-keys`` key becomes its own dataset
+``{output-prefix}_{key}_document.bin`` / ``.idx``, which ``--data-path`` then names without the
+suffix. Run from the repository root:
+
+    python -m tools.preprocess_data --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type ByteTokenizer --append-eod --workers 2
+
+    # afterwards: --data-path data/corpus_text_document
+
+``--tokenizer-type NullTokenizer --vocab-size V`` reads each text as space-separated integer ids.
+``python tools/preprocess_data.py ...`` works the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memo_ext.training.data import preprocess_jsonl
+from memo_ext.training.tokenizers import TOKENIZER_TYPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags (Megatron-LM's names)."""
+    parser = argparse.ArgumentParser(prog="preprocess_data", description=__doc__.split("\n")[0])
+    parser.add_argument("--input", required=True, help="JSON Lines file, one document per line.")
+    parser.add_argument(
+        "--output-prefix", required=True, help="Outputs are {prefix}_{key}_document.bin/.idx."
+    )
+    parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer only)."
+    )
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="Keys to tokenize (default: text)."
+    )
+    parser.add_argument(
+        "--append-eod", action="store_true", help="End every document with the eod id."
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="Tokenizer processes (default: 1, in-process)."
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, default=64, help="Lines handed to a worker at a time."
+    )
+    parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; returns the process exit status (0 on success, 1 on bad input)."""
+    args = build_parser().parse_args(argv)
+    if args.workers < 1 or args.chunk_size < 1:
+        print("preprocess_data: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
+        return 1
+    try:
+        summary = preprocess_jsonl(
+            input_path=args.input,
+            output_prefix=args.output_prefix,
+            tokenizer_type=args.tokenizer_type,
+            vocab_size=args.vocab_size,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            chunk_size=args.chunk_size,
+            show_progress=not args.no_progress,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        print(f"preprocess_data: error: {err}", file=sys.stderr)
+        return 1
+    for prefix in summary.prefixes.values():
+        print(f"wrote {prefix}.bin / .idx")
+    print(
+        f"{summary.documents} documents, {summary.tokens} tokens "
+        f"({summary.empty_documents} empty texts skipped) in {summary.seconds:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
