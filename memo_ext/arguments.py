@@ -1,0 +1,431 @@
+"""Megatron-style command-line flags → ``RunConfig``.
+
+Flag names follow Megatron-LM wherever Megatron has the concept, so launch scripts carry over.
+Every check runs here, before any process group, model or dataset exists, and fails with one
+sentence that says what is wrong and how to fix it (:class:`ArgumentError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from memo_ext.config import DataConfig, LoggingConfig, ModelConfig, RunConfig, TrainConfig
+from memo_ext.mcore.specs import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
+
+TOKENIZERS = ("ByteTokenizer", "NullTokenizer")
+BYTE_VOCAB_SIZE = 257  # 256 byte values + end-of-document
+
+
+class ArgumentError(ValueError):
+    """A flag value or combination that cannot run; the message says how to fix it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full flag set of ``pretrain_gpt_memo.py``."""
+    parser = argparse.ArgumentParser(
+        description="GPT pretraining on megatron-core with MEMO and HotSPa.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    _add_model_args(parser)
+    _add_training_args(parser)
+    _add_parallel_args(parser)
+    _add_recompute_args(parser)
+    _add_data_args(parser)
+    _add_logging_args(parser)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, required=True, help="Model width h.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width; 4h if unset.")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="Query heads.")
+    g.add_argument(
+        "--num-query-groups", type=int, default=None, help="Key/value heads (GQA); = heads if unset."
+    )
+    g.add_argument("--kv-channels", type=int, default=None, help="Head dim; h / heads if unset.")
+    g.add_argument("--seq-length", type=int, required=True, help="Tokens per sample.")
+    g.add_argument(
+        "--max-position-embeddings", type=int, default=None, help="Position table length."
+    )
+    g.add_argument(
+        "--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute"
+    )
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP instead of GeLU.")
+    g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linears.")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="Core attention: sdpa (torch), flash (flash-attn), te (transformer-engine), "
+        "auto (te, then flash on CUDA when installed, else sdpa).",
+    )
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None, help="mbs × DP if unset.")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, required=True, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-decay-style",
+        choices=("constant", "linear", "cosine", "inverse-square-root"),
+        default="linear",
+    )
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="train-iters if unset.")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global-norm clip; 0 = off.")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="bf16 weights and activations (CUDA).")
+    g.add_argument("--fp16", action="store_true", help="fp16 with loss scaling (CUDA).")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+
+def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("activation recomputation (Megatron baselines)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument(
+        "--data-path", nargs="*", default=[], help="Dataset prefixes, optionally weighted."
+    )
+    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+    g.add_argument("--mock-data", action="store_true", help="Synthetic tokens.")
+    g.add_argument("--tokenizer-type", choices=TOKENIZERS, default="ByteTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--data-cache-path", default=None)
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", default=None, help="JSON Lines metrics (rank 0).")
+    g.add_argument(
+        "--device-peak-tflops", type=float, default=None, help="Device dense peak for MFU."
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = None) -> RunConfig:
+    """Parse and validate flags; ``world_size`` defaults to torchrun's ``WORLD_SIZE``.
+
+    Raises:
+        ArgumentError: for any invalid value or combination.
+    """
+    args = build_parser().parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _fill_defaults(args, world_size)
+    for check in CHECKS:
+        check(args, world_size)
+    return _to_run_config(args, world_size)
+
+
+def _fill_defaults(args: argparse.Namespace, world_size: int) -> None:
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        logger.warning("--sequence-parallel has no effect with TP = 1; turning it off")
+        args.sequence_parallel = False
+    model_parallel = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    if args.global_batch_size is None and world_size % model_parallel == 0:
+        args.global_batch_size = args.micro_batch_size * (world_size // model_parallel)
+
+
+def _fail(message: str) -> None:
+    raise ArgumentError(message)
+
+
+def _check_positive(args: argparse.Namespace, world_size: int) -> None:
+    for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+        "num_query_groups", "seq_length", "micro_batch_size", "train_iters",
+        "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        "context_parallel_size", "log_interval",
+    ):  # fmt: skip
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("attention_dropout", "hidden_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            _fail(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+
+
+def _check_world(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    if world_size % (tp * pp * cp):
+        _fail(
+            f"the world size {world_size} is not divisible by TP × PP × CP = {tp}×{pp}×{cp}; "
+            "change the parallel sizes or the number of processes"
+        )
+
+
+def _check_model_shape(args: argparse.Namespace, world_size: int) -> None:
+    tp = args.tensor_model_parallel_size
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if args.kv_channels is None and args.hidden_size % heads:
+        _fail(f"--hidden-size {args.hidden_size} is not divisible by {heads} attention heads")
+    if heads % groups:
+        _fail(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+    if heads % tp or groups % tp:
+        _fail(
+            f"attention heads ({heads}) and query groups ({groups}) must both be divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if args.ffn_hidden_size % tp:
+        _fail(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by TP = {tp}")
+    if args.num_layers % args.pipeline_model_parallel_size:
+        _fail(
+            f"--num-layers {args.num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
+        )
+    if args.max_position_embeddings < args.seq_length:
+        _fail(
+            f"--max-position-embeddings {args.max_position_embeddings} is shorter than "
+            f"--seq-length {args.seq_length}"
+        )
+
+
+def _check_sequence(args: argparse.Namespace, world_size: int) -> None:
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp > 1 and args.seq_length % (2 * cp):
+        _fail(
+            f"--seq-length {args.seq_length} must be divisible by 2 × CP = {2 * cp} "
+            "(context parallelism splits it into 2·CP load-balanced chunks)"
+        )
+    local = args.seq_length // cp
+    if args.sequence_parallel and local % tp:
+        _fail(
+            f"with --sequence-parallel each CP rank's {local} tokens must be divisible by TP = {tp}"
+        )
+
+
+def _check_batch(args: argparse.Namespace, world_size: int) -> None:
+    model_parallel = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    dp = world_size // model_parallel
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size % per_step:
+        _fail(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size × DP = {args.micro_batch_size}×{dp}"
+        )
+
+
+def _check_training(args: argparse.Namespace, world_size: int) -> None:
+    if args.bf16 and args.fp16:
+        _fail("--bf16 and --fp16 are exclusive; choose one")
+    if (args.bf16 or args.fp16) and not torch.cuda.is_available():
+        _fail("--bf16 / --fp16 need CUDA (megatron's mixed-precision optimizer); drop the flag")
+    if args.use_distributed_optimizer and not torch.cuda.is_available():
+        _fail("--use-distributed-optimizer needs CUDA (megatron's optimizer); drop the flag")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        _fail(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={args.lr} min-lr={args.min_lr}")
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.train_iters:
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters]")
+    if args.clip_grad < 0:
+        _fail(f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
+
+
+def _check_recompute(args: argparse.Namespace, world_size: int) -> None:
+    if args.recompute_granularity is None:
+        if args.recompute_method or args.recompute_num_layers:
+            _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        return
+    if args.recompute_granularity == "selective":
+        if args.recompute_method or args.recompute_num_layers:
+            _fail("--recompute-granularity selective takes no --recompute-method / -num-layers")
+        return
+    if args.recompute_method is None or args.recompute_num_layers is None:
+        _fail("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    if not 1 <= args.recompute_num_layers <= per_stage:
+        _fail(f"--recompute-num-layers must be in [1, {per_stage}] (layers per pipeline stage)")
+
+
+def _check_data(args: argparse.Namespace, world_size: int) -> None:
+    if args.mock_data == bool(args.data_path):
+        _fail("give exactly one of --data-path PREFIX… or --mock-data")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        _fail("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type == "ByteTokenizer" and args.vocab_size not in (None, BYTE_VOCAB_SIZE):
+        _fail(
+            f"--tokenizer-type ByteTokenizer has {BYTE_VOCAB_SIZE} tokens but --vocab-size says "
+            f"{args.vocab_size}; drop --vocab-size"
+        )
+    for prefix in _data_prefixes(args.data_path):
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                _fail(
+                    f"dataset file {prefix + suffix} does not exist; preprocess it with "
+                    "tools/preprocess_data.py or fix --data-path"
+                )
+
+
+def _data_prefixes(data_path: list[str]) -> list[str]:
+    """Prefixes of a Megatron blend: ``a b`` or ``0.7 a 0.3 b``."""
+    try:
+        float(data_path[0]) if data_path else None
+    except ValueError:
+        return list(data_path)
+    if len(data_path) % 2:
+        _fail("a weighted --data-path needs WEIGHT PREFIX pairs")
+    return list(data_path[1::2])
+
+
+def _check_logging(args: argparse.Namespace, world_size: int) -> None:
+    if args.device_peak_tflops is not None and args.device_peak_tflops <= 0:
+        _fail(f"--device-peak-tflops must be positive, got {args.device_peak_tflops}")
+
+
+CHECKS = (
+    _check_positive,
+    _check_world,
+    _check_model_shape,
+    _check_sequence,
+    _check_batch,
+    _check_training,
+    _check_recompute,
+    _check_data,
+    _check_logging,
+)
+
+
+def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        # the loss is a mean over every real token of the global batch, however it is split
+        calculate_per_token_loss=True,
+        # CPU initialisation draws full weights and slices them, so weights do not depend on
+        # the TP size: one-process and TP runs start from the same model.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        # unfused element-wise paths: exact on every device, and what the CPU supports
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
+    return RunConfig(
+        transformer=_transformer_config(args),
+        model=ModelConfig(
+            max_position_embeddings=args.max_position_embeddings,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            attention_backend=args.attention_backend,
+        ),
+        train=TrainConfig(
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            train_iters=args.train_iters,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            lr_decay_style=args.lr_decay_style,
+            lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_iters=args.lr_decay_iters,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            seed=args.seed,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        data=DataConfig(
+            seq_length=args.seq_length,
+            data_path=list(args.data_path),
+            split=args.split,
+            mock_data=args.mock_data,
+            tokenizer_type=args.tokenizer_type,
+            vocab_size=args.vocab_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            data_cache_path=args.data_cache_path,
+        ),
+        logging=LoggingConfig(
+            log_interval=args.log_interval,
+            metrics_file=args.metrics_file,
+            device_peak_tflops=args.device_peak_tflops,
+        ),
+        world_size=world_size,
+    )

@@ -1,0 +1,183 @@
+"""Core-attention modules for megatron-core layer specs.
+
+``SDPAttention`` is the portable backend: torch's ``scaled_dot_product_attention`` (flash /
+memory-efficient kernels on CUDA, the fused CPU kernel elsewhere), causal, with grouped-query
+attention, packed sequences (``thd`` with ``cu_seqlens``) and context parallelism.
+
+Context parallelism follows Megatron's load-balanced layout: the sequence is cut into ``2·cp``
+chunks and CP rank ``r`` holds chunks ``r`` and ``2·cp-1-r``, so every rank does the same causal
+work. Keys and values are all-gathered across the CP group (reduce-scattered in backward) and
+each local query chunk attends to the global prefix that ends with it.
+
+``FlashAttention`` wraps flash-attn's kernels on CUDA. Both modules take megatron's
+core-attention constructor and ``forward`` signatures, so they slot into
+``SelfAttentionSubmodules.core_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention on torch SDPA; megatron's core-attention interface.
+
+    Inputs are megatron's: query ``[sq, b, np, hn]``, key / value ``[sk, b, ng, hn]`` (``ng``
+    query groups, ``np`` a multiple of ``ng``), or ``[t, np, hn]`` when packed. The output is
+    ``[sq, b, np·hn]`` (``[t, np·hn]`` when packed).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"SDPAttention implements causal attention only, got {attn_mask_type}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.layer_number = layer_number
+        self.cp_group = pg_collection.cp
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not take an attention bias")
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        if packed_seq_params is not None:
+            if cp_size > 1:
+                raise ValueError(
+                    "packed sequences with context parallelism are not supported by the sdpa "
+                    "backend; use --context-parallel-size 1 or the te backend"
+                )
+            return self._packed(query, key, value, packed_seq_params)
+        if cp_size > 1:
+            return self._context_parallel(query, key, value, cp_size)
+        out = self._sdpa(query, key, value, causal=True)
+        return out.reshape(out.size(0), out.size(1), -1)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool | Tensor) -> Tensor:
+        """SDPA on megatron layouts: q ``[sq, b, np, hn]``, k / v ``[sk, b, ng, hn]``.
+
+        ``causal`` is True for a square causal mask, or a mask / bias object to pass through.
+        Returns ``[sq, b, np, hn]``.
+        """
+        # [s, b, heads, hn] -> [b, heads, s, hn]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+        groups = q.size(1) // k.size(1)
+        if groups > 1 and not isinstance(causal, bool):
+            # lower-right causal biases do not take enable_gqa: expand k / v to all heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        dropout_p = self.dropout_p if self.training else 0.0
+        kwargs = dict(dropout_p=dropout_p, scale=self.softmax_scale)
+        if isinstance(causal, bool):
+            kwargs.update(is_causal=causal, enable_gqa=groups > 1)
+        else:
+            kwargs.update(attn_mask=causal)
+        if dropout_p > 0.0:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return out.permute(2, 0, 1, 3)  # [sq, b, np, hn]
+
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> Tensor:
+        """Packed ``thd`` inputs: each sequence of ``cu_seqlens`` attends only to itself."""
+        if params.cu_seqlens_q_padded is not None:
+            cu_q = params.cu_seqlens_q_padded
+        else:
+            cu_q = params.cu_seqlens_q
+        bounds = cu_q.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            # [t_i, heads, hn] -> [t_i, 1, heads, hn]
+            seg = (x[start:end].unsqueeze(1) for x in (q, k, v))
+            outs.append(self._sdpa(*seg, causal=True).squeeze(1))
+        out = torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+        if bounds[-1] < q.size(0):  # padding tokens past the last sequence attend to nothing
+            pad = q.new_zeros(q.size(0) - bounds[-1], *out.shape[1:])
+            out = torch.cat([out, pad], dim=0)
+        return out.reshape(out.size(0), -1)
+
+    def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cp_size: int) -> Tensor:
+        """Load-balanced CP: local q chunks ``r`` and ``2cp-1-r`` against all-gathered k / v."""
+        chunk = q.size(0) // 2
+        rank = self.cp_group.rank()
+        k_full, v_full = (_gather_cp_sequence(x, self.cp_group, cp_size) for x in (k, v))
+        outs = []
+        for local, global_chunk in enumerate((rank, 2 * cp_size - 1 - rank)):
+            q_chunk = q[local * chunk : (local + 1) * chunk]
+            end = (global_chunk + 1) * chunk
+            # queries at global positions [end - chunk, end) see keys [0, end): a causal mask
+            # aligned to the lower-right corner of the [chunk, end] score matrix.
+            mask = causal_lower_right(chunk, end)
+            outs.append(self._sdpa(q_chunk, k_full[:end], v_full[:end], causal=mask))
+        out = torch.cat(outs, dim=0)
+        return out.reshape(out.size(0), out.size(1), -1)
+
+
+def _gather_cp_sequence(x: Tensor, group: torch.distributed.ProcessGroup, cp_size: int) -> Tensor:
+    """All-gather a CP-sharded ``[s/cp, b, ...]`` tensor into global sequence order ``[s, ...]``.
+
+    Rank ``r`` holds chunks ``(r, 2cp-1-r)``; the gather yields them rank by rank, which is then
+    permuted back to ``0 .. 2cp-1``. Backward reduce-scatters, so every rank's contribution to a
+    key's gradient reaches the rank that owns it.
+    """
+    gathered = tensor_parallel.gather_from_sequence_parallel_region(
+        x, tensor_parallel_output_grad=True, group=group
+    )
+    chunk = x.size(0) // 2
+    owner_order = [c for r in range(cp_size) for c in (r, 2 * cp_size - 1 - r)]
+    position = {c: i for i, c in enumerate(owner_order)}
+    pieces = gathered.split(chunk, dim=0)
+    return torch.cat([pieces[position[c]] for c in range(2 * cp_size)], dim=0)
+
+
+class FlashAttention(SDPAttention):
+    """flash-attn kernels (CUDA only), same interface and layouts as :class:`SDPAttention`.
+
+    Context parallelism and dropout under TP fall back to :class:`SDPAttention`'s paths.
+    """
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool | Tensor) -> Tensor:
+        if not isinstance(causal, bool):
+            return super()._sdpa(q, k, v, causal=causal)
+        from flash_attn import flash_attn_func
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        # flash-attn wants [b, s, heads, hn] and handles GQA natively
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+        out = flash_attn_func(
+            q, k, v, dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=causal
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,158 @@
+"""Running megatron-core 0.16 on machines without CUDA.
+
+megatron-core assumes a GPU in a handful of places that have nothing to do with the maths:
+buffers created with ``device=torch.cuda.current_device()`` or ``device="cuda"`` (sequence-parallel
+gathers, pipeline p2p shapes, the per-token loss counter, RoPE tables), ``.cuda()`` on index
+tensors, ``pin_memory=True``, ``torch.cuda.synchronize()`` and the CUDA RNG tracker.
+
+On a machine without CUDA every one of those calls would raise, so redirecting them to the CPU
+cannot change a result silently: it only lets the same code run. The redirection is applied
+explicitly by the trainer (never at import) through :func:`cpu_compat`, and only when CUDA is
+unavailable. ``tests/unit/test_compat.py`` pins the megatron-core behaviour it relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MCORE = ("0.16.",)
+
+
+def check_mcore_version() -> str:
+    """Return the installed megatron-core version, refusing versions we have not checked."""
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    if not version.startswith(SUPPORTED_MCORE):
+        raise RuntimeError(
+            f"megatron-core {version} is installed but this project is tested with "
+            f"{', '.join(v + 'x' for v in SUPPORTED_MCORE)}; install megatron-core>=0.16,<0.17."
+        )
+    return version
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, int):  # an int device means a CUDA ordinal in torch factories
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CpuDeviceRedirect(TorchFunctionMode):
+    """Rewrites CUDA placements to the CPU for every torch call made while active.
+
+    Factory calls (``torch.empty(..., device="cuda")``), ``Tensor.cuda()``, ``Tensor.to("cuda")``
+    and ``pin_memory`` requests are served on the CPU; everything else passes through unchanged.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and args[1:] and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """Drop-in for megatron's CUDA RNG tracker that forks the CPU generator instead.
+
+    megatron forks a named RNG state for dropout inside tensor-parallel regions so that each
+    TP rank draws different masks. On the CPU the same contract holds with the CPU generator.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"RNG state {name!r} or seed {seed} is already tracked")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise ValueError(f"RNG state {name!r} is not tracked; seed the model first")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def seed_cpu_rng_tracker(*, seed: int, tp_rank: int) -> None:
+    """Seed the CPU tracker with megatron's offsets (data-parallel, model-parallel, expert)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    if not isinstance(tracker, CpuRNGStatesTracker):
+        raise RuntimeError("seed_cpu_rng_tracker() needs cpu_compat() to be active")
+    tracker.reset()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 10_000 * (tp_rank + 1))
+
+
+@contextlib.contextmanager
+def cpu_compat() -> Iterator[None]:
+    """Let megatron-core 0.16 run on the CPU for the duration of the block.
+
+    Raises:
+        RuntimeError: when CUDA is available (the redirection is for CPU-only machines) or the
+            installed megatron-core is a version this shim was not checked against.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_compat() is for machines without CUDA; CUDA is available here")
+    check_mcore_version()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        mrandom._CUDA_RNG_STATE_TRACKER,
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
+    torch.cuda.current_device = lambda: 0  # an ordinal; CpuDeviceRedirect maps it to the CPU
+    torch.cuda.synchronize = lambda device=None: None
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    try:
+        with CpuDeviceRedirect():
+            yield
+    finally:
+        (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            mrandom._CUDA_RNG_STATE_TRACKER,
+            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        ) = saved

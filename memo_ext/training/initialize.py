@@ -1,0 +1,117 @@
+"""Process groups, devices and seeds for one training run.
+
+torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``) decides the
+job; gloo is used on CPU and NCCL on CUDA. megatron-core's ``parallel_state`` then carves the
+world into TP × CP × DP × PP groups in its default ``tp-cp-ep-dp-pp`` order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from memo_ext.mcore.compat import check_mcore_version, cpu_compat, seed_cpu_rng_tracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+@contextlib.contextmanager
+def device_environment() -> Iterator[torch.device]:
+    """The device for this process; on CPU, megatron-core's CUDA assumptions are redirected."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        yield torch.device("cuda", local_rank)
+        return
+    if "OMP_NUM_THREADS" not in os.environ:
+        # oversubscribed OpenMP threads spin against each other: share the cores out
+        local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
+    with cpu_compat():
+        yield torch.device("cpu")
+
+
+def init_distributed() -> None:
+    """Create the default process group from torchrun's environment (or a 1-process group)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend)
+
+
+def init_model_parallel(*, config: TransformerConfig, seed: int) -> ParallelContext:
+    """Initialise megatron's parallel state and seed every generator.
+
+    The data-parallel and model seeds follow Megatron-LM: one base seed for all ranks (so that
+    CPU-initialised weights are identical everywhere before slicing) and a TP-rank offset for
+    dropout inside tensor-parallel regions.
+    """
+    check_mcore_version()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+    )
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        seed_cpu_rng_tracker(seed=seed, tp_rank=tp_rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
+    return ParallelContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        device=device,
+        tp_rank=tp_rank,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def shutdown() -> None:
+    """Tear down megatron's groups and the default process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,75 @@
+"""Build the GPT model of this pipeline stage and wrap it for data parallelism.
+
+The layer spec comes from ``memo_ext.mcore.specs``; :func:`apply_memory_policy` is the one
+place where a memory policy (MEMO's token-wise offload, or none) changes that spec.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from memo_ext.config import ModelConfig, RunConfig
+from memo_ext.mcore.specs import build_block_spec, build_layer_spec, resolve_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig) -> ModuleSpec:
+    """Return the layer spec with the run's activation-memory policy applied.
+
+    Megatron's own recomputation baselines are configured through ``TransformerConfig`` and
+    need no spec change; this is where token-wise offloading plugs in.
+    """
+    return layer_spec
+
+
+def build_gpt_model(*, run: RunConfig, device: torch.device) -> GPTModel:
+    """The bare ``GPTModel`` of this process's pipeline stage, on ``device``."""
+    config = run.transformer
+    model_cfg: ModelConfig = run.model
+    backend = resolve_attention_backend(model_cfg.attention_backend)
+    layer_spec = apply_memory_policy(
+        layer_spec=build_layer_spec(config=config, attention_backend=backend), run=run
+    )
+    block_spec = build_block_spec(config=config, layer_spec=layer_spec)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=model_cfg.position_embedding_type,
+        rotary_base=model_cfg.rotary_base,
+    )
+    return model.to(device)
+
+
+def wrap_for_data_parallel(*, model: torch.nn.Module, run: RunConfig) -> DistributedDataParallel:
+    """megatron-core DDP: contiguous fp32 gradient buffers reduced over DP × CP."""
+    config = run.transformer
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=run.train.use_distributed_optimizer,
+    )
+    # one bucket: gloo has no stream overlap to gain from bucketing
+    return DistributedDataParallel(
+        config, ddp_config, model, disable_bucketing=not torch.cuda.is_available()
+    )
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Parameters held by this process (its TP / PP shard)."""
+    return sum(p.numel() for p in model.parameters())
