@@ -316,6 +316,17 @@ def check_split(split: str) -> None:
         )
 
 
+def _check_blend_cache(*, prefixes: list[str], cache_dir: str | None) -> None:
+    """megatron-core 0.16's ``BlendedDataset`` calls ``torch.distributed.get_rank()`` when it
+    writes its cache, which fails without a process group."""
+    if cache_dir is not None and len(prefixes) > 1 and not torch.distributed.is_initialized():
+        raise ValueError(
+            "A --data-path blend of several datasets with --data-cache-path needs "
+            "torch.distributed to be initialized (megatron-core's BlendedDataset asks for the "
+            "rank); launch with torchrun or drop --data-cache-path."
+        )
+
+
 def _build_on_every_rank() -> bool:
     return True
 
@@ -341,7 +352,9 @@ def build_gpt_datasets(
     Args:
         data_path: ``--data-path`` in Megatron's blend syntax (see ``parse_blend``).
         split: ``--split``, e.g. ``"969,30,1"``; a split with weight 0 is returned as ``None``.
-        mock: ``--mock-data``: synthetic documents, ``data_path`` must be ``None``.
+            megatron-core ignores it for mock data (always ``"1,1,1"``).
+        mock: ``--mock-data``: synthetic documents, ``data_path`` must be ``None``. A mock split
+            holds about a million samples whatever ``num_samples`` asks for.
         seq_length: ``--seq-length``; every sample has this many tokens (labels shifted by one).
         seed: ``--seed``; fixes the document and sample shuffles.
         tokenizer: From ``build_tokenizer``; its ``eod`` / ``pad`` ids enter the samples.
@@ -364,6 +377,7 @@ def build_gpt_datasets(
     if not mock:
         blend = parse_blend(data_path)
         check_data_files(blend[0])
+        _check_blend_cache(prefixes=blend[0], cache_dir=cache_dir)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
