@@ -22,7 +22,7 @@ from memo_ext.mcore.specs import ATTENTION_BACKENDS
 logger = logging.getLogger(__name__)
 
 TOKENIZERS = ("ByteTokenizer", "NullTokenizer")
-BYTE_VOCAB_SIZE = 257  # 256 byte values + end-of-document
+BYTE_VOCAB_SIZE = 258  # 256 byte values, end-of-document, padding
 
 
 class ArgumentError(ValueError):
@@ -371,9 +371,10 @@ def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_dtype=dtype,
         # the loss is a mean over every real token of the global batch, however it is split
         calculate_per_token_loss=True,
-        # CPU initialisation draws full weights and slices them, so weights do not depend on
-        # the TP size: one-process and TP runs start from the same model.
-        use_cpu_initialization=True,
+        # memo_ext.mcore.init redraws every weight after the model is built, independently of
+        # the parallel layout. megatron's own draw still runs: with it off, its layers also
+        # skip tagging weights as tensor-parallel, which gradient norms and checkpoints need.
+        use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
         # unfused element-wise paths: exact on every device, and what the CPU supports
         bias_activation_fusion=False,

@@ -142,7 +142,9 @@ def cpu_compat() -> Iterator[None]:
         mrandom._CUDA_RNG_STATE_TRACKER,
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
     )
-    torch.cuda.current_device = lambda: 0  # an ordinal; CpuDeviceRedirect maps it to the CPU
+    # a device object rather than an ordinal: autograd's backward does not see the
+    # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
+    torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

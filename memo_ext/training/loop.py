@@ -9,6 +9,7 @@ optimizer and the LR schedule.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -74,10 +75,13 @@ def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
     tokenizer = build_tokenizer(
         tokenizer_type=run.data.tokenizer_type, vocab_size=run.data.vocab_size
     )
+    # padded to lcm(divisible_by, TP) rather than Megatron-LM's divisible_by × TP: the padded
+    # logits enter the softmax, so the vocabulary must not change with the TP size
     run.model.vocab_size = padded_vocab_size(
         tokenizer.vocab_size,
-        divisible_by=run.data.make_vocab_size_divisible_by,
-        tp_size=run.transformer.tensor_model_parallel_size,
+        divisible_by=math.lcm(
+            run.data.make_vocab_size_divisible_by, run.transformer.tensor_model_parallel_size
+        ),
     )
     model = wrap_for_data_parallel(model=build_gpt_model(run=run, device=ctx.device), run=run)
     _log_setup(run, ctx, model)

@@ -16,6 +16,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import ModelConfig, RunConfig
+from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec, resolve_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,15 @@ def build_gpt_model(*, run: RunConfig, device: torch.device) -> GPTModel:
         position_embedding_type=model_cfg.position_embedding_type,
         rotary_base=model_cfg.rotary_base,
     )
-    return model.to(device)
+    model = model.to(device)
+    init_weights_layout_independent(
+        model,
+        config=config,
+        seed=run.train.seed,
+        tp=config.tensor_model_parallel_size,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+    )
+    return model
 
 
 def wrap_for_data_parallel(*, model: torch.nn.Module, run: RunConfig) -> DistributedDataParallel:

@@ -1,0 +1,108 @@
+"""Weight initialisation that does not depend on the parallel layout.
+
+megatron-core initialises each process's shard from a running RNG, so a model built under
+PP = 2, or with a gated MLP under TP = 2, starts from different weights than the same model in
+one process. Here every parameter is drawn whole from a generator seeded by (seed, the
+parameter's global name) and this process keeps its shard, cut exactly as megatron-core's
+tensor-parallel layers cut it. One-process, TP, PP and CP runs then start identical, which is
+what parity tests and re-sharding (HotSPa, checkpoints into other layouts) rely on.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+# Output projections of each residual branch get std / sqrt(2 · layers), as megatron does.
+_SCALED_OUTPUTS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+
+
+def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Local parameter name → name in the whole (unpipelined) model.
+
+    Layer indices become global (``decoder.layers.3`` on the second of two 4-layer stages is
+    ``decoder.layers.7``), and a pipeline's copy of the tied output weight is named after the
+    word embedding it mirrors.
+    """
+    prefixes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            local = name.rsplit(".", 1)
+            prefixes[name + "."] = f"{local[0]}.{module.layer_number - 1}."
+    names = {}
+    for name, _ in model.named_parameters():
+        global_name = name
+        for local, glob in prefixes.items():
+            if name.startswith(local):
+                global_name = glob + name[len(local) :]
+                break
+        if global_name.endswith("output_layer.weight") and getattr(
+            model, "share_embeddings_and_output_weights", False
+        ):
+            global_name = global_name.replace("output_layer.weight", "embedding.word_embeddings.weight")
+        names[name] = global_name
+    return names
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _is_norm(global_name: str) -> bool:
+    """Norm parameters: ``input_layernorm.weight``, or TE's fused ``layer_norm_weight``."""
+    return any("norm" in part for part in global_name.split(".")[-2:])
+
+
+def _std_for(global_name: str, config: TransformerConfig) -> float | None:
+    """Normal std for a weight matrix / embedding, or None for norms and biases."""
+    if _is_norm(global_name) or global_name.endswith("bias"):
+        return None
+    if global_name.endswith(_SCALED_OUTPUTS):
+        return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    return config.init_method_std
+
+
+def _full_shape(param: torch.nn.Parameter, tp: int) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def _shard(full: torch.Tensor, param, *, name: str, tp: int, tp_rank: int, gated: bool):
+    """This TP rank's slice of ``full``, laid out as megatron-core's layers hold it."""
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim = param.partition_dim
+    if gated and name.endswith(_GATED):
+        # gated fc1 holds [gate; up]; each rank keeps [gate_r; up_r]
+        halves = full.chunk(2, dim=0)
+        return torch.cat([h.chunk(tp, dim=0)[tp_rank] for h in halves], dim=0)
+    return full.chunk(tp, dim=dim)[tp_rank]
+
+
+@torch.no_grad()
+def init_weights_layout_independent(
+    model: torch.nn.Module, *, config: TransformerConfig, seed: int, tp: int, tp_rank: int
+) -> None:
+    """Re-initialise every parameter of ``model`` (one pipeline stage, one TP shard)."""
+    names = global_parameter_names(model)
+    for name, param in model.named_parameters():
+        global_name = names[name]
+        std = _std_for(global_name, config)
+        if std is None:
+            is_gain = _is_norm(global_name) and global_name.endswith("weight")
+            param.fill_(1.0 if is_gain else 0.0)
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(_seed_for(seed, global_name))
+        full = torch.empty(_full_shape(param, tp), dtype=torch.float32, device=param.device)
+        full.normal_(0.0, std, generator=generator)
+        shard = _shard(
+            full, param, name=global_name, tp=tp, tp_rank=tp_rank, gated=config.gated_linear_unit
+        )
+        param.copy_(shard)
