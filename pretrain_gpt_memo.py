@@ -25,6 +25,8 @@ def _configure_logging() -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank {rank}] %(asctime)s %(message)s",
                         datefmt="%H:%M:%S")  # fmt: skip
+    # megatron-core logs every dataset config and index build at INFO
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

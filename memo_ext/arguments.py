@@ -52,7 +52,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width; 4h if unset.")
     g.add_argument("--num-attention-heads", type=int, required=True, help="Query heads.")
     g.add_argument(
-        "--num-query-groups", type=int, default=None, help="Key/value heads (GQA); = heads if unset."
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="Key/value heads (GQA); = heads if unset.",
     )
     g.add_argument("--kv-channels", type=int, default=None, help="Head dim; h / heads if unset.")
     g.add_argument("--seq-length", type=int, required=True, help="Tokens per sample.")
@@ -60,7 +63,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--max-position-embeddings", type=int, default=None, help="Position table length."
     )
     g.add_argument(
-        "--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute"
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        default="learned_absolute",
     )
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")

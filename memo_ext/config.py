@@ -18,7 +18,7 @@ class ModelConfig:
     """GPT model settings that ``TransformerConfig`` does not carry."""
 
     vocab_size: int = 0
-    """Vocabulary size after padding (set from the tokenizer and ``make_vocab_size_divisible_by``)."""
+    """Embedding rows after padding (set from the tokenizer and the padding rule)."""
     max_position_embeddings: int = 0
     """Rows of the learned position table; also the RoPE table length."""
     position_embedding_type: str = "learned_absolute"
@@ -47,7 +47,7 @@ class TrainConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
     lr_decay_style: str = "cosine"
-    """``constant``, ``linear``, ``cosine`` or ``inverse-square-root`` (megatron-core's scheduler)."""
+    """``constant``, ``linear``, ``cosine`` or ``inverse-square-root`` (megatron's scheduler)."""
     lr_warmup_iters: int = 0
     """Steps of linear warm-up from 0 to ``lr``."""
     lr_decay_iters: int | None = None
@@ -119,9 +119,7 @@ class RunConfig:
     def data_parallel_size(self) -> int:
         t = self.transformer
         model_parallel = (
-            t.tensor_model_parallel_size
-            * t.pipeline_model_parallel_size
-            * t.context_parallel_size
+            t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
         )
         return self.world_size // model_parallel
 

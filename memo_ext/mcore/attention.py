@@ -56,7 +56,9 @@ class SDPAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.layer_number = layer_number
         self.cp_group = pg_collection.cp
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
     def forward(

@@ -44,7 +44,9 @@ def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
         if global_name.endswith("output_layer.weight") and getattr(
             model, "share_embeddings_and_output_weights", False
         ):
-            global_name = global_name.replace("output_layer.weight", "embedding.word_embeddings.weight")
+            global_name = global_name.replace(
+                "output_layer.weight", "embedding.word_embeddings.weight"
+            )
         names[name] = global_name
     return names
 

@@ -24,7 +24,9 @@ class Norm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__()
         if config.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {config.normalization}")
+            raise ValueError(
+                f"normalization must be LayerNorm or RMSNorm, got {config.normalization}"
+            )
         if config.layernorm_zero_centered_gamma:
             raise ValueError("zero-centred gamma needs the te backend (--attention-backend te)")
         self.rms = config.normalization == "RMSNorm"

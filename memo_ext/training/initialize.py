@@ -94,8 +94,10 @@ def init_model_parallel(*, config: TransformerConfig, seed: int) -> ParallelCont
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         seed_cpu_rng_tracker(seed=seed, tp_rank=tp_rank)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-        torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
     )
     return ParallelContext(
         rank=dist.get_rank(),

@@ -149,6 +149,12 @@ def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     return (pair[0] / pair[1].clamp(min=1)).item()
 
 
+def _is_logged(iteration: int, run: RunConfig) -> bool:
+    """First step (the starting loss), every ``log_interval`` steps, and the last step."""
+    last = run.train.train_iters
+    return iteration in (1, last) or iteration % run.logging.log_interval == 0
+
+
 def _run_steps(run, ctx, model, optimizer, scheduler, batches) -> TrainSummary:
     forward_backward = get_forward_backward_func()
     forward_step = build_forward_step(ctx.device)
@@ -188,7 +194,7 @@ def _run_steps(run, ctx, model, optimizer, scheduler, batches) -> TrainSummary:
         summary.iterations = iteration
         summary.losses.append(loss)
         summary.tokens_per_s.append(tokens_per_s)
-        if iteration % run.logging.log_interval and iteration != run.train.train_iters:
+        if not _is_logged(iteration, run):
             continue
         tflops = flops_per_step / ctx.world_size / step_time / 1e12
         allocated, reserved = cuda_memory()

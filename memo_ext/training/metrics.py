@@ -43,16 +43,28 @@ def device_peak_tflops(override: float | None = None) -> float | None:
 
 
 def gpt_forward_flops(
-    *, config: TransformerConfig, vocab_size: int, seq_length: int, sequences: int
+    *,
+    config: TransformerConfig,
+    vocab_size: int,
+    seq_length: int,
+    sequences: int,
+    causal_fraction: float = 0.5,
 ) -> float:
-    """Forward FLOPs of ``sequences`` samples of ``seq_length`` tokens through the whole GPT."""
+    """Forward FLOPs of ``sequences`` samples of ``seq_length`` tokens through the whole GPT.
+
+    ``causal_fraction`` is the share of the ``s × s`` attention products that is computed: 0.5
+    for a causal kernel that skips the masked half, 1.0 to count the full matrices.
+    """
     h, s, layers = config.hidden_size, seq_length, config.num_layers
-    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    heads, groups = (
+        config.num_attention_heads,
+        config.num_query_groups or config.num_attention_heads,
+    )
     d = config.kv_channels or h // heads
     tokens = sequences * s
     qkv = 2 * tokens * h * (heads + 2 * groups) * d
-    # QK^T and PV, each 2·s·s·d per head, halved by the causal mask
-    attention = 2 * (2 * sequences * heads * s * s * d) * 0.5
+    # QK^T and PV, each 2·s·s·d per head, of which the causal kernel computes a fraction
+    attention = 2 * (2 * sequences * heads * s * s * d) * causal_fraction
     proj = 2 * tokens * heads * d * h
     mlp_matrices = 3 if config.gated_linear_unit else 2
     mlp = 2 * tokens * h * config.ffn_hidden_size * mlp_matrices
@@ -95,7 +107,7 @@ class StepMetrics:
             f"{self.tokens_per_s:,.0f} tok/s",
         ]
         if self.tflops_per_device is not None:
-            parts.append(f"{self.tflops_per_device:.1f} TFLOP/s/dev")
+            parts.append(f"{self.tflops_per_device:.3g} TFLOP/s/dev")
         if self.mfu is not None:
             parts.append(f"MFU {100 * self.mfu:.1f}%")
         if self.mem_allocated_bytes is not None:

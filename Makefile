@@ -1,0 +1,35 @@
+# make demo  — train a small GPT on 2 CPU processes (the built-in demo configuration)
+# make test  — lint, then the unit and gloo-distributed test suites
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# the CPU wheel; an unpinned torch would pull GBs of CUDA wheels
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev,plots]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	bash scripts/demo_cpu.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache .ruff_cache

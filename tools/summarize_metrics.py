@@ -1,0 +1,60 @@
+"""Summarise a metrics file (JSON Lines from ``--metrics-file``), optionally as a check.
+
+    python -m tools.summarize_metrics runs/demo/metrics.jsonl --require-loss-drop 1.0
+
+Prints the first and last logged loss, the median throughput and step time; with
+``--require-loss-drop X`` exits 1 unless the loss fell by more than X nats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics file, in order; a clear error for a missing or empty file."""
+    if not path.is_file():
+        raise SystemExit(f"summarize_metrics: {path} does not exist; did the run start?")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"summarize_metrics: {path} has no records; did the run log a step?")
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    """First / last loss, their drop, and median step time and throughput."""
+    # the first logged step is dominated by one-time work: take medians over the rest
+    steady = records[1:] or records
+    return {
+        "iterations": records[-1]["iteration"],
+        "first_loss": records[0]["loss"],
+        "last_loss": records[-1]["loss"],
+        "loss_drop": records[0]["loss"] - records[-1]["loss"],
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="summarize_metrics", description=__doc__.split("\n")[0])
+    parser.add_argument("metrics_file", type=Path)
+    parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS")
+    args = parser.parse_args(argv)
+    s = summarize(read_metrics(args.metrics_file))
+    print(
+        f"{s['iterations']} iterations | loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} "
+        f"(-{s['loss_drop']:.3f} nats) | {s['median_tokens_per_s']:,.0f} tokens/s | "
+        f"{s['median_step_time_s'] * 1e3:.0f} ms/step (medians)"
+    )
+    if args.require_loss_drop is not None and s["loss_drop"] <= args.require_loss_drop:
+        print(f"loss fell by {s['loss_drop']:.3f} nats, not more than {args.require_loss_drop}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
