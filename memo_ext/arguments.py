@@ -22,7 +22,7 @@ from memo_ext.mcore.specs import ATTENTION_BACKENDS
 logger = logging.getLogger(__name__)
 
 TOKENIZERS = ("ByteTokenizer", "NullTokenizer")
-BYTE_VOCAB_SIZE = 258  # 256 byte values, end-of-document, padding
+BYTE_VOCAB_SIZE = 257  # 256 byte values + end-of-document
 
 
 class ArgumentError(ValueError):

@@ -46,10 +46,17 @@ class _LocalTokenizer(MegatronTokenizerBase):
 
 
 class ByteTokenizer(_LocalTokenizer):
-    """UTF-8 byte tokenizer: ids 0-255 are bytes, 256 ends a document, 257 pads."""
+    """UTF-8 byte tokenizer: ids 0-255 are bytes, 256 ends a document; no pad id.
+
+    Pretraining samples are never padded, and a pad id inside the vocabulary is harmful with
+    megatron-core 0.16's ``GPTDataset``: the first sample it reads aliases its cached loss mask
+    and zeroes it wherever that sample's labels equal the pad id, so every later sample of that
+    process inherits those holes (mock data contains every id). ``-1`` is megatron's own
+    "no pad" value and never equals a label.
+    """
 
     EOD_ID = 256
-    PAD_ID = 257
+    PAD_ID = -1
 
     def tokenize(self, text: str) -> list[int]:
         """Encode text as its UTF-8 bytes.
@@ -79,15 +86,15 @@ class ByteTokenizer(_LocalTokenizer):
 
     @property
     def vocab(self) -> dict[str, int]:
-        """Token name to id: ``<0xNN>`` for bytes, then ``<eod>`` and ``<pad>``."""
+        """Token name to id: ``<0xNN>`` for bytes, then ``<eod>``."""
         names = {f"<0x{i:02X}>": i for i in range(256)}
-        names.update({"<eod>": self.EOD_ID, "<pad>": self.PAD_ID})
+        names["<eod>"] = self.EOD_ID
         return names
 
     @property
     def vocab_size(self) -> int:
-        """256 byte ids plus end-of-document and pad."""
-        return 258
+        """256 byte ids plus end-of-document."""
+        return 257
 
     @property
     def eod(self) -> int:
@@ -96,7 +103,7 @@ class ByteTokenizer(_LocalTokenizer):
 
     @property
     def pad(self) -> int:
-        """Padding id (never produced by ``tokenize``)."""
+        """``-1``: no padding token (megatron-core's convention)."""
         return self.PAD_ID
 
 

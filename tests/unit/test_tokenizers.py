@@ -31,10 +31,10 @@ def test_byte_tokenizer_round_trips_exactly(text):
 def test_byte_tokenizer_special_ids():
     tokenizer = ByteTokenizer()
     assert isinstance(tokenizer, MegatronTokenizerBase)
-    assert (tokenizer.eod, tokenizer.pad, tokenizer.vocab_size) == (256, 257, 258)
+    assert (tokenizer.eod, tokenizer.pad, tokenizer.vocab_size) == (256, -1, 257)
     assert len(tokenizer.vocab) == tokenizer.vocab_size
     # Special ids are dropped on decode; a cut multi-byte character does not raise.
-    ids = tokenizer.tokenize("ab") + [tokenizer.eod] + tokenizer.tokenize("c") + [tokenizer.pad]
+    ids = tokenizer.tokenize("ab") + [tokenizer.eod] + tokenizer.tokenize("c")
     assert tokenizer.detokenize(ids) == "abc"
     assert tokenizer.detokenize(tokenizer.tokenize("é")[:1]) == "\ufffd"
 
