@@ -58,7 +58,9 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_layout_matches_one_process(shape, layout, references, tmp_path):
     nproc, flags = LAYOUTS[layout]
-    curves = run_pretrain(SHAPES[shape] + COMMON + flags, nproc=nproc, workdir=tmp_path, name=layout)
+    curves = run_pretrain(
+        SHAPES[shape] + COMMON + flags, nproc=nproc, workdir=tmp_path, name=layout
+    )
     assert_same_curves(references[shape], curves, rtol=RTOL)
 
 
@@ -71,7 +73,9 @@ def test_four_processes_tp2_pp2(references, tmp_path):
 
 def test_four_processes_cp2_dp2(references, tmp_path):
     flags = ["--context-parallel-size", "2"]
-    curves = run_pretrain(SHAPES["llama"] + COMMON + flags, nproc=4, workdir=tmp_path, name="cp2dp2")
+    curves = run_pretrain(
+        SHAPES["llama"] + COMMON + flags, nproc=4, workdir=tmp_path, name="cp2dp2"
+    )
     assert_same_curves(references["llama"], curves, rtol=RTOL)
 
 

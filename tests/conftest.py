@@ -1,0 +1,32 @@
+"""Shared fixtures: a one-process megatron-core environment on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.launch import free_port
+
+
+@pytest.fixture
+def megatron_cpu():
+    """gloo world of one process, megatron's parallel state (all sizes 1), CUDA-isms redirected."""
+    from megatron.core import parallel_state
+
+    from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with cpu_compat():
+            parallel_state.initialize_model_parallel()
+            seed_cpu_rng_tracker(seed=0, tp_rank=0)
+            torch.manual_seed(0)
+            yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,104 @@
+"""Flag parsing: Megatron names map onto TransformerConfig, bad input fails in one sentence."""
+
+from __future__ import annotations
+
+import pytest
+
+from memo_ext.arguments import ArgumentError, parse_args
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
+    "--seq-length", "128", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+    "--mock-data",
+]  # fmt: skip
+
+
+def parse(*extra: str, world_size: int = 1):
+    return parse_args([*BASE, *extra], world_size=world_size)
+
+
+def test_megatron_flags_reach_transformer_config():
+    run = parse(
+        "--num-query-groups", "2", "--ffn-hidden-size", "100", "--swiglu",
+        "--normalization", "RMSNorm", "--disable-bias-linear",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--context-parallel-size", "2", "--global-batch-size", "8", world_size=8,
+    )  # fmt: skip
+    t = run.transformer
+    assert (t.num_layers, t.hidden_size, t.ffn_hidden_size) == (4, 64, 100)
+    assert (t.num_attention_heads, t.num_query_groups) == (8, 2)
+    assert t.gated_linear_unit and not t.add_bias_linear and t.normalization == "RMSNorm"
+    assert (t.tensor_model_parallel_size, t.context_parallel_size) == (2, 2)
+    assert t.sequence_parallel and t.calculate_per_token_loss
+    assert run.data_parallel_size == 2 and run.num_microbatches == 2
+
+
+def test_defaults_follow_megatron():
+    run = parse(world_size=2)
+    assert run.transformer.ffn_hidden_size == 4 * 64
+    assert run.transformer.num_query_groups == 8
+    assert run.model.max_position_embeddings == 128
+    assert run.train.global_batch_size == 2 * 2  # mbs × DP
+    assert run.num_microbatches == 1
+
+
+def test_sequence_parallel_is_dropped_without_tp():
+    assert not parse("--sequence-parallel").transformer.sequence_parallel
+
+
+@pytest.mark.parametrize(
+    ("extra", "world_size", "message"),
+    [
+        (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible"),
+        (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2, "query groups (1)"),
+        (["--num-query-groups", "3"], 1, "not divisible by --num-query-groups 3"),
+        (["--context-parallel-size", "3", "--seq-length", "124"], 3, "divisible by 2 × CP = 6"),
+        (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible"),
+        (["--global-batch-size", "5"], 2, "not divisible by --micro-batch-size × DP"),
+        (["--bf16", "--fp16"], 1, "exclusive"),
+        (["--recompute-granularity", "full"], 1, "needs --recompute-method"),
+        (["--recompute-method", "block"], 1, "need --recompute-granularity full"),
+        (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in [0, 1)"),
+        (["--lr-warmup-iters", "11"], 1, "--lr-warmup-iters 11"),
+        (["--max-position-embeddings", "64"], 1, "shorter than --seq-length 128"),
+        (["--vocab-size", "300"], 1, "ByteTokenizer has 257 tokens"),
+        (["--tokenizer-type", "NullTokenizer"], 1, "needs --vocab-size"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "127",
+          "--max-position-embeddings", "128"], 2, "divisible by TP = 2"),
+    ],
+)  # fmt: skip
+def test_invalid_combinations_fail_with_one_sentence(extra, world_size, message):
+    with pytest.raises(ArgumentError) as err:
+        parse(*extra, world_size=world_size)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_data_source_is_required_and_exclusive(tmp_path):
+    argv = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ArgumentError, match="exactly one of --data-path"):
+        parse_args(argv, world_size=1)
+    with pytest.raises(ArgumentError, match="exactly one of --data-path"):
+        parse_args([*BASE, "--data-path", str(tmp_path / "x")], world_size=1)
+
+
+def test_missing_dataset_file_is_named(tmp_path):
+    prefix = tmp_path / "corpus_text_document"
+    prefix.with_suffix(".bin").write_bytes(b"")
+    argv = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ArgumentError, match=r"corpus_text_document\.idx does not exist"):
+        parse_args([*argv, "--data-path", "0.5", str(prefix), "0.5", str(prefix)], world_size=1)
+
+
+def test_cpu_refuses_cuda_only_features():
+    with pytest.raises(ArgumentError, match="need CUDA"):
+        parse("--bf16")
+    with pytest.raises(ArgumentError, match="needs CUDA"):
+        parse("--use-distributed-optimizer")
+
+
+def test_entry_point_exits_2_with_the_message(capsys):
+    from pretrain_gpt_memo import main
+
+    assert main([*BASE, "--num-query-groups", "3"]) == 2
+    assert "not divisible by --num-query-groups 3" in capsys.readouterr().err
