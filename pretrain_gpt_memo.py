@@ -16,8 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
-from memo_ext.arguments import ArgumentError, parse_args
+# megatron-core announces at import that optional fused kernels (apex / TE) are absent; the
+# local paths it falls back to are the ones this project uses on CPU
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+warnings.filterwarnings("ignore", message=r".*tp_group is None, using default tp group")
+
+from memo_ext.arguments import ArgumentError, parse_args  # noqa: E402
 
 
 def _configure_logging() -> None:

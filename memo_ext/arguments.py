@@ -66,16 +66,38 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--position-embedding-type",
         choices=("learned_absolute", "rope"),
         default="learned_absolute",
+        help="Learned absolute positions or rotary embeddings.",
     )
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument(
+        "--normalization",
+        choices=("LayerNorm", "RMSNorm"),
+        default="LayerNorm",
+        help="Norm of each layer and the final norm.",
+    )
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Norm epsilon.")
     g.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP instead of GeLU.")
     g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linears.")
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument(
+        "--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities."
+    )
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=0.1,
+        help="Dropout on each residual branch's output.",
+    )
+    g.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
+        help="Std of the normal weight init (output projections: / sqrt(2·layers)).",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Give the output layer its own weights.",
+    )
     g.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
@@ -87,42 +109,97 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        required=True,
+        help="Sequences per forward/backward pass on each DP rank.",
+    )
     g.add_argument("--global-batch-size", type=int, default=None, help="mbs × DP if unset.")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, required=True, help="Optimizer steps.")
     g.add_argument("--lr", type=float, required=True, help="Peak learning rate.")
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--min-lr", type=float, default=0.0, help="Learning rate at the end of the decay."
+    )
     g.add_argument(
         "--lr-decay-style",
         choices=("constant", "linear", "cosine", "inverse-square-root"),
         default="linear",
+        help="LR decay after warm-up (megatron-core's scheduler).",
     )
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument(
+        "--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps from 0 to --lr."
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None, help="train-iters if unset.")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.01,
+        help="AdamW weight decay (not on biases and norms).",
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global-norm clip; 0 = off.")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--seed", type=int, default=1234, help="Seed for weights, dropout and data order."
+    )
     g.add_argument("--bf16", action="store_true", help="bf16 weights and activations (CUDA).")
     g.add_argument("--fp16", action="store_true", help="fp16 with loss scaling (CUDA).")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="TP: shard attention heads and MLP width over this many processes.",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="SP: shard norms and dropout over TP ranks along the sequence.",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="PP: split the layers into this many stages (1F1B schedule).",
+    )
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="CP: split each sequence into 2·CP load-balanced chunks over this many processes.",
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard optimizer state over DP ranks (CUDA).",
+    )
 
 
 def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("activation recomputation (Megatron baselines)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="Megatron recomputation: full layers, or selective (core attention).",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="Which layers full recomputation covers.",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="Layers per recompute unit (uniform) or recomputed layers per stage (block).",
+    )
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -132,15 +209,34 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
     g.add_argument("--mock-data", action="store_true", help="Synthetic tokens.")
-    g.add_argument("--tokenizer-type", choices=TOKENIZERS, default="ByteTokenizer")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZERS,
+        default="ByteTokenizer",
+        help="Tokenizer; nothing is downloaded.",
+    )
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary.")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--data-cache-path", default=None)
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the embedding table to a multiple of lcm(this, TP).",
+    )
+    g.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="Where dataset index caches go (default: beside the data).",
+    )
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        help="Log every this many steps (and the first and last).",
+    )
     g.add_argument("--metrics-file", default=None, help="JSON Lines metrics (rank 0).")
     g.add_argument(
         "--device-peak-tflops", type=float, default=None, help="Device dense peak for MFU."

@@ -141,6 +141,8 @@ def cpu_compat() -> Iterator[None]:
         torch.cuda.synchronize,
         mrandom._CUDA_RNG_STATE_TRACKER,
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        mrandom._get_cuda_rng_state,
+        mrandom._set_cuda_rng_state,
     )
     # a device object rather than an ordinal: autograd's backward does not see the
     # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
@@ -148,6 +150,10 @@ def cpu_compat() -> Iterator[None]:
     torch.cuda.synchronize = lambda device=None: None
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # recomputation saves and restores "CUDA" RNG states next to the CPU one it already keeps;
+    # with no CUDA generator there is nothing more to keep
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
         with CpuDeviceRedirect():
             yield
@@ -157,4 +163,6 @@ def cpu_compat() -> Iterator[None]:
             torch.cuda.synchronize,
             mrandom._CUDA_RNG_STATE_TRACKER,
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+            mrandom._get_cuda_rng_state,
+            mrandom._set_cuda_rng_state,
         ) = saved
