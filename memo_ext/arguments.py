@@ -79,13 +79,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP instead of GeLU.")
     g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linears.")
     g.add_argument(
-        "--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities."
+        "--attention-dropout",
+        type=float,
+        default=0.0,
+        help="Dropout on attention probabilities (Megatron-LM defaults to 0.1).",
     )
     g.add_argument(
         "--hidden-dropout",
         type=float,
-        default=0.1,
-        help="Dropout on each residual branch's output.",
+        default=0.0,
+        help="Dropout on each residual branch's output (Megatron-LM defaults to 0.1; "
+        "long-context recipes and MEMO use 0).",
     )
     g.add_argument(
         "--init-method-std",
