@@ -1,0 +1,334 @@
+"""Per-process MEMO state shared by every layer of a model.
+
+:class:`MemoRuntime` decides α (fixed, or solved at the first layer call), owns the host pool and
+the transfer engine, runs each offloaded layer's forward under a :class:`LayerActivations`, keeps
+the two ping-pong slots of source tensors whose device → host copies are in flight, prefetches the
+next layer's host data during a layer's backward, and counts what moved for the metrics.
+
+Ping-pong rule: the forward of the k-th offloaded layer puts its copy sources in slot ``k % 2``;
+before that, the compute stream waits for the copies of layer ``k - 2`` in the same slot and drops
+their sources. So at most two layers' worth of sources wait for copies at any time, and a layer's
+compute never waits for the copies of the layer just before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from memo_ext.offload.activations import (
+    LayerActivations,
+    ProbeShapes,
+    ZeroAttention,
+    run_token_slice,
+)
+from memo_ext.offload.alpha import LayerCost, solve_alpha
+from memo_ext.offload.config import MemoConfig, host_budget_bytes
+from memo_ext.offload.transfer import (
+    Completion,
+    HostMemoryError,
+    HostPool,
+    build_transfer_engine,
+    measure_copy_gbps,
+)
+
+logger = logging.getLogger(__name__)
+
+PROBE_TOKENS = 1
+# the bandwidth probe copies this much at most (enough to reach steady PCIe throughput)
+BANDWIDTH_PROBE_BYTES = 64 * 2**20
+
+
+@dataclass
+class MemoStats:
+    """Counters since the last :meth:`MemoRuntime.take_metrics`."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    recomputed_tokens: int = 0
+    offloaded_layers: int = 0
+
+
+@dataclass
+class _Slot:
+    completion: Completion
+    sources: list[Tensor] = field(default_factory=list)
+
+
+class MemoRuntime:
+    """MEMO for the layers of one model in this process (see the module docstring)."""
+
+    def __init__(self, config: MemoConfig):
+        self.config = config
+        self.alpha: float | None = config.alpha
+        """α in use; ``None`` until ``auto`` has been solved."""
+        self.budget_bytes = host_budget_bytes(config)
+        self.engine = None
+        self.pool: HostPool | None = None
+        self.stats = MemoStats()
+        self.cost: LayerCost | None = None
+        """What the first offloaded layer measured (bytes, and for ``auto`` the times)."""
+        self._probes: dict[tuple, ProbeShapes] = {}
+        self._slots: list[_Slot | None] = [None, None]
+        self._forwards = 0
+        self._last: weakref.ref | None = None
+        self._budget_checked = False
+        self.live: weakref.WeakSet[LayerActivations] = weakref.WeakSet()
+
+    # ------------------------------------------------------------------------------ forward
+
+    def host_tokens(self, tokens: int) -> int:
+        """Tokens per block that go to host memory: ``floor(α · tokens)``."""
+        return min(tokens, math.floor(self.alpha * tokens + 1e-9))
+
+    def forward_layer(self, layer: torch.nn.Module, kwargs: dict[str, Any]):
+        """Run one offloaded layer's forward under MEMO; returns what the layer returns."""
+        x = kwargs["hidden_states"]
+        self._ensure_engine(x.device)
+        groups = _sp_groups(layer)
+        if self.alpha is None:
+            self._solve_alpha(layer, kwargs, groups)
+        n = x.size(0)
+        a = self.host_tokens(n)
+        if 0 < a < n and kwargs.get("packed_seq_params") is not None:
+            raise NotImplementedError(
+                "MEMO with 0 < --memo-alpha < 1 does not support packed sequences yet; "
+                "use --memo-alpha 0 or 1"
+            )
+        probe = self.probe(layer, kwargs, groups) if 0 < a < n else None
+        acts = LayerActivations(self, layer, kwargs, host_tokens=a, groups=groups, probe=probe)
+        with acts.capturing():
+            out = layer.forward_plain(**kwargs)
+        pairs = acts.end_forward()
+        self._check_budget(layer, acts)
+        self._offload(acts, pairs)
+        return out
+
+    def _ensure_engine(self, device: torch.device) -> None:
+        if self.engine is None:
+            self.engine = build_transfer_engine(device)
+            self.pool = HostPool(budget_bytes=self.budget_bytes, pin_memory=self.engine.pin_memory)
+
+    def probe(self, layer, kwargs: dict[str, Any], groups: int) -> ProbeShapes:
+        """Shapes the layer saves on :data:`PROBE_TOKENS` tokens (cached per input shape)."""
+        x = kwargs["hidden_states"]
+        rope = kwargs.get("rotary_pos_emb")
+        key = (type(layer), tuple(x.shape), x.dtype, _shape_of(rope), groups)
+        if key not in self._probes:
+            shapes: list[tuple[int, ...]] = []
+            with _preserved_rng():
+                run_token_slice(
+                    layer,
+                    kwargs,
+                    start=0,
+                    stop=PROBE_TOKENS,
+                    groups=groups,
+                    requires_grad=x.requires_grad,
+                    stand_in=ZeroAttention(),
+                    on_save=lambda t: shapes.append(tuple(t.shape)),
+                )
+            self._probes[key] = ProbeShapes(tokens=PROBE_TOKENS, shapes=shapes)
+        return self._probes[key]
+
+    def _offload(self, acts: LayerActivations, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Issue the layer's device → host copies under the ping-pong rule."""
+        slot_index = self._forwards % 2
+        self._forwards += 1
+        previous = self._slots[slot_index]
+        if previous is not None:
+            self.engine.wait(previous.completion)
+        reuse = [buf.last_read for buf in acts.host_buffers]
+        acts.offloaded = self.engine.to_host(pairs, reuse=reuse)
+        self._slots[slot_index] = _Slot(acts.offloaded, [src for _, src in pairs])
+        self._drop_finished_slots()
+        self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        self.stats.offloaded_layers += 1
+        weakref.finalize(acts, self.pool.release, list(acts.host_buffers))
+        last = self._last() if self._last is not None else None
+        if last is not None and last.layer_index == acts.layer_index - 1:
+            acts.previous = weakref.ref(last)
+        self._last = weakref.ref(acts)
+        self.live.add(acts)
+
+    def _drop_finished_slots(self) -> None:
+        for i, slot in enumerate(self._slots):
+            if slot is not None and self.engine.done(slot.completion):
+                self._slots[i] = None
+
+    def in_flight_source_bytes(self) -> int:
+        """Device bytes held only until in-flight device → host copies finish."""
+        return sum(
+            s.numel() * s.element_size() for slot in self._slots if slot for s in slot.sources
+        )
+
+    # ----------------------------------------------------------------------------- backward
+
+    def fetch(self, acts: LayerActivations) -> tuple[list[Tensor], Completion]:
+        """Start the host → device copies of ``acts``'s host data."""
+        hosts = acts.host_tensors()
+        device = acts.input_meta.device
+        tensors, completion = self.engine.to_device(hosts, device=device, after=acts.offloaded)
+        for buf in acts.host_buffers:
+            buf.last_read = completion
+        self.stats.h2d_bytes += sum(h.numel() * h.element_size() for h in hosts)
+        return tensors, completion
+
+    def begin_backward(self, acts: LayerActivations) -> None:
+        """A layer's backward starts: free copied sources, prefetch the layer before it."""
+        for i, slot in enumerate(self._slots):
+            if slot is not None:
+                self.engine.wait(slot.completion)
+                self._slots[i] = None
+        previous = acts.previous() if acts.previous is not None else None
+        if previous is not None:
+            previous.prefetch()
+
+    # --------------------------------------------------------------------- α and the budget
+
+    def _solve_alpha(self, layer, kwargs: dict[str, Any], groups: int) -> None:
+        """``auto``: measure one layer (bytes, forward time) and the copy bandwidth, solve α."""
+        x = kwargs["hidden_states"]
+        n = x.size(0)
+        probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
+        acts = LayerActivations(
+            self, layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
+        )
+        with _preserved_rng():
+            _synchronize(x.device)
+            start = time.perf_counter()
+            with acts.capturing():
+                layer.forward_plain(**kwargs)
+            _synchronize(x.device)
+            forward_s = time.perf_counter() - start
+        acts.end_forward()
+        full, scaled = acts.host_bytes(0), acts.host_bytes(n) - acts.host_bytes(0)
+        gbps = measure_copy_gbps(
+            self.engine, device=x.device, nbytes=max(1, min(full + scaled, BANDWIDTH_PROBE_BYTES))
+        )
+        self.cost = LayerCost(
+            full_bytes=full, tokenwise_bytes=scaled, forward_s=forward_s, copy_gbps=gbps
+        )
+        alpha = solve_alpha(
+            self.cost, budget_bytes=self.budget_bytes, resident_layers=_resident_layers(layer)
+        )
+        self.alpha = _agree_min(alpha, layer)
+        logger.info(
+            "MEMO auto α = %.3f (layer forward %.1f ms, copy %.2f GB/s, %.1f MiB whole + "
+            "%.1f MiB token-wise per layer)",
+            self.alpha, forward_s * 1e3, gbps, full / 2**20, scaled / 2**20,
+        )  # fmt: skip
+
+    def _check_budget(self, layer, acts: LayerActivations) -> None:
+        """At the first offloaded layer: refuse to start what cannot fit the host budget."""
+        if self._budget_checked:
+            return
+        self._budget_checked = True
+        layers = _resident_layers(layer)
+        need = layers * acts.host_bytes()
+        floor = layers * acts.host_bytes(0)
+        if self.cost is None:
+            self.cost = LayerCost(
+                full_bytes=acts.host_bytes(0),
+                tokenwise_bytes=acts.host_bytes(acts.tokens) - acts.host_bytes(0),
+            )
+        gib = 2**30
+        if floor > self.budget_bytes:
+            raise HostMemoryError(
+                f"MEMO needs at least {floor / gib:.2f} GiB of host memory per process even at "
+                f"α = 0 ({layers} layer activations of {acts.host_bytes(0) / gib:.3f} GiB), but "
+                f"the budget is {self.budget_bytes / gib:.2f} GiB; raise --memo-host-memory-gb, "
+                "keep more layers on the device (--memo-keep-last-layers) or shard the sequence "
+                "further (TP / CP / PP)"
+            )
+        if need > self.budget_bytes:
+            raise HostMemoryError(
+                f"MEMO at α = {self.alpha:g} needs {need / gib:.2f} GiB of host memory per "
+                f"process but the budget is {self.budget_bytes / gib:.2f} GiB; lower --memo-alpha "
+                f"(α = 0 needs {floor / gib:.2f} GiB) or raise --memo-host-memory-gb"
+            )
+
+    # ---------------------------------------------------------------------------- metrics
+
+    def take_metrics(self) -> dict[str, float | int]:
+        """Per-iteration metrics since the last call; counters restart."""
+        stats, self.stats = self.stats, MemoStats()
+        metrics: dict[str, float | int] = {
+            "memo_alpha": self.alpha if self.alpha is not None else float("nan"),
+            "host_offload_bytes": stats.d2h_bytes,
+            "memo_d2h_bytes": stats.d2h_bytes,
+            "memo_h2d_bytes": stats.h2d_bytes,
+            "memo_recomputed_tokens": stats.recomputed_tokens,
+            "memo_offloaded_layers": stats.offloaded_layers,
+            "memo_host_pool_bytes": self.pool.allocated_bytes if self.pool else 0,
+        }
+        wait_s = self.engine.take_wait_s() if self.engine is not None else None
+        if wait_s is not None:
+            metrics["memo_copy_wait_s"] = wait_s
+        return metrics
+
+
+def _sp_groups(layer) -> int:
+    """Token blocks of TP-gathered tensors: the TP size under sequence parallelism, else 1."""
+    if not layer.config.sequence_parallel:
+        return 1
+    tp = layer.pg_collection.tp
+    return tp.size() if tp is not None else 1
+
+
+def _resident_layers(layer) -> int:
+    """Offloaded layer activations this process may hold at once: the stage's offloaded layers
+    times the micro-batches in flight (``pp - pp_rank`` under 1F1B)."""
+    offloaded = max(0, layer.memo_stage_layers - layer.memo_runtime.config.keep_last_layers)
+    pp = layer.pg_collection.pp
+    in_flight = pp.size() - pp.rank() if pp is not None else 1
+    return offloaded * in_flight
+
+
+def _agree_min(alpha: float, layer) -> float:
+    """The smallest α over the TP and CP groups: recompute passes gather over TP together."""
+    value = torch.tensor([alpha], dtype=torch.float64)
+    for group in (layer.pg_collection.tp, layer.pg_collection.cp):
+        if group is not None and group.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return float(value.item())
+
+
+def _shape_of(rope) -> tuple | None:
+    if rope is None:
+        return None
+    if isinstance(rope, tuple):
+        return tuple(tuple(r.shape) for r in rope)
+    return tuple(rope.shape)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    """Run a pass that must not move any random stream (CPU, CUDA, megatron's tracker)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracked = tracker.get_states() if tracker.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        if tracked is not None:
+            tracker.set_states(tracked)

@@ -1,0 +1,215 @@
+"""Moving activations between the device and host memory.
+
+:class:`HostPool` hands out host buffers (pinned on CUDA) that are allocated once and reused every
+iteration: a layer's offloaded tensors have the same sizes in every iteration, so after the first
+one no new host memory is taken. The pool enforces the host-memory budget.
+
+A transfer engine copies device → host after a layer's forward and host → device before its
+backward. :class:`SyncTransferEngine` does it synchronously (CPU, and the reference every decision
+is tested against); :class:`CudaTransferEngine` uses one stream per direction and events, so copies
+overlap the compute stream. Both return a :class:`Completion` that the caller waits on before it
+reads a copy's destination or frees its source.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+class HostMemoryError(RuntimeError):
+    """MEMO needs more host memory than its budget allows."""
+
+
+@dataclass
+class Completion:
+    """The end of a batch of copies: ``event`` on CUDA, ``None`` when already done."""
+
+    event: object | None = None
+
+
+DONE = Completion()
+
+
+@dataclass
+class HostBuffer:
+    """One reusable host buffer; ``last_read`` is the copy that last read it (CUDA)."""
+
+    data: Tensor
+    last_read: Completion = field(default_factory=Completion)
+
+
+class HostPool:
+    """Host buffers by exact byte size, reused every iteration, within a byte budget."""
+
+    def __init__(self, *, budget_bytes: int, pin_memory: bool):
+        self.budget_bytes = budget_bytes
+        self.pin_memory = pin_memory
+        self.allocated_bytes = 0
+        self.in_use_bytes = 0
+        self._free: dict[int, list[HostBuffer]] = defaultdict(list)
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        """A buffer of ``nbytes`` bytes, reused when one is free.
+
+        Raises:
+            HostMemoryError: when a new buffer would exceed the budget.
+        """
+        free = self._free[nbytes]
+        if free:
+            buf = free.pop()
+        else:
+            if self.allocated_bytes + nbytes > self.budget_bytes:
+                raise HostMemoryError(
+                    f"MEMO's host buffers would exceed the host budget of "
+                    f"{self.budget_bytes / 2**30:.2f} GiB per process (already "
+                    f"{self.allocated_bytes / 2**30:.2f} GiB); raise --memo-host-memory-gb or "
+                    "lower --memo-alpha"
+                )
+            data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            buf = HostBuffer(data)
+            self.allocated_bytes += nbytes
+        self.in_use_bytes += nbytes
+        return buf
+
+    def release(self, buffers: list[HostBuffer]) -> None:
+        for buf in buffers:
+            self.in_use_bytes -= buf.data.numel()
+            self._free[buf.data.numel()].append(buf)
+
+
+def host_view(buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A contiguous ``dtype`` view of ``shape`` on a host buffer."""
+    return buf.data.view(dtype).view(shape)
+
+
+class SyncTransferEngine:
+    """Copies on the calling thread; every completion is immediate (CPU)."""
+
+    device_type = "cpu"
+    pin_memory = False
+
+    def to_host(self, pairs: list[tuple[Tensor, Tensor]], *, reuse: list[Completion]) -> Completion:
+        """Copy each ``(host destination, device source)`` pair."""
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        return DONE
+
+    def to_device(
+        self, hosts: list[Tensor], *, device: torch.device, after: Completion
+    ) -> tuple[list[Tensor], Completion]:
+        """Device copies of ``hosts`` (fresh tensors: the host buffers are reused later)."""
+        with torch.no_grad():
+            return [h.to(device, copy=True) for h in hosts], DONE
+
+    def done(self, completion: Completion) -> bool:
+        return True
+
+    def wait(self, completion: Completion) -> None:
+        """Order the compute stream after ``completion`` (nothing to do here)."""
+
+    def take_wait_s(self) -> float | None:
+        return None
+
+
+class CudaTransferEngine:
+    """Device ↔ host copies on two side streams, ordered against the compute stream by events.
+
+    Device → host: the D2H stream waits for the compute stream (the sources are written), copies
+    into pinned buffers and records an event; the caller keeps the sources alive until the compute
+    stream has waited on that event (ping-pong rule in :mod:`memo_ext.offload.runtime`).
+    Host → device: destinations are allocated on the compute stream, the H2D stream waits for it,
+    copies, and records an event the compute stream waits on before the first read.
+    """
+
+    device_type = "cuda"
+    pin_memory = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.d2h = torch.cuda.Stream(device=device)
+        self.h2d = torch.cuda.Stream(device=device)
+        # (start, end) timing events around each compute-stream wait on a copy
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _event(self, stream: torch.cuda.Stream) -> Completion:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return Completion(event)
+
+    def to_host(self, pairs: list[tuple[Tensor, Tensor]], *, reuse: list[Completion]) -> Completion:
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        for previous in reuse:  # the host buffers' last H2D reads
+            if previous.event is not None:
+                self.d2h.wait_event(previous.event)
+        with torch.cuda.stream(self.d2h), torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        return self._event(self.d2h)
+
+    def to_device(
+        self, hosts: list[Tensor], *, device: torch.device, after: Completion
+    ) -> tuple[list[Tensor], Completion]:
+        with torch.no_grad():
+            outs = [torch.empty(h.shape, dtype=h.dtype, device=device) for h in hosts]
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+            if after.event is not None:  # the D2H copy that filled these host buffers
+                self.h2d.wait_event(after.event)
+            with torch.cuda.stream(self.h2d):
+                for out, h in zip(outs, hosts):
+                    out.copy_(h, non_blocking=True)
+        return outs, self._event(self.h2d)
+
+    def done(self, completion: Completion) -> bool:
+        return completion.event is None or completion.event.query()
+
+    def wait(self, completion: Completion) -> None:
+        if completion.event is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(completion.event)
+        end.record(compute)
+        self._waits.append((start, end))
+
+    def take_wait_s(self) -> float:
+        """Seconds the compute stream stalled on copies since the last call."""
+        if not self._waits:
+            return 0.0
+        self._waits[-1][1].synchronize()
+        total_ms = sum(start.elapsed_time(end) for start, end in self._waits)
+        self._waits.clear()
+        return total_ms / 1e3
+
+
+def build_transfer_engine(device: torch.device) -> SyncTransferEngine | CudaTransferEngine:
+    """The engine for ``device``: CUDA streams on a GPU, synchronous copies elsewhere."""
+    if device.type == "cuda":
+        return CudaTransferEngine(device)
+    return SyncTransferEngine()
+
+
+def measure_copy_gbps(engine, *, device: torch.device, nbytes: int) -> float:
+    """Device → host bandwidth in GB/s (1e9 bytes), measured with one copy of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=engine.pin_memory)
+    engine.to_host([(dst, src)], reuse=[])  # warm-up
+    _synchronize(device)
+    start = time.perf_counter()
+    engine.to_host([(dst, src)], reuse=[])
+    _synchronize(device)
+    return nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
