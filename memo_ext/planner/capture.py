@@ -1,0 +1,310 @@
+"""Allocation traces of real megatron-core code at any scale, on CPU, with no real memory.
+
+Code runs under ``FakeTensorMode`` (tensors carry shapes and dtypes but no data) and under
+``AllocationRecorder``, a dispatch mode that sees every op's outputs: an output whose storage
+is new is an allocation, and a weakref finalizer on that storage reports its release. Storages
+that existed before recording (parameters, inputs) are never part of the trace. Process groups
+come from torch's fake backend, so a single process sees the shapes of any TP / SP / CP layout.
+
+Example (a 7B layer at 1M tokens, TP 8 + SP, forward and backward in about a second)::
+
+    trace = trace_transformer_layer(
+        config=gpt_config("gpt-7b", tensor_model_parallel_size=8, sequence_parallel=True),
+        seq_length=1 << 20, micro_batch_size=1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memo_ext.planner.trace import Alloc, Event, Free, Trace
+
+logger = logging.getLogger(__name__)
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Records the storages created and released by the ops that run under it.
+
+    ``tag`` (phase, layer) is attached to each allocation; callers change it as the program
+    moves between passes (``TagMarker`` does so from inside backward).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[Event] = []
+        self.live: dict[int, str] = {}
+        self.tag: tuple[str | None, int | None] = (None, None)
+        self.recording = True
+        self._ids = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.recording:
+            return out
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if _is_tensor(t)}
+        for tensor in tree_leaves(out):
+            if _is_tensor(tensor):
+                self._maybe_record(tensor, inputs, func)
+        return out
+
+    def _maybe_record(self, tensor: torch.Tensor, inputs: set[int], func) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in inputs or key in self.live or storage.nbytes() == 0:
+            return  # a view, an in-place result, or an empty tensor
+        tensor_id = f"t{next(self._ids)}"
+        self.live[key] = tensor_id
+        phase, layer = self.tag
+        name = str(func.overloadpacket.__name__)
+        self.events.append(Alloc(tensor_id, int(storage.nbytes()), name, phase, layer))
+        weakref.finalize(storage, self._release, key, tensor_id)
+
+    def _release(self, key: int, tensor_id: str) -> None:
+        if self.live.get(key) == tensor_id:
+            del self.live[key]
+            if self.recording:
+                self.events.append(Free(tensor_id))
+
+    def stop(self) -> None:
+        """Stops recording; storages still alive count as never freed."""
+        self.recording = False
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+class TagMarker(torch.autograd.Function):
+    """Identity whose backward switches the recorder's tag (marks pass boundaries in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, recorder: AllocationRecorder, tag: tuple):
+        ctx.recorder, ctx.tag = recorder, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.recorder.tag = ctx.tag
+        return grad, None, None
+
+
+def trace_module(
+    fn: Callable[[AllocationRecorder], object],
+    *,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    meta: dict | None = None,
+) -> Trace:
+    """Traces the allocations of ``fn(recorder)`` (run it under a ``FakeTensorMode``).
+
+    Args:
+        fn: the program to trace; it receives the recorder to set tags. Create its inputs
+            before calling (they are then pre-existing), or inside it (then they are traced).
+        context: optional factory of a context manager wrapped around ``fn`` (for example
+            saved-tensor hooks of an offloading policy), so its effect shows in the trace.
+        meta: description stored in the trace.
+    """
+    recorder = AllocationRecorder()
+    with context() if context is not None else contextlib.nullcontext(), recorder:
+        fn(recorder)
+    recorder.stop()
+    return Trace(events=recorder.events, meta=dict(meta or {}))
+
+
+_FAKE_WORLD: dict[str, int] = {}
+
+
+def fake_process_groups(*, tp: int, cp: int):
+    """A ``ProcessGroupCollection`` of a fake ``tp x cp`` world (rank 0's view).
+
+    Raises:
+        RuntimeError: when a real (non-fake) process group is already initialised.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = tp * cp
+    if dist.is_initialized() and not _FAKE_WORLD:
+        raise RuntimeError("tracing needs torch's fake process group; a real one is initialised")
+    if _FAKE_WORLD.get("size", 0) < world:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        _FAKE_WORLD["size"] = world
+    groups = ProcessGroupCollection()
+    groups.tp = dist.new_group(list(range(tp)))
+    groups.cp = dist.new_group(list(range(0, world, tp)))
+    groups.pp = dist.new_group([0])
+    groups.tp_cp = dist.new_group(list(range(world)))
+    return groups
+
+
+@contextlib.contextmanager
+def _tracing_environment() -> Iterator[None]:
+    """CPU redirections of megatron's CUDA-isms and a private sequence-parallel gather buffer.
+
+    Megatron keeps one global buffer for sequence-parallel all-gathers; a fresh one is installed
+    for the trace (so its fake tensor never leaks into real runs) and the old one put back.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    saved = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    try:
+        if torch.cuda.is_available():
+            yield
+        else:
+            from memo_ext.mcore.compat import cpu_compat
+
+            with cpu_compat():
+                yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved
+
+
+def _default_layer_spec(config):
+    from memo_ext.mcore.specs import build_layer_spec
+
+    return build_layer_spec(config=config, attention_backend="sdpa")
+
+
+def _embedding_forward(tokens, word, position, *, tp: int, sequence_parallel: bool):
+    # [b, s] ids -> [s, b, h]; the vocab-parallel lookup is all-reduced in place, then under SP
+    # reduce-scattered to this rank's [s/tp, b, h] shard.
+    x = F.embedding(tokens, word).transpose(0, 1) + position[: tokens.shape[1]].unsqueeze(1)
+    if sequence_parallel:
+        return x[: x.shape[0] // tp].clone()
+    return x.contiguous()
+
+
+def _loss_forward(x, norm_weight, output_weight, labels, *, tp: int, sequence_parallel: bool):
+    # Final norm on [s(/tp), b, h]; under SP the output layer all-gathers to [s, b, h]; logits
+    # [s, b, v/tp] go to float32 for the vocab-parallel cross entropy, as in megatron.
+    x = F.layer_norm(x, x.shape[-1:], norm_weight)
+    if sequence_parallel:
+        x = x.repeat(tp, 1, 1)
+    logits = F.linear(x, output_weight).float()
+    target = logits.gather(-1, labels.transpose(0, 1).unsqueeze(-1)).squeeze(-1)
+    return (torch.logsumexp(logits, dim=-1) - target).mean()
+
+
+def trace_transformer_layer(
+    *,
+    config,
+    seq_length: int,
+    micro_batch_size: int,
+    num_layers: int = 1,
+    vocab_size: int | None = None,
+    layer_spec=None,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> Trace:
+    """Traces one iteration: embedding, ``num_layers`` layers forward, loss, and backward.
+
+    The layer is a megatron-core ``TransformerLayer`` built from ``layer_spec`` (default: the
+    project's local spec with SDPA attention) with this rank's TP / SP / CP shapes; it is run
+    ``num_layers`` times (layers are identical). Allocs carry ``phase`` (``embedding``, ``fwd``,
+    ``loss``, ``bwd``, ``embedding_bwd``) and ``layer``. Weight gradients are released right
+    after accumulation (as megatron's DDP does once they reach its grad buffer); parameters and
+    their grad buffers are pre-existing memory and not in the trace. With ``vocab_size=None``
+    only the layers are traced (the layer input is then pre-existing).
+
+    Args:
+        config: megatron ``TransformerConfig`` (``num_layers`` there is ignored).
+        seq_length: tokens per sequence (the global length, before CP / SP sharding).
+        micro_batch_size: sequences per micro-batch.
+        num_layers: how many layer passes to run.
+        vocab_size: include the embedding and loss ends with this vocabulary.
+        layer_spec: megatron ``ModuleSpec`` of the layer.
+        context: optional context-manager factory wrapped around the traced program.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    sp = bool(config.sequence_parallel)
+    if seq_length % (cp * (tp if sp else 1)):
+        raise ValueError(f"--seq-length {seq_length} must divide by CP x (TP under SP)")
+    groups = fake_process_groups(tp=tp, cp=cp)
+    spec = layer_spec if layer_spec is not None else _default_layer_spec(config)
+    dtype = config.params_dtype
+    s_local, h = seq_length // cp, config.hidden_size
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with _tracing_environment(), fake:
+        layer = TransformerLayer(config, spec.submodules, layer_number=1, pg_collection=groups)
+        for param in layer.parameters():
+            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        ends = _build_ends(vocab_size, tp=tp, h=h, s=s_local, dtype=dtype)
+        tokens = torch.zeros(micro_batch_size, s_local, dtype=torch.long)
+        x0 = torch.empty(s_local // (tp if sp else 1), micro_batch_size, h, dtype=dtype)
+        x0.requires_grad_(ends is None)
+
+        def run(recorder: AllocationRecorder) -> None:
+            x = x0
+            if ends is not None:
+                recorder.tag = ("embedding", None)
+                x = _embedding_forward(
+                    tokens, ends["word"], ends["position"], tp=tp, sequence_parallel=sp
+                )
+            for k in range(num_layers):
+                back_tag = ("embedding_bwd", None) if k == 0 else ("bwd", k - 1)
+                x = TagMarker.apply(x, recorder, back_tag)
+                recorder.tag = ("fwd", k)
+                x, _ = layer(x, attention_mask=None)
+                x = TagMarker.apply(x, recorder, ("bwd", k))
+            if ends is not None:
+                recorder.tag = ("loss", None)
+                loss = _loss_forward(
+                    x, ends["norm"], ends["output"], tokens, tp=tp, sequence_parallel=sp
+                )
+                recorder.tag = ("loss_bwd", None)
+                loss.backward()
+            else:
+                recorder.tag = ("bwd", num_layers - 1)
+                x.backward(torch.ones_like(x))
+
+        meta = {
+            "model": {
+                "hidden_size": h,
+                "num_attention_heads": config.num_attention_heads,
+                "ffn_hidden_size": config.ffn_hidden_size,
+                "num_layers": num_layers,
+                "vocab_size": vocab_size,
+            },
+            "seq_length": seq_length,
+            "micro_batch_size": micro_batch_size,
+            "tensor_model_parallel_size": tp,
+            "sequence_parallel": sp,
+            "context_parallel_size": cp,
+            "dtype": str(dtype).replace("torch.", ""),
+        }
+        return trace_module(run, context=context, meta=meta)
+
+
+def _build_ends(vocab_size: int | None, *, tp: int, h: int, s: int, dtype) -> dict | None:
+    if vocab_size is None:
+        return None
+    # Megatron pads the vocabulary to a multiple of 128 x TP and splits it across TP ranks.
+    multiple = 128 * tp
+    padded = -(-vocab_size // multiple) * multiple
+    return {
+        "word": torch.nn.Parameter(torch.empty(padded // tp, h, dtype=dtype)),
+        "position": torch.nn.Parameter(torch.empty(s, h, dtype=dtype)),
+        "norm": torch.nn.Parameter(torch.empty(h, dtype=dtype)),
+        "output": torch.nn.Parameter(torch.empty(padded // tp, h, dtype=dtype)),
+    }
+
+
+@contextlib.contextmanager
+def no_op_context() -> Iterator[None]:
+    """A context factory that does nothing (the default of ``trace_module``)."""
+    yield

@@ -1,0 +1,37 @@
+"""Settings of the memory planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PlannerConfig:
+    """How to turn a trace into a plan."""
+
+    solver: str = "cpsat"
+    """Backend: ``cpsat`` (default), ``canonical``, ``highs``, ``gurobi`` or ``heuristic``."""
+    time_limit_s: float = 60.0
+    """Wall-clock budget for the whole plan, seconds (both levels of a bi-level plan)."""
+    alignment: int = 1
+    """Every offset is a multiple of this many bytes (512 matches PyTorch's CUDA allocator)."""
+    bilevel: bool = True
+    """Plan identical layer passes once and the iteration over blocks; flat when the trace has
+    no layer passes."""
+    workers: int = 2
+    """Threads a backend may use."""
+    seed: int = 0
+    """Random seed for backends that randomise their search."""
+
+    def check(self) -> None:
+        """Raises ValueError with an actionable message for a bad setting."""
+        from memo_ext.planner.solvers import SOLVERS
+
+        if self.solver not in SOLVERS:
+            raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}")
+        if self.time_limit_s <= 0:
+            raise ValueError(f"--time-limit must be positive, got {self.time_limit_s}")
+        if self.alignment < 1:
+            raise ValueError(f"--alignment must be a positive byte count, got {self.alignment}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")

@@ -1,0 +1,112 @@
+"""Solver backends for the DSA problem, behind one function.
+
+``solve_dsa(problem, solver=..., options=...)`` works in the problem's units: it divides sizes
+by their common divisor, splits the tensors into groups that never meet in time, solves each
+group with the chosen backend (a group the greedy already packs at its lower bound is done),
+and stacks nothing: groups never conflict, so each starts at offset 0.
+
+Backends:
+    cpsat: canonical branch and bound, then OR-Tools CP-SAT from its incumbent (default).
+    canonical: canonical branch and bound alone (MiniMalloc-style, pure numpy).
+    highs: big-M MIP in HiGHS.
+    gurobi: big-M MIP in Gurobi (needs gurobipy and a licence).
+    heuristic: greedy best-fit over several orders (no dependencies, milliseconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of, size_unit, time_components
+from memo_ext.planner.solvers.base import Solution, SolveOptions
+from memo_ext.planner.solvers.canonical import solve_canonical
+from memo_ext.planner.solvers.cpsat import solve_cpsat
+from memo_ext.planner.solvers.greedy import solve_greedy
+from memo_ext.planner.solvers.gurobi import solve_gurobi
+from memo_ext.planner.solvers.highs import solve_highs
+
+logger = logging.getLogger(__name__)
+
+SOLVERS: dict[str, Callable[[DsaProblem, SolveOptions], Solution]] = {
+    "cpsat": solve_cpsat,
+    "canonical": solve_canonical,
+    "highs": solve_highs,
+    "gurobi": solve_gurobi,
+    "heuristic": solve_greedy,
+}
+
+__all__ = ["SOLVERS", "Solution", "SolveOptions", "solve_dsa"]
+
+
+def _scaled(problem: DsaProblem, unit: int) -> DsaProblem:
+    return DsaProblem(sizes=problem.sizes // unit, start=problem.start, end=problem.end)
+
+
+def _solve_groups(
+    problem: DsaProblem, groups: list[np.ndarray], solver: str, options: SolveOptions
+) -> tuple[np.ndarray, bool, dict]:
+    """Greedy on every group, then the backend on groups above the overall lower bound."""
+    offsets = np.zeros(problem.n, dtype=np.int64)
+    target = lower_bound(problem)
+    hard = []
+    for group in groups:
+        sub = problem.subproblem(group)
+        first = solve_greedy(sub)
+        offsets[group] = first.offsets
+        if first.peak > target:
+            hard.append(group)
+    proven = not hard
+    details: dict = {"groups": len(groups), "hard_groups": len(hard)}
+    if solver == "heuristic" or not hard:
+        return offsets, proven or peak_of(problem, offsets) == target, details
+    deadline = time.perf_counter() + options.time_limit_s
+    proven = True
+    for k, group in enumerate(sorted(hard, key=len)):
+        share = (deadline - time.perf_counter()) / (len(hard) - k)
+        sub = problem.subproblem(group)
+        hint = offsets[group] if options.hint is None else options.hint[group]
+        sub_options = SolveOptions(
+            time_limit_s=max(share, 0.01), workers=options.workers, seed=options.seed, hint=hint
+        )
+        result = SOLVERS[solver](sub, sub_options)
+        offsets[group] = result.offsets
+        proven &= result.optimal or result.peak <= target
+        details.setdefault("backend", []).append(result.details)
+    return offsets, proven or peak_of(problem, offsets) == target, details
+
+
+def solve_dsa(
+    problem: DsaProblem, *, solver: str = "cpsat", options: SolveOptions | None = None
+) -> Solution:
+    """Places every tensor of ``problem`` with the chosen backend.
+
+    Args:
+        problem: tensors with aligned sizes and lifetimes.
+        solver: one of ``SOLVERS``.
+        options: time limit, workers, seed and optional hint (offsets in problem units).
+
+    Returns:
+        Offsets in the problem's units, the peak and whether it is proven optimal.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    options = options or SolveOptions()
+    if problem.n == 0:
+        return Solution(np.zeros(0, dtype=np.int64), 0, True, solver)
+    unit = size_unit(problem)
+    scaled = _scaled(problem, unit)
+    hint = None if options.hint is None else np.asarray(options.hint, dtype=np.int64)
+    if hint is not None and not (hint % unit).any():
+        hint = hint // unit
+    else:
+        hint = None  # A hint off the size grid cannot be expressed in the scaled units.
+    options = SolveOptions(options.time_limit_s, options.workers, options.seed, hint)
+    offsets, proven, details = _solve_groups(scaled, time_components(scaled), solver, options)
+    offsets = offsets * unit
+    peak = peak_of(problem, offsets)
+    logger.debug("%s: peak %d (lower bound %d)", solver, peak, lower_bound(problem))
+    return Solution(offsets, peak, proven or peak == lower_bound(problem), solver, details)

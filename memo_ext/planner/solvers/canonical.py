@@ -1,0 +1,324 @@
+"""Branch and bound over canonical placements (the technique of MiniMalloc, ASPLOS'23).
+
+Any placement can be pushed down until every tensor rests on offset 0 or on the top of a tensor
+live at the same time. Listing such a placement by increasing offset, each tensor sits at its
+*minimum offset*: the highest top among the tensors already placed that are live with it. The
+search therefore only chooses an order: at each node it places one unplaced tensor at its
+minimum offset, and
+
+* offsets never decrease along a branch (ties broken by a fixed preorder), so every placement is
+  reached once (*canonical solutions*);
+* a tensor whose minimum offset is at or above the lowest possible top of another unplaced
+  tensor is skipped: that other tensor could always be slid under it (*dominance*);
+* the time axis is cut into sections (between consecutive event times); a node is cut off when,
+  in some section, the floor (top of what is placed there, and at least the current offset) plus
+  the sizes of the unplaced tensors live there exceeds the capacity (*spatial inference*).
+
+For minimisation the capacity is one below the best peak found so far and shrinks whenever a
+leaf is reached. Depth-first search can lose itself in one subtree, so runs are restarted with a
+doubling node budget and rotating preorders; a run aimed at a capacity below the incumbent that
+ends without a leaf proves that capacity infeasible and raises the lower bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
+from memo_ext.planner.solvers.base import Solution, SolveOptions
+from memo_ext.planner.solvers.greedy import solve_greedy
+
+logger = logging.getLogger(__name__)
+
+
+class _NodeLimit(Exception):
+    """The run used its node budget."""
+
+
+class _Deadline(Exception):
+    """The wall-clock budget is spent."""
+
+
+@dataclass
+class _Sections:
+    """Elementary time sections and which ones each tensor covers."""
+
+    lo: np.ndarray
+    """``[n]`` first section covered by each tensor."""
+    hi: np.ndarray
+    """``[n]`` one past the last section covered."""
+    total: np.ndarray
+    """``[S]`` total size of all tensors live in each section."""
+
+
+def build_sections(problem: DsaProblem) -> _Sections:
+    """Cuts time at every start and end; tensor ``i`` covers sections ``lo[i] .. hi[i] - 1``."""
+    times = np.unique(np.concatenate([problem.start, problem.end]))
+    lo = np.searchsorted(times, problem.start)
+    hi = np.searchsorted(times, problem.end)
+    diff = np.zeros(len(times), dtype=np.int64)
+    np.add.at(diff, lo, problem.sizes)
+    np.add.at(diff, hi, -problem.sizes)
+    return _Sections(lo=lo, hi=hi, total=np.cumsum(diff)[:-1])
+
+
+def _features(problem: DsaProblem, sections: _Sections) -> np.ndarray:
+    """``[n, 5]`` normalised size, lifetime, sections spanned, crowding and area."""
+    length = (problem.end - problem.start).astype(float)
+    span = (sections.hi - sections.lo).astype(float)
+    # Largest section total the tensor takes part in: how crowded its lifetime is.
+    crowd = np.array(
+        [sections.total[lo:hi].max() for lo, hi in zip(sections.lo, sections.hi)], dtype=float
+    )
+    feats = np.stack([problem.sizes.astype(float), length, span, crowd, length * problem.sizes], 1)
+    return feats / np.maximum(feats.max(axis=0), 1)
+
+
+def preorder(sections: _Sections, key: np.ndarray) -> np.ndarray:
+    """Rank of each tensor: by start section, then by decreasing ``key``.
+
+    Tensors at the same offset never share a time step, so their placement order is free; going
+    left to right in time makes a skipped tensor leave a hole that spatial inference sees at once.
+    """
+    order = np.lexsort((-key, sections.lo))
+    rank = np.empty(len(key), dtype=np.int64)
+    rank[order] = np.arange(len(key))
+    return rank
+
+
+def preorders(problem: DsaProblem, sections: _Sections, rng: np.random.Generator) -> list:
+    """Fixed tie-breaking keys first (area, crowding, size, span), then random mixtures."""
+    feats = _features(problem, sections)
+    keys = [feats[:, 4], feats[:, 3], feats[:, 0], feats[:, 2]]
+    ranks = [preorder(sections, key) for key in keys]
+    while True:
+        yield from ranks
+        weights = rng.dirichlet(np.ones(feats.shape[1]))
+        noise = 1 + 0.1 * rng.random(problem.n)
+        ranks = [preorder(sections, (feats @ weights) * noise)]
+
+
+@dataclass
+class CanonicalSearch:
+    """Depth-first search over canonical placements of one problem (see the module docstring)."""
+
+    problem: DsaProblem
+    """The tensors to place (sizes in any unit)."""
+    deadline: float
+    """``time.perf_counter()`` value at which searching stops."""
+    sections: _Sections = field(init=False)
+    neighbours: list[np.ndarray] = field(init=False)
+    nodes: int = 0
+    """Nodes visited over all runs."""
+    failed: set = field(default_factory=set)
+    """Residual states known to have no placement within the current capacity."""
+
+    def __post_init__(self) -> None:
+        self.sections = build_sections(self.problem)
+        pairs = overlap_pairs(self.problem)
+        both = np.concatenate([pairs, pairs[:, ::-1]])
+        both = both[np.argsort(both[:, 0], kind="stable")]
+        splits = np.searchsorted(both[:, 0], np.arange(1, self.problem.n))
+        self.neighbours = np.split(both[:, 1], splits)
+        # crossings[s]: tensors live across the boundary between sections s and s + 1.
+        diff = np.zeros(len(self.sections.total) + 1, dtype=np.int64)
+        np.add.at(diff, self.sections.lo, 1)
+        np.add.at(diff, self.sections.hi - 1, -1)
+        self.base_crossings = np.cumsum(diff)[:-1]
+        # cover[i, s]: tensor i is live in section s.
+        sec = np.arange(len(self.sections.total))
+        self.cover = (sec >= self.sections.lo[:, None]) & (sec < self.sections.hi[:, None])
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * self.problem.n + 1000))
+
+    def run(self, *, capacity: int, rank: np.ndarray, node_limit: int) -> np.ndarray | None:
+        """Looks for a placement with peak <= ``capacity``.
+
+        Returns:
+            The offsets found, or None when the tree holds none (``self.complete`` is then True)
+            or the node budget ran out (``self.complete`` False).
+
+        Raises:
+            _Deadline: when the wall-clock budget ran out.
+        """
+        n = self.problem.n
+        if capacity != getattr(self, "capacity", None) or len(self.failed) > 2_000_000:
+            self.failed = set()
+        self.capacity, self.rank, self.node_budget = capacity, rank, node_limit
+        self.min_off = np.zeros(n, dtype=np.int64)
+        self.offsets = np.full(n, -1, dtype=np.int64)
+        self.placed = np.zeros(n, dtype=bool)
+        self.total = self.sections.total.copy()
+        self.crossings = self.base_crossings.copy()
+        self.stack: list[tuple] = []
+        self.complete = False
+        try:
+            found = self._search(np.arange(n), 0, len(self.total), -1, -1)
+        except _NodeLimit:
+            return None
+        self.complete = not found
+        return self.offsets.copy() if found else None
+
+    def _search(
+        self, members: np.ndarray, s_lo: int, s_hi: int, last_off: int, last_rank: int
+    ) -> bool:
+        """Places the unplaced tensors of ``members`` (living in sections ``[s_lo, s_hi)``)."""
+        self.nodes += 1
+        self.node_budget -= 1
+        if self.node_budget < 0:
+            raise _NodeLimit
+        if self.nodes % 64 == 0 and time.perf_counter() > self.deadline:
+            raise _Deadline
+        unplaced = members[~self.placed[members]]
+        if len(unplaced) == 0:
+            return True
+        sizes = self.problem.sizes
+        mo = self.min_off[unplaced]
+        # The residual problem depends only on what is left, where it can go and the order
+        # constraint; a state that failed once fails again (the same partition is often
+        # revisited unchanged while the search backtracks elsewhere).
+        key = (s_lo, last_off, last_rank, unplaced.tobytes(), mo.tobytes())
+        if key in self.failed:
+            return False
+        rk = self.rank[unplaced]
+        # Tensors the canonical order forbids at their minimum offset go at least one unit up.
+        allowed = (mo > last_off) | ((mo == last_off) & (rk > last_rank))
+        usable = np.where(allowed, mo, last_off + 1)
+        if not self._sections_fit(unplaced, usable, s_lo, s_hi):
+            self.failed.add(key)
+            return False
+        min_height = (mo + sizes[unplaced]).min()
+        # Whatever is placed next sits at or below every later offset, so the fullest section
+        # must still fit above it: offset + total[s] <= capacity.
+        highest = self.capacity - self.total[s_lo:s_hi].max()
+        ok = allowed & (mo < min_height) & (mo <= highest)
+        cands = unplaced[ok]
+        for c in cands[np.lexsort((self.rank[cands], self.min_off[cands]))]:
+            off = int(self.min_off[c])
+            mark = len(self.stack)
+            self._place(c, off)
+            cuts = self._new_cuts(c, s_lo, s_hi)
+            if len(cuts) == 0:
+                found = self._search(unplaced, s_lo, s_hi, off, int(self.rank[c]))
+            else:
+                found = self._search_parts(unplaced, [s_lo, *cuts, s_hi])
+            if found:
+                return True
+            self._undo_to(mark)
+        self.failed.add(key)
+        return False
+
+    def _sections_fit(self, unplaced: np.ndarray, usable: np.ndarray, s_lo: int, s_hi: int) -> bool:
+        """Spatial inference, section by section.
+
+        A tensor that can go no lower than ``u`` shares the bytes above ``u`` with every tensor
+        of its section that can go no lower either: ``u`` plus their sizes must fit the capacity.
+        (With the lowest ``u`` alone this is the floor-plus-remaining check.)
+        """
+        order = np.argsort(-usable, kind="stable")
+        cover = self.cover[unplaced[order], s_lo:s_hi]
+        stacked = np.cumsum(cover * self.problem.sizes[unplaced[order], None], axis=0)
+        need = np.where(cover, stacked + usable[order, None], 0)
+        return bool(need.max() <= self.capacity)
+
+    def _new_cuts(self, c: int, s_lo: int, s_hi: int) -> np.ndarray:
+        """Section boundaries inside ``[s_lo, s_hi)`` that no unplaced tensor crosses any more."""
+        lo, hi = self.sections.lo[c], self.sections.hi[c]
+        cuts = np.flatnonzero(self.crossings[lo : hi - 1] == 0) + lo + 1
+        return cuts[(cuts > s_lo) & (cuts < s_hi)]
+
+    def _search_parts(self, unplaced: np.ndarray, bounds: list[int]) -> bool:
+        """Solves independent time partitions one after another; all must succeed.
+
+        The partitions share no unplaced tensor and no section, so each restarts the canonical
+        order at offset 0. On failure the caller undoes every placement made here.
+        """
+        rest = unplaced[~self.placed[unplaced]]
+        lo, hi = self.sections.lo[rest], self.sections.hi[rest]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            part = rest[(lo < b) & (hi > a)]
+            if len(part) and not self._search(part, a, b, -1, -1):
+                return False
+        return True
+
+    def _place(self, c: int, off: int) -> None:
+        size = self.problem.sizes[c]
+        top = off + size
+        nb = self.neighbours[c]
+        raised = nb[(self.min_off[nb] < top) & ~self.placed[nb]]
+        self.stack.append((c, raised, self.min_off[raised]))
+        self.min_off[raised] = top
+        lo, hi = self.sections.lo[c], self.sections.hi[c]
+        self.total[lo:hi] -= size
+        self.crossings[lo : hi - 1] -= 1
+        self.placed[c] = True
+        self.offsets[c] = off
+
+    def _undo_to(self, mark: int) -> None:
+        """Reverts placements, latest first, until ``mark`` remain."""
+        while len(self.stack) > mark:
+            c, raised, old_min = self.stack.pop()
+            lo, hi = self.sections.lo[c], self.sections.hi[c]
+            self.total[lo:hi] += self.problem.sizes[c]
+            self.crossings[lo : hi - 1] += 1
+            self.min_off[raised] = old_min
+            self.placed[c] = False
+            self.offsets[c] = -1
+
+
+def _schedule(
+    problem: DsaProblem, search: CanonicalSearch, best: np.ndarray, bound: int, seed: int
+) -> tuple:
+    """Many short decision runs (their run times are heavy-tailed), with rotating preorders.
+
+    Each round aims at the lower bound (tightest pruning; the optimum on packable instances) and
+    at the midpoint between it and the incumbent. A run that ends without a placement and
+    without hitting its node budget proves its target infeasible. The budget doubles every
+    few rounds so that proofs become possible.
+    """
+    ranks = preorders(problem, search.sections, np.random.default_rng(seed))
+    best_peak = peak_of(problem, best)
+    node_limit, runs, rounds = 4 * problem.n + 64, 0, 0
+    try:
+        while best_peak > bound:
+            for target in sorted({bound, (bound + best_peak - 1) // 2}):
+                if target >= best_peak:
+                    continue
+                offsets = search.run(capacity=target, rank=next(ranks), node_limit=node_limit)
+                runs += 1
+                if offsets is not None:
+                    best, best_peak = offsets, peak_of(problem, offsets)
+                    logger.debug("canonical: peak %d after %d nodes", best_peak, search.nodes)
+                elif search.complete:
+                    bound = target + 1
+            rounds += 1
+            if rounds % 8 == 0:
+                node_limit *= 2
+    except _Deadline:
+        pass
+    details = {"runs": runs, "nodes": search.nodes, "node_limit": node_limit}
+    return best, bound, best_peak <= bound, details
+
+
+def solve_canonical(problem: DsaProblem, options: SolveOptions | None = None) -> Solution:
+    """Minimises the peak by canonical branch and bound, from a greedy incumbent."""
+    options = options or SolveOptions()
+    deadline = time.perf_counter() + options.time_limit_s
+    best = solve_greedy(problem).offsets
+    if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, best):
+        best = np.asarray(options.hint, dtype=np.int64)
+    bound = lower_bound(problem)
+    search = CanonicalSearch(problem=problem, deadline=deadline)
+    best, bound, proven, details = _schedule(problem, search, best, bound, options.seed)
+    details["bound"] = int(bound)
+    return Solution(
+        offsets=best,
+        peak=peak_of(problem, best),
+        optimal=proven,
+        solver="canonical",
+        details=details,
+    )
