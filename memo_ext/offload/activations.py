@@ -181,7 +181,7 @@ class LayerActivations:
         self._consumed = 0
         self._full_storages_ready = False
         self.full_storages[self.input_meta.storage] = x.untyped_storage().nbytes()
-        self._sources[self.input_meta.storage] = x
+        self._sources[self.input_meta.storage] = x.detach()
 
     # ----------------------------------------------------------------------------- forward side
 
@@ -219,6 +219,7 @@ class LayerActivations:
             self.full_storages[meta.storage] = t.untyped_storage().nbytes()
         if role is Role.TOKENWISE:
             self._classify_tokenwise(payload, t)
+        t = t.detach()  # the same memory, without the graph (see Role.SMALL above)
         self._sources.setdefault(meta.storage, t)
         self._payload_sources.append(t)
         self.payloads.append(payload)
@@ -243,7 +244,9 @@ class LayerActivations:
         )
         if payload.layout is None:
             payload.role = Role.SMALL
-            payload.device = t
+            # detached: holding a node's own output from its saved state would be a reference
+            # cycle through C++ that the garbage collector cannot break
+            payload.device = t.detach()
 
     def core_attention(self, run: Callable[[], Tensor], query, key, value, *_, **__) -> Tensor:
         """Observe one core-attention call: note its inputs, run it, note its output."""
@@ -251,7 +254,7 @@ class LayerActivations:
             raise RuntimeError("MEMO expects one core-attention call per layer")
         for x in (query, key, value):
             self.attention_inputs.append(
-                AttentionInput(TensorMeta.of(x), self._input_layout(x), source=x)
+                AttentionInput(TensorMeta.of(x), self._input_layout(x), source=x.detach())
             )
         self._in_attention = True
         try:
@@ -260,7 +263,7 @@ class LayerActivations:
             self._in_attention = False
         self.output_meta = TensorMeta.of(out)
         self.full_storages.setdefault(self.output_meta.storage, out.untyped_storage().nbytes())
-        self._sources.setdefault(self.output_meta.storage, out)
+        self._sources.setdefault(self.output_meta.storage, out.detach())
         return out
 
     def _input_layout(self, x: Tensor) -> TokenLayout:
@@ -399,7 +402,7 @@ class LayerActivations:
             groups=self.groups,
             requires_grad=self.input_requires_grad,
             stand_in=stand_in,
-            on_save=saved.append,
+            on_save=lambda t: saved.append(t.detach()),
         )
         if len(saved) != self.positions:
             raise RecomputeMismatch(

@@ -241,6 +241,12 @@ class MemoRuntime:
                 tokenwise_bytes=acts.host_bytes(acts.tokens) - acts.host_bytes(0),
             )
         gib = 2**30
+        logger.info(
+            "MEMO α = %g: %d of %d tokens per block to host, %.2f MiB host per layer, up to %d "
+            "layer activations held, %.3f of %.2f GiB host budget",
+            self.alpha, acts.host_tokens, acts.tokens, acts.host_bytes() / 2**20, layers,
+            need / gib, self.budget_bytes / gib,
+        )  # fmt: skip
         if floor > self.budget_bytes:
             raise HostMemoryError(
                 f"MEMO needs at least {floor / gib:.2f} GiB of host memory per process even at "
