@@ -82,6 +82,8 @@ class MemoRuntime:
         self._forwards = 0
         self._last: weakref.ref | None = None
         self._budget_checked = False
+        self.slot_bytes = 0
+        """Largest device memory one ping-pong slot has pinned (the storages of its sources)."""
         self.live: weakref.WeakSet[LayerActivations] = weakref.WeakSet()
 
     # ------------------------------------------------------------------------------ forward
@@ -148,7 +150,9 @@ class MemoRuntime:
             self.engine.wait(previous.completion)
         reuse = [buf.last_read for buf in acts.host_buffers]
         acts.offloaded = self.engine.to_host(pairs, reuse=reuse)
-        self._slots[slot_index] = _Slot(acts.offloaded, [src for _, src in pairs])
+        sources = [src for _, src in pairs]
+        self._slots[slot_index] = _Slot(acts.offloaded, sources)
+        self.slot_bytes = max(self.slot_bytes, _storage_bytes(sources))
         self._drop_finished_slots()
         self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
         self.stats.offloaded_layers += 1
@@ -166,9 +170,7 @@ class MemoRuntime:
 
     def in_flight_source_bytes(self) -> int:
         """Device bytes held only until in-flight device → host copies finish."""
-        return sum(
-            s.numel() * s.element_size() for slot in self._slots if slot for s in slot.sources
-        )
+        return sum(_storage_bytes(slot.sources) for slot in self._slots if slot is not None)
 
     # ----------------------------------------------------------------------------- backward
 
@@ -280,6 +282,11 @@ class MemoRuntime:
         if wait_s is not None:
             metrics["memo_copy_wait_s"] = wait_s
         return metrics
+
+
+def _storage_bytes(tensors: list[Tensor]) -> int:
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _sp_groups(layer) -> int:

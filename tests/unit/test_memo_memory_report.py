@@ -1,0 +1,44 @@
+"""``tools/memory_report.py`` on a small model: the figures keep the relations they must keep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.launch import ROOT
+
+LAYERS, H, S, TP, B = 6, 64, 256, 2, 2
+
+
+def test_memory_report_relations():
+    cmd = [
+        sys.executable, "-m", "tools.memory_report",
+        "--num-layers", str(LAYERS), "--hidden-size", str(H), "--num-attention-heads", "4",
+        "--seq-length", str(S), "--micro-batch-size", str(B),
+        "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
+        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--position-embedding-type", "rope", "--json",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    methods = json.loads(proc.stdout.strip().splitlines()[-1])["methods"]
+    assert set(methods) == {"none", "full", "selective", "memo-0", "memo-0.5", "memo-1"}
+    none, full = methods["none"], methods["full"]
+    # full recomputation keeps each layer's input, [s/tp, b, h] fp32, and recomputes everything
+    assert full["device_activation_bytes"] == LAYERS * (S // TP) * B * H * 4
+    assert none["recompute_flops"] == 0 and none["host_bytes"] == 0
+    per_layer = none["device_activation_bytes"] // LAYERS
+    for alpha in ("0", "0.5", "1"):
+        memo = methods[f"memo-{alpha}"]
+        # two kept layers plus at most two ping-pong slots of copy sources
+        assert memo["device_activation_bytes"] <= 4 * per_layer
+        assert memo["recompute_flops"] < full["recompute_flops"]
+    assert methods["memo-1"]["recompute_flops"] == 0
+    host = [methods[f"memo-{a}"]["host_bytes"] for a in ("0", "0.5", "1")]
+    assert 0 < host[0] < host[1] < host[2]
+    assert host[2] - host[1] == host[1] - host[0]  # linear in α
+    recompute = [methods[f"memo-{a}"]["recompute_flops"] for a in ("0", "0.5")]
+    assert recompute[1] * 2 == recompute[0]  # half the tokens, half the token-local FLOPs
