@@ -110,9 +110,8 @@ class MemoRuntime:
         acts = LayerActivations(self, layer, kwargs, host_tokens=a, groups=groups, probe=probe)
         with acts.capturing():
             out = layer.forward_plain(**kwargs)
-        pairs = acts.end_forward()
         self._check_budget(layer, acts)
-        self._offload(acts, pairs)
+        self._offload(acts, acts.end_forward())
         return out
 
     def _ensure_engine(self, device: torch.device) -> None:
@@ -242,26 +241,25 @@ class MemoRuntime:
                 full_bytes=acts.host_bytes(0),
                 tokenwise_bytes=acts.host_bytes(acts.tokens) - acts.host_bytes(0),
             )
-        gib = 2**30
         logger.info(
-            "MEMO α = %g: %d of %d tokens per block to host, %.2f MiB host per layer, up to %d "
-            "layer activations held, %.3f of %.2f GiB host budget",
-            self.alpha, acts.host_tokens, acts.tokens, acts.host_bytes() / 2**20, layers,
-            need / gib, self.budget_bytes / gib,
+            "MEMO α = %g: %d of %d tokens per block to host, %s per layer, up to %d layer "
+            "activations held: %s of a %s host budget",
+            self.alpha, acts.host_tokens, acts.tokens, format_bytes(acts.host_bytes()), layers,
+            format_bytes(need), format_bytes(self.budget_bytes),
         )  # fmt: skip
         if floor > self.budget_bytes:
             raise HostMemoryError(
-                f"MEMO needs at least {floor / gib:.2f} GiB of host memory per process even at "
-                f"α = 0 ({layers} layer activations of {acts.host_bytes(0) / gib:.3f} GiB), but "
-                f"the budget is {self.budget_bytes / gib:.2f} GiB; raise --memo-host-memory-gb, "
+                f"MEMO needs at least {format_bytes(floor)} of host memory per process even at "
+                f"α = 0 ({layers} layer activations of {format_bytes(acts.host_bytes(0))}), but "
+                f"the budget is {format_bytes(self.budget_bytes)}; raise --memo-host-memory-gb, "
                 "keep more layers on the device (--memo-keep-last-layers) or shard the sequence "
                 "further (TP / CP / PP)"
             )
         if need > self.budget_bytes:
             raise HostMemoryError(
-                f"MEMO at α = {self.alpha:g} needs {need / gib:.2f} GiB of host memory per "
-                f"process but the budget is {self.budget_bytes / gib:.2f} GiB; lower --memo-alpha "
-                f"(α = 0 needs {floor / gib:.2f} GiB) or raise --memo-host-memory-gb"
+                f"MEMO at α = {self.alpha:g} needs {format_bytes(need)} of host memory per "
+                f"process but the budget is {format_bytes(self.budget_bytes)}; lower --memo-alpha "
+                f"(α = 0 needs {format_bytes(floor)}) or raise --memo-host-memory-gb"
             )
 
     # ---------------------------------------------------------------------------- metrics
@@ -282,6 +280,14 @@ class MemoRuntime:
         if wait_s is not None:
             metrics["memo_copy_wait_s"] = wait_s
         return metrics
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``, ``12.0 MiB``, ``6.4 KiB``: the largest unit that keeps the number >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _storage_bytes(tensors: list[Tensor]) -> int:

@@ -68,10 +68,9 @@ class HostPool:
         else:
             if self.allocated_bytes + nbytes > self.budget_bytes:
                 raise HostMemoryError(
-                    f"MEMO's host buffers would exceed the host budget of "
-                    f"{self.budget_bytes / 2**30:.2f} GiB per process (already "
-                    f"{self.allocated_bytes / 2**30:.2f} GiB); raise --memo-host-memory-gb or "
-                    "lower --memo-alpha"
+                    f"MEMO's host buffers would exceed the host budget of {self.budget_bytes:,} "
+                    f"bytes per process ({self.allocated_bytes:,} already taken); raise "
+                    "--memo-host-memory-gb or lower --memo-alpha"
                 )
             data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             buf = HostBuffer(data)

@@ -21,6 +21,7 @@ from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.offload.config import MemoArgumentError, MemoConfig
 from memo_ext.offload.policy import apply_memo, memo_step_metrics
+from memo_ext.offload.transfer import HostMemoryError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -206,3 +207,43 @@ def test_refuses_what_it_cannot_honour(change, message):
     spec = build_layer_spec(config=make_config(), attention_backend="sdpa")
     with pytest.raises(MemoArgumentError, match=message):
         apply_memo(spec, MemoConfig(enabled=True, alpha=0.5), config)
+
+
+def _build_with(memo: MemoConfig, config=None):
+    config = config or make_config()
+    spec = apply_memo(build_layer_spec(config=config, attention_backend="sdpa"), memo, config)
+    return torch.nn.ModuleList([build_module(spec, config=config, layer_number=1)])
+
+
+@pytest.mark.parametrize(
+    "alpha, message",
+    [
+        (0.0, r"needs at least .* GiB .* even at α = 0"),
+        (1.0, r"at α = 1 needs .* lower --memo-alpha"),
+    ],
+)
+def test_host_budget_refused_before_any_copy(alpha, message):
+    # one layer at α = 0 holds 6.5 KB on the host (see test_memo_accounting's hand count)
+    budget_gb = 1e-6 if alpha == 0.0 else 8e-6
+    mem = _build_with(
+        MemoConfig(enabled=True, alpha=alpha, keep_last_layers=0, host_memory_gb=budget_gb)
+    )
+    x = torch.randn(12, 2, 32, requires_grad=True)
+    with pytest.raises(HostMemoryError, match=message):
+        mem[0](hidden_states=x, attention_mask=None)
+    assert mem[0].memo_runtime.pool.allocated_bytes == 0
+
+
+def test_auto_alpha_is_solved_once_and_exact():
+    config = make_config()
+    ref, _ = build_pair(config, alpha=0.0)
+    mem = _build_with(MemoConfig(enabled=True, alpha=None, keep_last_layers=0), config)
+    mem.load_state_dict(ref.state_dict())
+    s = 12
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(s)
+    x0 = torch.randn(s, 2, 32, generator=torch.Generator().manual_seed(8))
+    assert_same(run_stack(ref, x0, rope), run_stack(mem, x0, rope))
+    runtime = mem[0].memo_runtime
+    assert 0.0 <= runtime.alpha <= 1.0
+    assert runtime.cost.forward_s > 0 and runtime.cost.copy_gbps > 0
+    assert memo_step_metrics(mem)["memo_alpha"] == runtime.alpha

@@ -1,0 +1,104 @@
+"""MEMO's flags, their checks, and the α rule."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from memo_ext.offload.alpha import LayerCost, solve_alpha
+from memo_ext.offload.config import (
+    GIB,
+    MemoArgumentError,
+    MemoConfig,
+    add_memo_args,
+    host_budget_bytes,
+    memo_config_from_args,
+    validate_memo_args,
+)
+from memo_ext.offload.transfer import HostMemoryError
+
+
+def parse(argv: list[str], **rest) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_memo_args(parser)
+    args = parser.parse_args(argv)
+    defaults = dict(hidden_dropout=0.0, recompute_granularity=None, attention_backend="sdpa")
+    for key, value in {**defaults, **rest}.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_defaults_and_values():
+    args = parse(["--memo"])
+    validate_memo_args(args)
+    config = memo_config_from_args(args)
+    assert config == MemoConfig(enabled=True, alpha=None, host_memory_gb=None, keep_last_layers=2)
+    assert config.auto_alpha
+    args = parse(
+        [
+            "--memo",
+            "--memo-alpha",
+            "0.3",
+            "--memo-host-memory-gb",
+            "12",
+            "--memo-keep-last-layers",
+            "0",
+        ]
+    )
+    validate_memo_args(args)
+    config = memo_config_from_args(args)
+    assert (config.alpha, config.host_memory_gb, config.keep_last_layers) == (0.3, 12.0, 0)
+    assert host_budget_bytes(config) == 12 * GIB
+    assert memo_config_from_args(parse(["--memo", "--memo-alpha", "auto"])).alpha is None
+    assert not memo_config_from_args(parse([])).enabled
+
+
+def test_default_budget_shares_available_memory(monkeypatch):
+    monkeypatch.setattr("memo_ext.offload.config.available_host_memory_bytes", lambda: 100 * GIB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_budget_bytes(MemoConfig(enabled=True)) == int(100 * GIB * 0.8 / 4)
+
+
+@pytest.mark.parametrize(
+    "argv, rest, message",
+    [
+        (["--memo", "--memo-alpha", "1.5"], {}, r"--memo-alpha must be in \[0, 1\]"),
+        (["--memo", "--memo-host-memory-gb", "0"], {}, "must be positive"),
+        (["--memo", "--memo-keep-last-layers", "-1"], {}, ">= 0"),
+        (["--memo-alpha", "0.5"], {}, "only apply with --memo"),
+        (["--memo"], dict(hidden_dropout=0.1), "hidden-dropout"),
+        (["--memo"], dict(recompute_granularity="full"), "recompute-granularity"),
+        (["--memo"], dict(attention_backend="te"), "attention-backend sdpa or flash"),
+    ],
+)
+def test_refusals_are_one_sentence(argv, rest, message):
+    with pytest.raises(MemoArgumentError, match=message) as err:
+        validate_memo_args(parse(argv, **rest))
+    assert "\n" not in str(err.value)
+
+
+def test_alpha_flag_rejects_words():
+    with pytest.raises(SystemExit):
+        parse(["--memo", "--memo-alpha", "half"])
+
+
+def test_solve_alpha_hides_copies_under_the_forward():
+    # 1 GB/s for 10 ms hides 10 MB: 4 MB whole + α · 12 MB → α = 0.5
+    cost = LayerCost(full_bytes=4_000_000, tokenwise_bytes=12_000_000, forward_s=0.01, copy_gbps=1)
+    assert solve_alpha(cost, budget_bytes=10**12, resident_layers=30) == pytest.approx(0.5)
+    # a faster link hides everything
+    cost.copy_gbps = 10
+    assert solve_alpha(cost, budget_bytes=10**12, resident_layers=30) == 1.0
+    # a link too slow even for the whole tensors: α = 0 (still correct, copies just show)
+    cost.copy_gbps = 0.1
+    assert solve_alpha(cost, budget_bytes=10**12, resident_layers=30) == 0.0
+
+
+def test_solve_alpha_fits_the_budget():
+    cost = LayerCost(full_bytes=100, tokenwise_bytes=400)
+    # 10 layers, 2,000 bytes: 200 per layer, 100 whole → α = 0.25
+    assert solve_alpha(cost, budget_bytes=2000, resident_layers=10) == pytest.approx(0.25)
+    assert solve_alpha(cost, budget_bytes=2000, resident_layers=0) == 1.0
+    with pytest.raises(HostMemoryError, match="even at α = 0"):
+        solve_alpha(cost, budget_bytes=999, resident_layers=10)
