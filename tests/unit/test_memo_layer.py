@@ -218,7 +218,7 @@ def _build_with(memo: MemoConfig, config=None):
 @pytest.mark.parametrize(
     "alpha, message",
     [
-        (0.0, r"needs at least .* GiB .* even at α = 0"),
+        (0.0, r"needs at least 6.38 KiB .* even at α = 0"),
         (1.0, r"at α = 1 needs .* lower --memo-alpha"),
     ],
 )
