@@ -18,6 +18,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from memo_ext.config import DataConfig, LoggingConfig, ModelConfig, RunConfig, TrainConfig
 from memo_ext.mcore.specs import ATTENTION_BACKENDS
+from memo_ext.offload.config import (
+    MemoArgumentError,
+    add_memo_args,
+    memo_config_from_args,
+    validate_memo_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recompute_args(parser)
     _add_data_args(parser)
     _add_logging_args(parser)
+    add_memo_args(parser)
     return parser
 
 
@@ -433,6 +440,13 @@ def _check_logging(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--device-peak-tflops must be positive, got {args.device_peak_tflops}")
 
 
+def _check_memo(args: argparse.Namespace, world_size: int) -> None:
+    try:
+        validate_memo_args(args)
+    except MemoArgumentError as err:
+        _fail(str(err))
+
+
 CHECKS = (
     _check_positive,
     _check_world,
@@ -443,6 +457,7 @@ CHECKS = (
     _check_recompute,
     _check_data,
     _check_logging,
+    _check_memo,
 )
 
 
@@ -533,5 +548,6 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             metrics_file=args.metrics_file,
             device_peak_tflops=args.device_peak_tflops,
         ),
+        memo=memo_config_from_args(args),
         world_size=world_size,
     )

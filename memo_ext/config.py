@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from memo_ext.offload.config import MemoConfig
+
 
 @dataclass
 class ModelConfig:
@@ -112,6 +114,8 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig
     logging: LoggingConfig
+    memo: MemoConfig = field(default_factory=MemoConfig)
+    """MEMO's token-wise activation offloading (off by default)."""
     world_size: int = 1
     """Processes in the job (from torchrun's ``WORLD_SIZE``)."""
 

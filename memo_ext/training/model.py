@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from memo_ext.config import ModelConfig, RunConfig
 from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec, resolve_attention_backend
+from memo_ext.offload.policy import apply_memo
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig) -> ModuleSpec
     Megatron's own recomputation baselines are configured through ``TransformerConfig`` and
     need no spec change; this is where token-wise offloading plugs in.
     """
-    return layer_spec
+    if not run.memo.enabled:
+        return layer_spec
+    return apply_memo(layer_spec, run.memo, run.transformer)
 
 
 def build_gpt_model(*, run: RunConfig, device: torch.device) -> GPTModel:
