@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from memo_ext.config import DataConfig, LoggingConfig, ModelConfig, RunConfig, TrainConfig
+from memo_ext.config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
 from memo_ext.mcore.specs import ATTENTION_BACKENDS
 from memo_ext.offload.config import (
     MemoArgumentError,
@@ -49,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_logging_args(parser)
     add_memo_args(parser)
+    _add_checkpoint_args(parser)
     return parser
 
 
@@ -254,6 +262,28 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="Directory to write checkpoints to.")
+    g.add_argument(
+        "--load", default=None, help="Resume from the newest checkpoint in this directory."
+    )
+    g.add_argument(
+        "--save-interval", type=int, default=None, help="Save every this many steps (and at end)."
+    )
+    g.add_argument(
+        "--exit-interval", type=int, default=None, help="Save and stop after a multiple of N steps."
+    )
+    g.add_argument(
+        "--exit-duration-in-mins", type=float, default=None, help="Save and stop after N minutes."
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM / SIGINT save at the next step boundary and exit 0.",
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = None) -> RunConfig:
     """Parse and validate flags; ``world_size`` defaults to torchrun's ``WORLD_SIZE``.
 
@@ -440,6 +470,21 @@ def _check_logging(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--device-peak-tflops must be positive, got {args.device_peak_tflops}")
 
 
+def _check_checkpointing(args: argparse.Namespace, world_size: int) -> None:
+    for name in ("save_interval", "exit_interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.save_interval and not args.save:
+        _fail("--save-interval needs --save DIR")
+    if args.load and not os.path.isdir(args.load):
+        _fail(f"--load directory {args.load} does not exist")
+    stops = args.exit_interval or args.exit_duration_in_mins or args.exit_signal_handler
+    if stops and not args.save:
+        _fail("--exit-interval / --exit-duration-in-mins / --exit-signal-handler save before "
+              "stopping and need --save DIR")  # fmt: skip
+
+
 def _check_memo(args: argparse.Namespace, world_size: int) -> None:
     try:
         validate_memo_args(args)
@@ -458,6 +503,7 @@ CHECKS = (
     _check_data,
     _check_logging,
     _check_memo,
+    _check_checkpointing,
 )
 
 
@@ -547,6 +593,14 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             log_interval=args.log_interval,
             metrics_file=args.metrics_file,
             device_peak_tflops=args.device_peak_tflops,
+        ),
+        checkpoint=CheckpointConfig(
+            save=args.save,
+            load=args.load,
+            save_interval=args.save_interval,
+            exit_interval=args.exit_interval,
+            exit_duration_in_mins=args.exit_duration_in_mins,
+            exit_signal_handler=args.exit_signal_handler,
         ),
         memo=memo_config_from_args(args),
         world_size=world_size,

@@ -105,6 +105,24 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Saving, resuming and stopping early."""
+
+    save: str | None = None
+    """Directory to write checkpoints to."""
+    load: str | None = None
+    """Directory to resume from (its newest complete checkpoint); empty means start fresh."""
+    save_interval: int | None = None
+    """Save every this many steps (and at the end of training when ``save`` is set)."""
+    exit_interval: int | None = None
+    """Save and stop after the step whose number is a multiple of this."""
+    exit_duration_in_mins: float | None = None
+    """Save and stop once the run has lasted this many minutes."""
+    exit_signal_handler: bool = False
+    """On SIGTERM / SIGINT, save at the next step boundary on every rank and exit 0."""
+
+
+@dataclass
 class RunConfig:
     """Everything one training run needs, as parsed from the command line."""
 
@@ -114,6 +132,7 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig
     logging: LoggingConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     """MEMO's token-wise activation offloading (off by default)."""
     world_size: int = 1

@@ -20,6 +20,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.config import RunConfig
+from memo_ext.training.checkpointing import TrainProgress, load_checkpoint, save_checkpoint
+from memo_ext.training.control import StopConditions
 from memo_ext.training.data import build_batch_iterator, build_gpt_datasets
 from memo_ext.training.initialize import (
     ParallelContext,
@@ -50,6 +52,7 @@ class TrainSummary:
     iterations: int = 0
     losses: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    stopped_early: bool = False
 
     @property
     def first_loss(self) -> float:
@@ -90,8 +93,14 @@ def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
     )
     scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train)
     _connect_schedule_hooks(run, model, optimizer)
-    batches = _train_batches(run, ctx, tokenizer)
-    return _run_steps(run, ctx, model, optimizer, scheduler, batches)
+    progress = TrainProgress()
+    if run.checkpoint.load:
+        progress = load_checkpoint(
+            load_dir=run.checkpoint.load, model=model, optimizer=optimizer, scheduler=scheduler
+        )
+    batches = _train_batches(run, ctx, tokenizer, consumed_samples=progress.consumed_samples)
+    with StopConditions(run.checkpoint) as stop:
+        return _run_steps(run, ctx, model, optimizer, scheduler, batches, progress, stop)
 
 
 def _log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> None:
@@ -115,7 +124,7 @@ def _connect_schedule_hooks(run: RunConfig, model, optimizer) -> None:
         config.grad_scale_func = optimizer.optimizer.scale_loss
 
 
-def _train_batches(run: RunConfig, ctx: ParallelContext, tokenizer):
+def _train_batches(run: RunConfig, ctx: ParallelContext, tokenizer, *, consumed_samples: int):
     samples = run.train.train_iters * run.train.global_batch_size
     train_ds, _, _ = build_gpt_datasets(
         data_path=run.data.data_path or None,
@@ -132,6 +141,7 @@ def _train_batches(run: RunConfig, ctx: ParallelContext, tokenizer):
         micro_batch_size=run.train.micro_batch_size,
         data_parallel_rank=ctx.dp_rank,
         data_parallel_size=ctx.dp_size,
+        consumed_samples=consumed_samples,
     )
 
 
@@ -155,10 +165,35 @@ def _is_logged(iteration: int, run: RunConfig) -> bool:
     return iteration in (1, last) or iteration % run.logging.log_interval == 0
 
 
-def _run_steps(run, ctx, model, optimizer, scheduler, batches) -> TrainSummary:
+def _train_one_step(run, model, optimizer, scheduler, batches, forward_backward, forward_step):
+    """Forward / backward over the global batch, then the update; (loss, grad norm, lr, ok)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[model],
+        num_microbatches=run.num_microbatches,
+        seq_length=run.data.seq_length,
+        micro_batch_size=run.train.micro_batch_size,
+        forward_only=False,
+    )
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
+    updated, grad_norm = optimizer.step()
+    if updated:
+        scheduler.step(increment=1)
+    loss = _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return loss, grad_norm, lr, updated
+
+
+def _run_steps(run, ctx, model, optimizer, scheduler, batches, progress, stop) -> TrainSummary:
     forward_backward = get_forward_backward_func()
     forward_step = build_forward_step(ctx.device)
-    writer = MetricsWriter(run.logging.metrics_file if ctx.is_logging_rank else None)
+    writer = MetricsWriter(
+        run.logging.metrics_file if ctx.is_logging_rank else None, resume_from=progress.iteration
+    )
     flops_per_step = gpt_train_flops(
         config=run.transformer,
         vocab_size=run.model.vocab_size,
@@ -168,50 +203,55 @@ def _run_steps(run, ctx, model, optimizer, scheduler, batches) -> TrainSummary:
     peak = device_peak_tflops(run.logging.device_peak_tflops)
     summary = TrainSummary()
     skipped = 0
-    for iteration in range(1, run.train.train_iters + 1):
+    for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
         start = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=batches,
-            model=[model],
-            num_microbatches=run.num_microbatches,
-            seq_length=run.data.seq_length,
-            micro_batch_size=run.train.micro_batch_size,
-            forward_only=False,
+        loss, grad_norm, lr, updated = _train_one_step(
+            run, model, optimizer, scheduler, batches, forward_backward, forward_step
         )
-        updated, grad_norm = optimizer.step()
-        if updated:
-            scheduler.step(increment=1)
-        else:
-            skipped += 1
-        loss = _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        skipped += not updated
         step_time = time.perf_counter() - start
         tokens_per_s = run.train.global_batch_size * run.data.seq_length / step_time
         summary.iterations = iteration
         summary.losses.append(loss)
         summary.tokens_per_s.append(tokens_per_s)
-        if not _is_logged(iteration, run):
-            continue
-        tflops = flops_per_step / ctx.world_size / step_time / 1e12
-        allocated, reserved = cuda_memory()
-        record = StepMetrics(
-            iteration=iteration,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=optimizer.param_groups[0]["lr"],
-            step_time_s=step_time,
-            tokens_per_s=tokens_per_s,
-            consumed_samples=iteration * run.train.global_batch_size,
-            skipped_iterations=skipped,
-            tflops_per_device=tflops,
-            mfu=tflops / peak if peak else None,
-            mem_allocated_bytes=allocated,
-            mem_reserved_bytes=reserved,
-        )
-        writer.write(record.to_json())
-        logger.info(record.console_line(run.train.train_iters))
+        progress = TrainProgress(iteration, iteration * run.train.global_batch_size)
+        if _is_logged(iteration, run):
+            tflops = flops_per_step / ctx.world_size / step_time / 1e12
+            allocated, reserved = cuda_memory()
+            record = StepMetrics(
+                iteration=iteration,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                step_time_s=step_time,
+                tokens_per_s=tokens_per_s,
+                consumed_samples=progress.consumed_samples,
+                skipped_iterations=skipped,
+                tflops_per_device=tflops,
+                mfu=tflops / peak if peak else None,
+                mem_allocated_bytes=allocated,
+                mem_reserved_bytes=reserved,
+            )
+            writer.write(record.to_json())
+            logger.info(record.console_line(run.train.train_iters))
+        reason = stop.reason(iteration)
+        if reason or _save_due(iteration, run):
+            save_checkpoint(
+                save_dir=run.checkpoint.save, progress=progress, model=model,
+                optimizer=optimizer, scheduler=scheduler,
+            )  # fmt: skip
+        if reason:
+            logger.info("stopping after iteration %d: %s", iteration, reason)
+            summary.stopped_early = True
+            break
     return summary
+
+
+def _save_due(iteration: int, run: RunConfig) -> bool:
+    """At every ``--save-interval`` and at the end of training, when ``--save`` is set."""
+    ckpt = run.checkpoint
+    if not ckpt.save:
+        return False
+    if iteration == run.train.train_iters:
+        return True
+    return bool(ckpt.save_interval) and iteration % ckpt.save_interval == 0

@@ -125,13 +125,24 @@ def cuda_memory() -> tuple[int | None, int | None]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step; a no-op when no file was asked for."""
+    """Appends one JSON object per logged step; a no-op when no file was asked for.
 
-    def __init__(self, path: str | None):
+    A fresh run starts the file empty. A resumed run (``resume_from`` = the checkpoint's
+    iteration) keeps the records up to that iteration and drops later ones, which a run that
+    died after its last checkpoint left behind, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: str | None, *, resume_from: int = 0):
         self.path = Path(path) if path else None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_from and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                if line.strip() and json.loads(line)["iteration"] <= resume_from:
+                    kept.append(line + "\n")
+        self.path.write_text("".join(kept))
 
     def write(self, record: dict) -> None:
         if self.path is None:

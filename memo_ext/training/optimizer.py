@@ -16,6 +16,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
@@ -31,6 +35,10 @@ class TrainingOptimizer(Protocol):
     def zero_grad(self) -> None: ...
 
     def step(self) -> tuple[bool, float | None]: ...
+
+    def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict: ...
+
+    def load_sharded_state_dict(self, loaded: dict) -> None: ...
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -105,11 +113,39 @@ class TorchAdamW:
         self.optimizer.step()
         return True, grad_norm
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    def _init_state(self) -> None:
+        """Zero moments, so a fresh optimizer has tensors for a checkpoint to fill."""
+        for p in self.params:
+            state = self.optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict:
+        """Adam moments as sharded tensors mirroring their parameters; the step as a scalar.
+
+        Keys follow the parameters' global keys, so the state loads into any TP / PP layout.
+        """
+        if is_loading:
+            self._init_state()
+        state = self.optimizer.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+        if len(steps) > 1:
+            raise RuntimeError("optimizer steps differ between parameters; cannot checkpoint")
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        id_map = get_param_id_to_sharded_param_map(model_sharded, params)
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        state["state"]["common_step"] = steps.pop() if steps else 0.0
+        return state
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Put loaded moments back, keeping this run's own parameter groups."""
+        step = torch.tensor(float(loaded["state"].pop("common_step")))
+        current = self.optimizer.state_dict()
+        for param_id, param_state in loaded["state"].items():
+            current["state"][param_id] = {**param_state, "step": step.clone()}
+        self.optimizer.load_state_dict(current)
 
 
 class MegatronOptimizerAdapter:
@@ -129,11 +165,11 @@ class MegatronOptimizerAdapter:
         updated, grad_norm, _ = self.optimizer.step()
         return updated, grad_norm
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict:
+        return self.optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        self.optimizer.load_state_dict(loaded)
 
 
 def build_optimizer(

@@ -1,0 +1,321 @@
+"""Checkpoints with megatron-core ``dist_checkpointing``: exact resume, any layout, safe loading.
+
+A checkpoint directory looks like Megatron-LM's::
+
+    SAVE/latest_checkpointed_iteration.txt      the iteration of the newest complete checkpoint
+    SAVE/iter_0000100/                          megatron-core sharded checkpoint (torch_dist)
+        manifest.json                           SHA-256 of every file, written last
+        rng/rank_00000.pt                       per-process RNG states (tensors only)
+
+Model weights and optimizer moments are saved as sharded tensors with global keys, so a
+checkpoint written under one TP / PP / CP / DP layout loads under another. Iteration, consumed
+samples, the LR schedule and the optimizer step live in megatron's common state.
+
+Writes are atomic: everything goes to ``iter_N.tmp``; only when all ranks are done does rank 0
+write the manifest, rename the directory and then replace the tracker file, so a crash at any
+point leaves the previous checkpoint as the latest one.
+
+Loading never runs code from a checkpoint: file checksums are verified first, megatron's common
+state is read with ``torch.load(weights_only=True)``, the one pickle that torch's checkpoint
+format keeps (``.metadata``) is unpickled with an allow-list of its own data classes before
+megatron reads it, and the RNG files are tensors read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.tensor_parallel import random as mrandom
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+FORMAT = "memo-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """Where a run stands: restored from a checkpoint or zero."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``sharded_state_dict`` megatron defines (under DDP / Float16Module)."""
+    while not hasattr(model, "sharded_state_dict") or hasattr(model, "zero_grad_buffer"):
+        model = model.module
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states (per process, tensors only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    tracker = mrandom.get_cuda_rng_tracker()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached,
+        },  # fmt: skip
+        "python": {"version": version, "state": list(py_state), "gauss": gauss},
+        "tracker": tracker.get_states() if tracker.is_initialized() else {},
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+         n["cached_gaussian"])
+    )  # fmt: skip
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if state["tracker"]:
+        mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity: checksums and a safe look at torch's pickled metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(directory: Path, meta: dict) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    checksums = {str(p.relative_to(directory)): _sha256(p) for p in files}
+    manifest = {"format": FORMAT, **meta, "files": checksums}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def verify_checkpoint(directory: Path) -> dict:
+    """Check every file against the manifest; return the manifest.
+
+    Raises:
+        CheckpointError: naming the missing, unexpected or corrupt file.
+    """
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{manifest_path} is missing: {directory} is an incomplete checkpoint"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{manifest_path} is not valid JSON ({err})") from err
+    if manifest.get("format") != FORMAT:
+        found = manifest.get("format")
+        raise CheckpointError(f"{manifest_path} has format {found!r}, not {FORMAT}")
+    for name, checksum in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        if _sha256(path) != checksum:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (checksum mismatch)")
+    _check_torch_metadata(directory)
+    return manifest
+
+
+# torch.distributed.checkpoint describes a checkpoint in a pickled ``.metadata`` file, which
+# megatron then unpickles. Only these data classes may appear in it.
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+)
+_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
+    ("torch", "float64"), ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"),
+    ("torch", "int8"), ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"),
+    ("torch", "preserve_format"), ("collections", "OrderedDict"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise CheckpointError(f"{module}.{name}")
+
+
+def _check_torch_metadata(directory: Path) -> None:
+    path = directory / ".metadata"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"{path} refers to {err}, which a checkpoint has no reason to contain; refusing to "
+            "load it (it could run code)"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - any other failure means an unreadable file
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({err})") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------------------------
+
+
+def _sharded_state(
+    model, optimizer, scheduler, progress: TrainProgress, *, is_loading: bool = False
+) -> dict:
+    model_sharded = _unwrap(model).sharded_state_dict()
+    return {
+        "model": model_sharded,
+        "optimizer": optimizer.sharded_state_dict(model_sharded, is_loading=is_loading),
+        "scheduler": scheduler.state_dict(),
+        "iteration": progress.iteration,
+        "consumed_samples": progress.consumed_samples,
+        "format": FORMAT,
+    }
+
+
+def _layout() -> dict:
+    return {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
+    }
+
+
+def save_checkpoint(*, save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -> Path:
+    """Write the checkpoint of ``progress.iteration`` atomically; return its directory."""
+    root = Path(save_dir)
+    final = iteration_dir(root, progress.iteration)
+    staging = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, progress), str(staging))
+    rng_path = staging / "rng" / f"rank_{_rank():05d}.pt"
+    rng_path.parent.mkdir(exist_ok=True)
+    torch.save(_rng_state(), rng_path)
+    _barrier()
+    if _rank() == 0:
+        _write_manifest(staging, {"iteration": progress.iteration, "layout": _layout()})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        tracker_tmp = root / (TRACKER + ".tmp")
+        tracker_tmp.write_text(f"{progress.iteration}\n")
+        os.replace(tracker_tmp, root / TRACKER)
+    _barrier()
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def latest_iteration(load_dir: Path) -> int | None:
+    """The iteration the tracker file names, or None when the directory has no checkpoint."""
+    tracker = load_dir / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} should hold an iteration number, not {text!r}")
+    return int(text)
+
+
+def _broadcast_error(error: str | None) -> None:
+    """Raise the same CheckpointError on every rank when rank 0 found one."""
+    box = [error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise CheckpointError(box[0])
+
+
+def load_checkpoint(*, load_dir: str, model, optimizer, scheduler) -> TrainProgress:
+    """Restore the latest checkpoint in ``load_dir``; a directory without one starts from zero.
+
+    Raises:
+        CheckpointError: a missing directory, or a checkpoint that is incomplete or corrupt.
+    """
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"--load directory {root} does not exist")
+    iteration = latest_iteration(root)
+    if iteration is None:
+        logger.warning("no checkpoint in %s (no %s); starting from scratch", root, TRACKER)
+        return TrainProgress()
+    directory = iteration_dir(root, iteration)
+    error = None
+    if _rank() == 0:
+        try:
+            verify_checkpoint(directory)
+        except CheckpointError as err:
+            error = str(err)
+    _broadcast_error(error)
+    template = _sharded_state(model, optimizer, scheduler, TrainProgress(), is_loading=True)
+    loaded = dist_checkpointing.load(template, str(directory))
+    _unwrap(model).load_state_dict(loaded["model"])
+    optimizer.load_sharded_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    _maybe_restore_rng(directory)
+    logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
+    return TrainProgress(loaded["iteration"], loaded["consumed_samples"])
+
+
+def _maybe_restore_rng(directory: Path) -> None:
+    """Restore this rank's RNG states when the checkpoint was written by the same layout."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    if manifest["layout"] != _layout():
+        logger.warning(
+            "checkpoint layout %s differs from this run's %s: RNG states start fresh",
+            manifest["layout"], _layout(),
+        )  # fmt: skip
+        return
+    state = torch.load(directory / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
+    _set_rng_state(state)
