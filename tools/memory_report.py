@@ -325,7 +325,12 @@ def format_table(figures: dict[str, MethodFigures]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.context_parallel_size > 1:
+        # SDPAttention's CP path builds torch's CausalBias, a tensor subclass FakeTensorMode
+        # cannot wrap; trace the same tokens per rank with TP / SP instead
+        parser.error("--context-parallel-size > 1 cannot be traced on fake tensors yet")
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
