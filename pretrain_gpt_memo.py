@@ -42,9 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as err:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 2
+    from memo_ext.training.checkpointing import CheckpointError
     from memo_ext.training.loop import train
 
-    summary = train(run)
+    try:
+        summary = train(run)
+    except CheckpointError as err:
+        print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0 and summary.losses:
         logging.getLogger("pretrain_gpt_memo").info(
             "done: %d iterations, loss %.4f -> %.4f, %.0f tokens/s (median)",

@@ -1,0 +1,168 @@
+"""Checkpoints: exact resume, resume into another layout, preemption, refusal of bad files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.launch import ROOT, assert_same_curves, free_port, run_pretrain
+
+pytestmark = pytest.mark.dist
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "36", "--ffn-hidden-size", "50",
+    "--num-attention-heads", "6", "--num-query-groups", "2", "--seq-length", "28",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--mock-data",
+    "--seed", "11", "--weight-decay", "0.1",
+]  # fmt: skip
+ITERS = ["--train-iters", "6"]
+# a resumed run replays the same arithmetic: any difference is a resume bug, not rounding
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_pretrain(MODEL + ITERS, nproc=1, workdir=tmp_path_factory.mktemp("u"), name="full")
+
+
+def stop_and_resume(tmp_path, first: list[str], second: list[str], nprocs=(1, 1)) -> list[dict]:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    common = MODEL + ITERS + ["--save", str(save)]
+    head = run_pretrain(common + first + ["--exit-interval", "3"], nproc=nprocs[0],
+                        workdir=tmp_path, name="head")  # fmt: skip
+    assert head[-1]["iteration"] == 3
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # the same metrics file continues: copy the head's records to where the tail appends
+    (tmp_path / "tail.jsonl").write_text((tmp_path / "head.jsonl").read_text())
+    return run_pretrain(common + second + ["--load", str(save)], nproc=nprocs[1],
+                        workdir=tmp_path, name="tail")  # fmt: skip
+
+
+def test_resume_is_exact_in_one_process(uninterrupted, tmp_path):
+    curves = stop_and_resume(tmp_path, [], [])
+    assert_same_curves(uninterrupted, curves, rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    "layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               ["--pipeline-model-parallel-size", "2"]],
+    ids=["tp2-sp", "pp2"],
+)  # fmt: skip
+def test_resume_is_exact_under_model_parallelism(uninterrupted, tmp_path, layout):
+    curves = stop_and_resume(tmp_path, layout, layout, nprocs=(2, 2))
+    # the uninterrupted reference is one process: layouts agree to fp32 summation order
+    assert_same_curves(uninterrupted, curves, rtol=1e-5)
+
+
+def test_checkpoint_loads_into_another_layout(uninterrupted, tmp_path):
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    curves = stop_and_resume(tmp_path, tp2, ["--pipeline-model-parallel-size", "2"], (2, 2))
+    assert_same_curves(uninterrupted, curves, rtol=1e-5)
+
+
+def test_sigterm_saves_and_exits_zero(uninterrupted, tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    metrics = tmp_path / "run.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_memo.py"),
+           *MODEL, "--train-iters", "100000", "--save", str(save), "--exit-signal-handler",
+           "--metrics-file", str(metrics), "--log-interval", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    # a cluster scheduler signals every process of the job; torchrun itself would kill its
+    # workers on SIGTERM, so the workers are the ones signalled here
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len(workers) == 2
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-4000:]
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert saved == records[-1]["iteration"] >= 3
+    assert (save / f"iter_{saved:07d}" / "manifest.json").is_file()
+
+
+@pytest.fixture
+def saved_checkpoint(tmp_path) -> Path:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    run_pretrain(MODEL + ["--train-iters", "2", "--save", str(save)], nproc=1,
+                 workdir=tmp_path, name="save")  # fmt: skip
+    return save
+
+
+def load_fails(save: Path, tmp_path: Path) -> str:
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *MODEL, "--train-iters", "4",
+           "--load", str(save)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def _refresh_manifest(directory: Path) -> None:
+    """Re-checksum after tampering, so only the content checks can catch it."""
+    from memo_ext.training.checkpointing import _sha256
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"] = {name: _sha256(directory / name) for name in manifest["files"]}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_corrupt_and_partial_checkpoints_are_named(saved_checkpoint, tmp_path):
+    directory = saved_checkpoint / "iter_0000002"
+    data_file = next(p for p in directory.glob("*.distcp"))
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(blob))
+    message = load_fails(saved_checkpoint, tmp_path)
+    assert f"{data_file} is corrupt" in message
+
+    (directory / "manifest.json").unlink()  # as a crash before the rename would leave it
+    assert "manifest.json is missing" in load_fails(saved_checkpoint, tmp_path)
+
+    (saved_checkpoint / "latest_checkpointed_iteration.txt").write_text("7\n")
+    assert "iter_0000007/manifest.json is missing" in load_fails(saved_checkpoint, tmp_path)
+
+
+class _Payload:
+    """Unpickling this calls os.system: what a hostile checkpoint would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_payload_is_refused_without_running(saved_checkpoint, tmp_path):
+    directory = saved_checkpoint / "iter_0000002"
+    marker = tmp_path / "payload-ran"
+    buffer = io.BytesIO()
+    pickle.dump({"metadata": _Payload(marker)}, buffer)
+    (directory / ".metadata").write_bytes(buffer.getvalue())
+    _refresh_manifest(directory)
+    message = load_fails(saved_checkpoint, tmp_path)
+    assert "refusing to load it" in message and ".metadata" in message
+    assert not marker.exists()
