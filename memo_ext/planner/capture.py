@@ -121,32 +121,35 @@ def trace_module(
     return Trace(events=recorder.events, meta=dict(meta or {}))
 
 
-_FAKE_WORLD: dict[str, int] = {}
-
-
+@contextlib.contextmanager
 def fake_process_groups(*, tp: int, cp: int):
-    """A ``ProcessGroupCollection`` of a fake ``tp x cp`` world (rank 0's view).
+    """Yields a ``ProcessGroupCollection`` of a fake ``tp x cp`` world (rank 0's view).
+
+    The fake default group exists only inside the block, so real runs and other tests in the
+    same process never see it.
 
     Raises:
-        RuntimeError: when a real (non-fake) process group is already initialised.
+        RuntimeError: when a process group is already initialised.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():
+        raise RuntimeError(
+            "tracing builds its own fake process group; trace before torch.distributed is "
+            "initialised (or in a separate process)"
+        )
     world = tp * cp
-    if dist.is_initialized() and not _FAKE_WORLD:
-        raise RuntimeError("tracing needs torch's fake process group; a real one is initialised")
-    if _FAKE_WORLD.get("size", 0) < world:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-        _FAKE_WORLD["size"] = world
-    groups = ProcessGroupCollection()
-    groups.tp = dist.new_group(list(range(tp)))
-    groups.cp = dist.new_group(list(range(0, world, tp)))
-    groups.pp = dist.new_group([0])
-    groups.tp_cp = dist.new_group(list(range(world)))
-    return groups
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        groups = ProcessGroupCollection()
+        groups.tp = dist.new_group(list(range(tp)))
+        groups.cp = dist.new_group(list(range(0, world, tp)))
+        groups.pp = dist.new_group([0])
+        groups.tp_cp = dist.new_group(list(range(world)))
+        yield groups
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -234,12 +237,11 @@ def trace_transformer_layer(
     sp = bool(config.sequence_parallel)
     if seq_length % (cp * (tp if sp else 1)):
         raise ValueError(f"--seq-length {seq_length} must divide by CP x (TP under SP)")
-    groups = fake_process_groups(tp=tp, cp=cp)
     spec = layer_spec if layer_spec is not None else _default_layer_spec(config)
     dtype = config.params_dtype
     s_local, h = seq_length // cp, config.hidden_size
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with _tracing_environment(), fake:
+    with fake_process_groups(tp=tp, cp=cp) as groups, _tracing_environment(), fake:
         layer = TransformerLayer(config, spec.submodules, layer_number=1, pg_collection=groups)
         for param in layer.parameters():
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))

@@ -26,7 +26,7 @@ from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.canonical import solve_canonical
 from memo_ext.planner.solvers.cpsat import solve_cpsat
 from memo_ext.planner.solvers.greedy import solve_greedy
-from memo_ext.planner.solvers.gurobi import solve_gurobi
+from memo_ext.planner.solvers.gurobi import import_gurobi, solve_gurobi
 from memo_ext.planner.solvers.highs import solve_highs
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ def solve_dsa(
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if solver == "gurobi":
+        import_gurobi()  # fail now, with what to do, rather than after the greedy pass
     options = options or SolveOptions()
     if problem.n == 0:
         return Solution(np.zeros(0, dtype=np.int64), 0, True, solver)

@@ -15,7 +15,8 @@ from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.greedy import solve_greedy
 
 
-def _import_gurobi():
+def import_gurobi():
+    """Returns the gurobipy module, or raises SolverUnavailableError saying how to get it."""
     try:
         import gurobipy
     except ImportError:
@@ -28,7 +29,7 @@ def _import_gurobi():
 
 def solve_gurobi(problem: DsaProblem, options: SolveOptions | None = None) -> Solution:
     """Solves the big-M MIP with Gurobi from the greedy (or hinted) placement."""
-    gp = _import_gurobi()
+    gp = import_gurobi()
     options = options or SolveOptions()
     start = solve_greedy(problem).offsets
     if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, start):

@@ -1,0 +1,55 @@
+"""The plan_memory tool, run as users run it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from memo_ext.planner import load_plan, load_trace, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tools.plan_memory", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_plans_a_tiny_trace(tmp_path):
+    events = [
+        {"op": "alloc", "id": "a", "size": 4096},
+        {"op": "alloc", "id": "b", "size": 1024},
+        {"op": "free", "id": "a"},
+        {"op": "alloc", "id": "c", "size": 2048},
+        {"op": "free", "id": "b"},
+    ]
+    trace_path, plan_path = tmp_path / "t.json", tmp_path / "p.json"
+    trace_path.write_text(json.dumps({"format": "memo-trace/1", "events": events}))
+    result = _run("--trace", str(trace_path), "--out", str(plan_path), "--time-limit", "5")
+    assert result.returncode == 0, result.stderr
+    assert "peak 5120 bytes" in result.stdout and "gap 0.00%" in result.stdout
+    validate(load_trace(trace_path), load_plan(plan_path))
+
+
+def test_plans_a_minimalloc_csv(tmp_path):
+    csv_path, plan_path = tmp_path / "input.12.csv", tmp_path / "p.json"
+    csv_path.write_text("id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n")
+    result = _run("--trace", str(csv_path), "--out", str(plan_path), "--solver", "canonical")
+    assert result.returncode == 0, result.stderr
+    assert load_plan(plan_path).peak_bytes == 12
+
+
+def test_bad_file_gives_one_clear_sentence(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "memo-trace/1", "events": [{"op": "free", "id": "x"}]}))
+    result = _run("--trace", str(bad), "--out", str(tmp_path / "p.json"))
+    assert result.returncode == 2
+    assert "event 0: free of unknown id 'x'" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = _run("--trace", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -1,0 +1,204 @@
+"""Plan the activation memory of a training iteration offline, from a trace or a model.
+
+From a trace file (``memo-trace/1`` JSON, or a MiniMalloc CSV ``id,lower,upper,size``)::
+
+    python -m tools.plan_memory --trace layer.trace.json --out layer.plan.json --time-limit 60
+
+From a model (traces one iteration under fake tensors, then plans it bi-level)::
+
+    python -m tools.plan_memory --model gpt-7b --seq-length 1048576 --micro-batch-size 1 \\
+        --tensor-model-parallel-size 8 --sequence-parallel --out 7b-1m.plan.json \\
+        --save-trace 7b-1m.trace.json --compare-allocator --plot 7b-1m.png
+
+Solvers: ``cpsat`` (default), ``canonical``, ``highs``, ``gurobi`` (needs a licence),
+``heuristic``. Prints the plan's peak, the lower bound, the gap between them and the time taken;
+exits with status 2 and one sentence on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from memo_ext.planner import (
+    PlannerConfig,
+    PlannerInputError,
+    PlanValidationError,
+    SolverUnavailableError,
+    load_trace,
+    plan_trace,
+    save_plan,
+    save_trace,
+)
+from memo_ext.planner.models import MODEL_PRESETS
+from memo_ext.planner.solvers import SOLVERS
+
+logger = logging.getLogger("plan_memory")
+GIB = float(1 << 30)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags (Megatron-LM's names for the model)."""
+    parser = argparse.ArgumentParser(prog="plan_memory", description=__doc__.split("\n")[0])
+    source = parser.add_argument_group("input (one of)")
+    source.add_argument("--trace", help="memo-trace/1 JSON file, or MiniMalloc CSV (*.csv).")
+    source.add_argument("--model", choices=sorted(MODEL_PRESETS), help="Trace this GPT preset.")
+    parser.add_argument("--out", required=True, help="Where to write the memo-plan/1 JSON.")
+    parser.add_argument("--solver", default="cpsat", choices=sorted(SOLVERS))
+    parser.add_argument("--time-limit", type=float, default=60.0, help="Seconds (default 60).")
+    parser.add_argument(
+        "--alignment",
+        type=int,
+        default=None,
+        help="Offset alignment in bytes (default 1 for --trace, 512 for --model).",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--bilevel",
+        dest="bilevel",
+        action="store_true",
+        default=True,
+        help="Plan layer passes once, then the iteration (default).",
+    )
+    mode.add_argument(
+        "--flat", dest="bilevel", action="store_false", help="Plan every tensor in one problem."
+    )
+    parser.add_argument("--workers", type=int, default=2, help="Solver threads (default 2).")
+    parser.add_argument("--seed", type=int, default=0)
+    model = parser.add_argument_group("model (with --model)")
+    model.add_argument("--seq-length", type=int, default=None)
+    model.add_argument("--micro-batch-size", type=int, default=1)
+    model.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    model.add_argument("--sequence-parallel", action="store_true")
+    model.add_argument("--context-parallel-size", type=int, default=1)
+    model.add_argument("--num-layers", type=int, default=None)
+    model.add_argument("--hidden-size", type=int, default=None)
+    model.add_argument("--ffn-hidden-size", type=int, default=None)
+    model.add_argument("--num-attention-heads", type=int, default=None)
+    model.add_argument("--save-trace", help="Also write the captured trace here.")
+    report = parser.add_argument_group("fragmentation report")
+    report.add_argument(
+        "--compare-allocator",
+        action="store_true",
+        help="Replay the trace through a model of PyTorch's caching allocator.",
+    )
+    report.add_argument("--plot", help="PNG of both layouts (needs matplotlib).")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if (args.trace is None) == (args.model is None):
+        raise ValueError("give exactly one of --trace FILE or --model NAME")
+    if args.model is not None and not args.seq_length:
+        raise ValueError("--model needs --seq-length (tokens per sequence)")
+    if args.time_limit <= 0:
+        raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+
+
+def _trace_model(args: argparse.Namespace):
+    from memo_ext.planner.capture import trace_transformer_layer
+    from memo_ext.planner.models import gpt_config
+
+    preset = MODEL_PRESETS[args.model]
+    overrides = {
+        key: getattr(args, key)
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        if getattr(args, key) is not None
+    }
+    config = gpt_config(
+        preset,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
+        **overrides,
+    )
+    logger.info(
+        "tracing %s (%d layers) at %d tokens", args.model, config.num_layers, args.seq_length
+    )
+    try:
+        return trace_transformer_layer(
+            config=config,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            num_layers=config.num_layers,
+            vocab_size=preset.vocab_size,
+        )
+    except RuntimeError as err:
+        raise ValueError(f"tracing the model failed ({str(err).splitlines()[0]})") from None
+
+
+def _report_allocator(trace, plan, args: argparse.Namespace) -> None:
+    from memo_ext.planner.caching_allocator import replay_caching_allocator
+
+    replay = replay_caching_allocator(trace)
+    print(
+        f"caching allocator: reserved {replay.reserved_peak_bytes / GIB:.3f} GiB, "
+        f"allocated {replay.allocated_peak_bytes / GIB:.3f} GiB; "
+        f"plan {plan.peak_bytes / GIB:.3f} GiB "
+        f"({1 - plan.peak_bytes / replay.reserved_peak_bytes:.1%} less reserved)"
+    )
+    if args.plot:
+        from memo_ext.planner.plot import plot_layouts
+
+        plot_layouts(trace=trace, plan=plan, replay=replay, path=args.plot)
+        print(f"picture: {args.plot}")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Loads or captures the trace, plans it, writes and reports the plan."""
+    _check_args(args)
+    t0 = time.perf_counter()
+    trace = load_trace(args.trace) if args.trace else _trace_model(args)
+    if args.save_trace:
+        save_trace(trace, args.save_trace)
+    alignment = args.alignment or (1 if args.trace else 512)
+    config = PlannerConfig(
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        alignment=alignment,
+        bilevel=args.bilevel,
+        workers=args.workers,
+        seed=args.seed,
+    )
+    config.check()
+    logger.info(
+        "planning %d tensors with %s (%s, time limit %.0f s)",
+        len(trace.allocs),
+        args.solver,
+        "bi-level" if args.bilevel else "flat",
+        args.time_limit,
+    )
+    plan = plan_trace(trace, config=config)
+    save_plan(plan, args.out)
+    print(
+        f"peak {plan.peak_bytes} bytes ({plan.peak_bytes / GIB:.3f} GiB), lower bound "
+        f"{plan.lower_bound_bytes} bytes, gap {plan.gap:.2%}, {plan.status}, solver "
+        f"{plan.solver}, {plan.solve_s:.2f} s solving, {time.perf_counter() - t0:.2f} s total"
+    )
+    print(f"plan: {args.out}")
+    if args.compare_allocator or args.plot:
+        _report_allocator(trace, plan, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (
+        PlannerInputError,
+        PlanValidationError,
+        SolverUnavailableError,
+        ValueError,
+        OSError,
+    ) as err:
+        print(f"plan_memory: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
