@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 2
     from memo_ext.training.checkpointing import CheckpointError
-    from memo_ext.training.loop import train
+    from memo_ext.training.loop import TrainingDiverged, train
 
     try:
         summary = train(run)
-    except CheckpointError as err:
+    except (CheckpointError, TrainingDiverged) as err:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0 and summary.losses:

@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from memo_ext.config import (
     CheckpointConfig,
     DataConfig,
+    EvaluationConfig,
     LoggingConfig,
     ModelConfig,
     RunConfig,
@@ -34,7 +35,7 @@ from memo_ext.offload.config import (
 
 logger = logging.getLogger(__name__)
 
-TOKENIZERS = ("ByteTokenizer", "NullTokenizer")
+TOKENIZERS = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 BYTE_VOCAB_SIZE = 257  # 256 byte values + end-of-document
 
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_logging_args(parser)
     add_memo_args(parser)
+    _add_evaluation_args(parser)
     _add_checkpoint_args(parser)
     return parser
 
@@ -163,6 +165,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seed", type=int, default=1234, help="Seed for weights, dropout and data order."
     )
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Stop, pointing at the last good checkpoint, on a non-finite loss or grad norm.",
+    )
+    g.add_argument(
+        "--skip-iterations-with-nan",
+        action="store_true",
+        help="Skip the update of a step with a non-finite loss or grad norm instead of stopping.",
+    )
     g.add_argument("--bf16", action="store_true", help="bf16 weights and activations (CUDA).")
     g.add_argument("--fp16", action="store_true", help="fp16 with loss scaling (CUDA).")
 
@@ -236,6 +249,13 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary.")
     g.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="Local tokenizer.json, or a directory holding one (HuggingFaceTokenizer).",
+    )
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json (GPT2BPETokenizer).")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt (GPT2BPETokenizer).")
+    g.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         default=128,
@@ -259,6 +279,19 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-file", default=None, help="JSON Lines metrics (rank 0).")
     g.add_argument(
         "--device-peak-tflops", type=float, default=None, help="Device dense peak for MFU."
+    )
+    g.add_argument(
+        "--tensorboard-dir", default=None, help="Write TensorBoard scalars here (rank 0)."
+    )
+
+
+def _add_evaluation_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation")
+    g.add_argument(
+        "--eval-interval", type=int, default=None, help="Evaluate every N steps (never if unset)."
+    )
+    g.add_argument(
+        "--eval-iters", type=int, default=10, help="Validation global batches per evaluation."
     )
 
 
@@ -445,6 +478,8 @@ def _check_data(args: argparse.Namespace, world_size: int) -> None:
             f"--tokenizer-type ByteTokenizer has {BYTE_VOCAB_SIZE} tokens but --vocab-size says "
             f"{args.vocab_size}; drop --vocab-size"
         )
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        _check_file_tokenizer(args)
     for prefix in _data_prefixes(args.data_path):
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(prefix + suffix):
@@ -452,6 +487,24 @@ def _check_data(args: argparse.Namespace, world_size: int) -> None:
                     f"dataset file {prefix + suffix} does not exist; preprocess it with "
                     "tools/preprocess_data.py or fix --data-path"
                 )
+
+
+def _check_file_tokenizer(args: argparse.Namespace) -> None:
+    """Load a file-based tokenizer now: a bad path or a size mismatch fails before any work."""
+    from memo_ext.training.tokenizers import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(
+            tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file, merge_file=args.merge_file,
+        )  # fmt: skip
+    except ValueError as err:
+        _fail(str(err))
+    if args.vocab_size is not None and args.vocab_size != tokenizer.vocab_size:
+        _fail(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but --vocab-size says "
+            f"{args.vocab_size}; drop --vocab-size"
+        )
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:
@@ -468,6 +521,22 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
 def _check_logging(args: argparse.Namespace, world_size: int) -> None:
     if args.device_peak_tflops is not None and args.device_peak_tflops <= 0:
         _fail(f"--device-peak-tflops must be positive, got {args.device_peak_tflops}")
+
+
+def _check_evaluation(args: argparse.Namespace, world_size: int) -> None:
+    if args.eval_interval is not None and args.eval_interval < 1:
+        _fail(f"--eval-interval must be at least 1, got {args.eval_interval}")
+    if args.eval_iters < 0:
+        _fail(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.eval_interval and args.eval_iters and not args.mock_data:
+        weights = [float(w) for w in args.split.replace("/", ",").split(",") if w.strip()]
+        if len(weights) < 2 or weights[1] <= 0:
+            _fail(f"--eval-interval needs a validation part in --split, got {args.split!r}")
+    if args.tensorboard_dir:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            _fail("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
 
 
 def _check_checkpointing(args: argparse.Namespace, world_size: int) -> None:
@@ -503,6 +572,7 @@ CHECKS = (
     _check_data,
     _check_logging,
     _check_memo,
+    _check_evaluation,
     _check_checkpointing,
 )
 
@@ -578,6 +648,8 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             clip_grad=args.clip_grad,
             seed=args.seed,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+            skip_iterations_with_nan=args.skip_iterations_with_nan,
         ),
         data=DataConfig(
             seq_length=args.seq_length,
@@ -586,6 +658,9 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             mock_data=args.mock_data,
             tokenizer_type=args.tokenizer_type,
             vocab_size=args.vocab_size,
+            tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             data_cache_path=args.data_cache_path,
         ),
@@ -593,7 +668,9 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             log_interval=args.log_interval,
             metrics_file=args.metrics_file,
             device_peak_tflops=args.device_peak_tflops,
+            tensorboard_dir=args.tensorboard_dir,
         ),
+        evaluation=EvaluationConfig(eval_interval=args.eval_interval, eval_iters=args.eval_iters),
         checkpoint=CheckpointConfig(
             save=args.save,
             load=args.load,

@@ -68,6 +68,11 @@ class TrainConfig:
     """Seed for weights, dropout and data order."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer, CUDA)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop with a pointer to the last good checkpoint when the loss or gradient norm is not
+    finite."""
+    skip_iterations_with_nan: bool = False
+    """Instead of stopping, skip the update of a step with a non-finite loss or gradient."""
 
 
 @dataclass
@@ -86,6 +91,12 @@ class DataConfig:
     """``ByteTokenizer`` (UTF-8 bytes) or ``NullTokenizer`` (ids as text; needs ``vocab_size``)."""
     vocab_size: int | None = None
     """Tokenizer vocabulary size where the tokenizer does not fix it (NullTokenizer)."""
+    tokenizer_model: str | None = None
+    """Local ``tokenizer.json`` (or a directory holding one) for ``HuggingFaceTokenizer``."""
+    vocab_file: str | None = None
+    """GPT-2 BPE ``vocab.json`` for ``GPT2BPETokenizer``."""
+    merge_file: str | None = None
+    """GPT-2 BPE ``merges.txt`` for ``GPT2BPETokenizer``."""
     make_vocab_size_divisible_by: int = 128
     """Pad the embedding table to a multiple of this times the TP size, as Megatron-LM does."""
     data_cache_path: str | None = None
@@ -102,6 +113,22 @@ class LoggingConfig:
     """JSON Lines file with one object per logged step (rank 0 writes it)."""
     device_peak_tflops: float | None = None
     """Dense peak of one device in TFLOP/s for MFU; looked up from the device name when unset."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (rank 0)."""
+
+
+@dataclass
+class EvaluationConfig:
+    """Validation during training."""
+
+    eval_interval: int | None = None
+    """Evaluate on the validation split every this many steps; never when unset."""
+    eval_iters: int = 10
+    """Validation global batches per evaluation."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.eval_interval) and self.eval_iters > 0
 
 
 @dataclass
@@ -133,6 +160,7 @@ class RunConfig:
     data: DataConfig
     logging: LoggingConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     """MEMO's token-wise activation offloading (off by default)."""
     world_size: int = 1

@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer only)."
     )
     parser.add_argument(
+        "--tokenizer-model", default=None, help="Local tokenizer.json (HuggingFaceTokenizer)."
+    )
+    parser.add_argument("--vocab-file", default=None, help="vocab.json (GPT2BPETokenizer).")
+    parser.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer).")
+    parser.add_argument(
         "--json-keys", nargs="+", default=["text"], help="Keys to tokenize (default: text)."
     )
     parser.add_argument(
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             output_prefix=args.output_prefix,
             tokenizer_type=args.tokenizer_type,
             vocab_size=args.vocab_size,
+            tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
             json_keys=args.json_keys,
             append_eod=args.append_eod,
             workers=args.workers,

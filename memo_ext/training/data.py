@@ -72,11 +72,9 @@ def document_prefix(output_prefix: str, json_key: str) -> str:
 _ENCODER: dict = {}
 
 
-def _init_encoder(
-    tokenizer_type: str, vocab_size: int | None, json_keys: tuple[str, ...], append_eod: bool
-) -> None:
+def _init_encoder(tokenizer_args: dict, json_keys: tuple[str, ...], append_eod: bool) -> None:
     _ENCODER.update(
-        tokenizer=build_tokenizer(tokenizer_type=tokenizer_type, vocab_size=vocab_size),
+        tokenizer=build_tokenizer(**tokenizer_args),
         json_keys=json_keys,
         append_eod=append_eod,
     )
@@ -175,6 +173,9 @@ def preprocess_jsonl(
     output_prefix: str,
     tokenizer_type: str,
     vocab_size: int | None = None,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     workers: int = 1,
@@ -190,6 +191,9 @@ def preprocess_jsonl(
         output_prefix: Outputs go to ``{output_prefix}_{key}_document.bin`` / ``.idx``.
         tokenizer_type: See ``memo_ext.training.tokenizers.build_tokenizer``.
         vocab_size: ``--vocab-size`` (``NullTokenizer`` only).
+        tokenizer_model: ``--tokenizer-model`` (``HuggingFaceTokenizer`` only).
+        vocab_file: ``--vocab-file`` (``GPT2BPETokenizer`` only).
+        merge_file: ``--merge-file`` (``GPT2BPETokenizer`` only).
         json_keys: The keys to tokenize, one output dataset each.
         append_eod: Append the end-of-document id to every non-empty document.
         workers: Number of spawned tokenizer processes (1 tokenizes in this process).
@@ -210,7 +214,11 @@ def preprocess_jsonl(
             f"Input file {input_path} does not exist; pass --input an existing .jsonl file."
         )
     json_keys = tuple(json_keys)
-    tokenizer = build_tokenizer(tokenizer_type=tokenizer_type, vocab_size=vocab_size)
+    tokenizer_args = dict(
+        tokenizer_type=tokenizer_type, vocab_size=vocab_size, tokenizer_model=tokenizer_model,
+        vocab_file=vocab_file, merge_file=merge_file,
+    )  # fmt: skip
+    tokenizer = build_tokenizer(**tokenizer_args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     writers = {
@@ -221,7 +229,7 @@ def preprocess_jsonl(
         _read_lines(input_path),
         workers=workers,
         chunk_size=chunk_size,
-        init_args=(tokenizer_type, vocab_size, json_keys, append_eod),
+        init_args=(tokenizer_args, json_keys, append_eod),
     )
     progress = tqdm(
         total=input_path.stat().st_size, unit="B", unit_scale=True, disable=not show_progress,

@@ -3,7 +3,9 @@
 One step = ``num_microbatches`` forward/backward passes through megatron-core's schedule
 (1F1B when PP > 1), gradient reduction in ``finalize_model_grads`` (DP × CP sum, SP norm
 grads over TP, tied embeddings over PP, division by the global token count), then the
-optimizer and the LR schedule.
+optimizer and the LR schedule. Around it: evaluation on the validation split, checks for
+non-finite losses and gradients, checkpoints and early stops, metrics to the console, the
+metrics file and TensorBoard.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +37,7 @@ from memo_ext.training.initialize import (
 from memo_ext.training.metrics import (
     MetricsWriter,
     StepMetrics,
+    TensorBoardWriter,
     cuda_memory,
     device_peak_tflops,
     gpt_train_flops,
@@ -43,6 +48,10 @@ from memo_ext.training.step import build_forward_step
 from memo_ext.training.tokenizers import build_tokenizer, padded_vocab_size
 
 logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm; the message points at the last good checkpoint."""
 
 
 @dataclass
@@ -76,7 +85,11 @@ def train(run: RunConfig) -> TrainSummary:
 
 def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
     tokenizer = build_tokenizer(
-        tokenizer_type=run.data.tokenizer_type, vocab_size=run.data.vocab_size
+        tokenizer_type=run.data.tokenizer_type,
+        vocab_size=run.data.vocab_size,
+        tokenizer_model=run.data.tokenizer_model,
+        vocab_file=run.data.vocab_file,
+        merge_file=run.data.merge_file,
     )
     # padded to lcm(divisible_by, TP) rather than Megatron-LM's divisible_by × TP: the padded
     # logits enter the softmax, so the vocabulary must not change with the TP size
@@ -98,9 +111,30 @@ def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
         progress = load_checkpoint(
             load_dir=run.checkpoint.load, model=model, optimizer=optimizer, scheduler=scheduler
         )
-    batches = _train_batches(run, ctx, tokenizer, consumed_samples=progress.consumed_samples)
+    session = _Session(
+        run=run, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+        forward_backward=get_forward_backward_func(), forward_step=build_forward_step(ctx.device),
+    )  # fmt: skip
+    session.train_batches, session.valid_batches = _batches(run, ctx, tokenizer, progress)
     with StopConditions(run.checkpoint) as stop:
-        return _run_steps(run, ctx, model, optimizer, scheduler, batches, progress, stop)
+        return _run_steps(session, progress, stop)
+
+
+@dataclass
+class _Session:
+    """What the step loop works with, built once by :func:`_train`."""
+
+    run: RunConfig
+    ctx: ParallelContext
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    forward_backward: Callable
+    forward_step: Callable
+    train_batches: Iterator | None = None
+    valid_batches: Iterator | None = None
+    metric_sources: list[Callable[[], dict]] = field(default_factory=list)
+    """Callables whose dicts join each logged record (MEMO, HotSPa figures)."""
 
 
 def _log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> None:
@@ -124,38 +158,50 @@ def _connect_schedule_hooks(run: RunConfig, model, optimizer) -> None:
         config.grad_scale_func = optimizer.optimizer.scale_loss
 
 
-def _train_batches(run: RunConfig, ctx: ParallelContext, tokenizer, *, consumed_samples: int):
-    samples = run.train.train_iters * run.train.global_batch_size
-    train_ds, _, _ = build_gpt_datasets(
+def _batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
+    """Train and validation iterators, both positioned where ``progress`` says."""
+    gbs = run.train.global_batch_size
+    evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
+    valid_samples = evals * run.evaluation.eval_iters * gbs
+    train_ds, valid_ds, _ = build_gpt_datasets(
         data_path=run.data.data_path or None,
         split=run.data.split,
         mock=run.data.mock_data,
         seq_length=run.data.seq_length,
         seed=run.train.seed,
         tokenizer=tokenizer,
-        num_samples=(samples, 0, 0),
+        num_samples=(run.train.train_iters * gbs, valid_samples, 0),
         cache_dir=run.data.data_cache_path,
     )
-    return build_batch_iterator(
-        train_ds,
-        micro_batch_size=run.train.micro_batch_size,
-        data_parallel_rank=ctx.dp_rank,
-        data_parallel_size=ctx.dp_size,
-        consumed_samples=consumed_samples,
-    )
+    iterate = lambda ds, consumed: build_batch_iterator(  # noqa: E731
+        ds, micro_batch_size=run.train.micro_batch_size, data_parallel_rank=ctx.dp_rank,
+        data_parallel_size=ctx.dp_size, consumed_samples=consumed,
+    )  # fmt: skip
+    valid = None
+    if evals:
+        if valid_ds is None:
+            raise ValueError("--eval-interval needs a validation split: give --split a valid part")
+        done = progress.iteration // run.evaluation.eval_interval
+        valid = iterate(valid_ds, done * run.evaluation.eval_iters * gbs)
+    return iterate(train_ds, progress.consumed_samples), valid
 
 
-def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
-    """Mean loss over the global batch, visible on every rank.
+def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """(loss sum, real tokens) of the global batch, visible on every rank.
 
-    Only last-stage ranks hold losses; every rank of the world joins one all-reduce of
-    (loss sum, tokens). TP replicas add identical pairs, which scales both terms alike.
+    Only last-stage ranks hold losses; every rank of the world joins one all-reduce of the
+    pair. TP replicas add identical pairs, which scales both terms alike, so their ratio (the
+    mean) and ratios of sums of pairs are unaffected.
     """
     pair = torch.zeros(2, dtype=torch.float64)
     for record in losses:
         pair += record["lm loss"].detach().double().cpu()
     if dist.is_initialized():
         dist.all_reduce(pair)
+    return pair
+
+
+def _mean(pair: torch.Tensor) -> float:
     return (pair[0] / pair[1].clamp(min=1)).item()
 
 
@@ -165,85 +211,126 @@ def _is_logged(iteration: int, run: RunConfig) -> bool:
     return iteration in (1, last) or iteration % run.logging.log_interval == 0
 
 
-def _train_one_step(run, model, optimizer, scheduler, batches, forward_backward, forward_step):
-    """Forward / backward over the global batch, then the update; (loss, grad norm, lr, ok)."""
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = forward_backward(
-        forward_step_func=forward_step,
+def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> torch.Tensor:
+    """One global batch through megatron's schedule; its (loss sum, real tokens)."""
+    losses = s.forward_backward(
+        forward_step_func=s.forward_step,
         data_iterator=batches,
-        model=[model],
-        num_microbatches=run.num_microbatches,
-        seq_length=run.data.seq_length,
-        micro_batch_size=run.train.micro_batch_size,
-        forward_only=False,
+        model=[s.model],
+        num_microbatches=s.run.num_microbatches,
+        seq_length=s.run.data.seq_length,
+        micro_batch_size=s.run.train.micro_batch_size,
+        forward_only=forward_only,
     )
-    lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
-    updated, grad_norm = optimizer.step()
+    return _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
+
+
+def _train_one_step(s: _Session) -> tuple[float, float | None, float, bool]:
+    """Forward / backward over the global batch, then the update; (loss, grad norm, lr, ok)."""
+    s.model.zero_grad_buffer()
+    s.optimizer.zero_grad()
+    loss = _mean(_forward_backward(s, s.train_batches, forward_only=False))
+    lr = s.optimizer.param_groups[0]["lr"]  # the rate this step applies
+    updated, grad_norm = s.optimizer.step()
     if updated:
-        scheduler.step(increment=1)
-    loss = _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
+        s.scheduler.step(increment=1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return loss, grad_norm, lr, updated
 
 
-def _run_steps(run, ctx, model, optimizer, scheduler, batches, progress, stop) -> TrainSummary:
-    forward_backward = get_forward_backward_func()
-    forward_step = build_forward_step(ctx.device)
+def evaluate(s: _Session) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` validation global batches, and its perplexity."""
+    s.model.eval()
+    pair = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(s.run.evaluation.eval_iters):
+            pair += _forward_backward(s, s.valid_batches, forward_only=True)
+    s.model.train()
+    loss = _mean(pair)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+
+
+def _check_finite(s: _Session, iteration: int, loss: float, grad_norm: float | None) -> bool:
+    """True when the step is usable; raise (or, when skipping, return False) otherwise."""
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+        return True
+    if not s.run.train.check_for_nan_in_loss_and_grad:
+        return True
+    if s.run.train.skip_iterations_with_nan:
+        logger.warning("iteration %d: loss %s, grad norm %s; update skipped", iteration, loss,
+                       grad_norm)  # fmt: skip
+        return False
+    raise TrainingDiverged(
+        f"iteration {iteration}: loss {loss}, gradient norm {grad_norm}; "
+        + _last_good_checkpoint_hint(s.run)
+    )
+
+
+def _last_good_checkpoint_hint(run: RunConfig) -> str:
+    from memo_ext.training.checkpointing import latest_iteration
+
+    for directory in (run.checkpoint.save, run.checkpoint.load):
+        if directory and (it := latest_iteration(Path(directory))) is not None:
+            return (f"the last good checkpoint is iteration {it} in {directory} "
+                    f"(resume with --load {directory}, e.g. with a lower --lr)")  # fmt: skip
+    return "no checkpoint was saved (use --save DIR --save-interval N to keep one)"
+
+
+def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> TrainSummary:
+    run, ctx = s.run, s.ctx
     writer = MetricsWriter(
         run.logging.metrics_file if ctx.is_logging_rank else None, resume_from=progress.iteration
     )
+    board = TensorBoardWriter(run.logging.tensorboard_dir if ctx.is_logging_rank else None)
     flops_per_step = gpt_train_flops(
-        config=run.transformer,
-        vocab_size=run.model.vocab_size,
-        seq_length=run.data.seq_length,
-        sequences=run.train.global_batch_size,
-    )
+        config=run.transformer, vocab_size=run.model.vocab_size,
+        seq_length=run.data.seq_length, sequences=run.train.global_batch_size,
+    )  # fmt: skip
     peak = device_peak_tflops(run.logging.device_peak_tflops)
     summary = TrainSummary()
     skipped = 0
-    for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
-        start = time.perf_counter()
-        loss, grad_norm, lr, updated = _train_one_step(
-            run, model, optimizer, scheduler, batches, forward_backward, forward_step
-        )
-        skipped += not updated
-        step_time = time.perf_counter() - start
-        tokens_per_s = run.train.global_batch_size * run.data.seq_length / step_time
-        summary.iterations = iteration
-        summary.losses.append(loss)
-        summary.tokens_per_s.append(tokens_per_s)
-        progress = TrainProgress(iteration, iteration * run.train.global_batch_size)
-        if _is_logged(iteration, run):
-            tflops = flops_per_step / ctx.world_size / step_time / 1e12
-            allocated, reserved = cuda_memory()
-            record = StepMetrics(
-                iteration=iteration,
-                loss=loss,
-                grad_norm=grad_norm,
-                lr=lr,
-                step_time_s=step_time,
-                tokens_per_s=tokens_per_s,
-                consumed_samples=progress.consumed_samples,
-                skipped_iterations=skipped,
-                tflops_per_device=tflops,
-                mfu=tflops / peak if peak else None,
-                mem_allocated_bytes=allocated,
-                mem_reserved_bytes=reserved,
-            )
-            writer.write(record.to_json())
-            logger.info(record.console_line(run.train.train_iters))
-        reason = stop.reason(iteration)
-        if reason or _save_due(iteration, run):
-            save_checkpoint(
-                save_dir=run.checkpoint.save, progress=progress, model=model,
-                optimizer=optimizer, scheduler=scheduler,
-            )  # fmt: skip
-        if reason:
-            logger.info("stopping after iteration %d: %s", iteration, reason)
-            summary.stopped_early = True
-            break
+    try:
+        for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
+            start = time.perf_counter()
+            loss, grad_norm, lr, updated = _train_one_step(s)
+            skipped += not (_check_finite(s, iteration, loss, grad_norm) and updated)
+            step_time = time.perf_counter() - start
+            tokens_per_s = run.train.global_batch_size * run.data.seq_length / step_time
+            summary.iterations = iteration
+            summary.losses.append(loss)
+            summary.tokens_per_s.append(tokens_per_s)
+            progress = TrainProgress(iteration, iteration * run.train.global_batch_size)
+            extra = {}
+            if run.evaluation.enabled and iteration % run.evaluation.eval_interval == 0:
+                extra.update(evaluate(s))
+            if _is_logged(iteration, run) or extra:
+                for source in s.metric_sources:
+                    extra.update(source())
+                tflops = flops_per_step / ctx.world_size / step_time / 1e12
+                allocated, reserved = cuda_memory()
+                record = StepMetrics(
+                    iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr,
+                    step_time_s=step_time, tokens_per_s=tokens_per_s,
+                    consumed_samples=progress.consumed_samples, skipped_iterations=skipped,
+                    tflops_per_device=tflops, mfu=tflops / peak if peak else None,
+                    mem_allocated_bytes=allocated, mem_reserved_bytes=reserved, extra=extra,
+                )  # fmt: skip
+                writer.write(record.to_json())
+                board.write(record.to_json())
+                logger.info(record.console_line(run.train.train_iters))
+            reason = stop.reason(iteration)
+            if reason or _save_due(iteration, run):
+                save_checkpoint(
+                    save_dir=run.checkpoint.save, progress=progress, model=s.model,
+                    optimizer=s.optimizer, scheduler=s.scheduler,
+                )  # fmt: skip
+            if reason:
+                logger.info("stopping after iteration %d: %s", iteration, reason)
+                summary.stopped_early = True
+                break
+    finally:
+        board.close()
     return summary
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -93,9 +93,13 @@ class StepMetrics:
     mfu: float | None = None
     mem_allocated_bytes: int | None = None
     mem_reserved_bytes: int | None = None
+    extra: dict = field(default_factory=dict)
+    """Further figures of this step (validation, MEMO, HotSPa), written as top-level keys."""
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        record = {k: v for k, v in self.__dict__.items() if v is not None and k != "extra"}
+        record.update(self.extra)
+        return record
 
     def console_line(self, train_iters: int) -> str:
         parts = [
@@ -112,6 +116,8 @@ class StepMetrics:
             parts.append(f"MFU {100 * self.mfu:.1f}%")
         if self.mem_allocated_bytes is not None:
             parts.append(f"mem {self.mem_allocated_bytes / 2**30:.2f} GiB")
+        if "val_loss" in self.extra:
+            parts.append(f"val loss {self.extra['val_loss']:.4f} (ppl {self.extra['val_ppl']:.2f})")
         return " | ".join(parts)
 
 
@@ -151,3 +157,29 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+class TensorBoardWriter:
+    """Scalars of each logged record under ``train/`` (``val/`` for validation), rank 0 only."""
+
+    def __init__(self, log_dir: str | None):
+        self.writer = None
+        if log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["iteration"]
+        for key, value in record.items():
+            if key == "iteration" or not isinstance(value, (int, float)):
+                continue
+            group = "val" if key.startswith("val_") else "train"
+            self.writer.add_scalar(f"{group}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

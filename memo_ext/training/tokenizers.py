@@ -1,15 +1,17 @@
-"""Tokenizers that need no files and download nothing, plus Megatron's vocabulary padding.
+"""Tokenizers that download nothing, plus Megatron's vocabulary padding.
 
-Both tokenizers subclass megatron-core's ``MegatronTokenizerBase`` and expose what
+Every tokenizer subclasses megatron-core's ``MegatronTokenizerBase`` and exposes what
 ``GPTDataset`` / ``MockGPTDataset`` read from a tokenizer: ``eod``, ``pad``, ``vocab_size`` and
 ``unique_identifiers`` (which enters the hash of the dataset index cache).
 
-- ``ByteTokenizer``: the UTF-8 bytes of the text, ids 0-255, then end-of-document (256) and pad
-  (257); ``vocab_size`` is 258. Any Unicode text round-trips exactly.
+- ``ByteTokenizer``: the UTF-8 bytes of the text, ids 0-255, then end-of-document (256); no pad
+  id; ``vocab_size`` is 257. Any Unicode text round-trips exactly.
 - ``NullTokenizer``: Megatron-LM's synthetic tokenizer. The text is a whitespace-separated list
   of integer ids. ``--vocab-size V`` declares ids ``0 .. V-1``; the end-of-document id is ``V``
   and the reported ``vocab_size`` is ``V + 1``, exactly as Megatron-LM's ``_NullTokenizer`` and
   megatron-core's ``NullTokenizer`` do. It has no pad id (megatron-core then pads with -1).
+- ``HuggingFaceTokenizer``: a local ``tokenizer.json`` through the ``tokenizers`` library.
+- ``GPT2BPETokenizer``: GPT-2 byte-level BPE from local ``vocab.json`` / ``merges.txt``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 """The values accepted by ``--tokenizer-type``."""
 
 
@@ -167,18 +170,104 @@ class NullTokenizer(_LocalTokenizer):
         return self._vocab_size_without_eod
 
 
-def build_tokenizer(*, tokenizer_type: str, vocab_size: int | None = None) -> MegatronTokenizerBase:
-    """Build a tokenizer by its ``--tokenizer-type`` name.
+# End-of-text tokens of common tokenizers, tried in order when a tokenizer names none itself.
+EOD_TOKEN_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class HuggingFaceTokenizer(_LocalTokenizer):
+    """A local Hugging Face ``tokenizer.json`` (the ``tokenizers`` library; nothing downloaded).
 
     Args:
-        tokenizer_type: ``"ByteTokenizer"`` or ``"NullTokenizer"``.
-        vocab_size: ``--vocab-size``; required by ``NullTokenizer``, ignored by ``ByteTokenizer``.
+        path: A ``tokenizer.json`` file, or a directory holding one.
+    """
+
+    def __init__(self, path: str):
+        super().__init__()
+        from tokenizers import Tokenizer
+
+        file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(
+                f"--tokenizer-model {path}: no tokenizer.json there; give a local tokenizer.json "
+                "file or a directory holding one (nothing is downloaded)"
+            )
+        self._tok = Tokenizer.from_file(str(file))
+        self._eod = _find_eod(self._tok.get_vocab(with_added_tokens=True), source=str(file))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return -1
+
+
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """GPT-2 byte-level BPE from local ``vocab.json`` and ``merges.txt`` files."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        _LocalTokenizer.__init__(self)
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not Path(path).is_file():
+                raise ValueError(f"GPT2BPETokenizer: {flag} {path} is not a file")
+        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self._eod = _find_eod(self._tok.get_vocab(with_added_tokens=True), source=vocab_file)
+
+
+def _find_eod(vocab: dict[str, int], *, source: str) -> int:
+    for name in EOD_TOKEN_NAMES:
+        if name in vocab:
+            return vocab[name]
+    raise ValueError(
+        f"{source} has no end-of-text token (looked for {', '.join(EOD_TOKEN_NAMES)}); "
+        "add one to the tokenizer"
+    )
+
+
+def build_tokenizer(
+    *,
+    tokenizer_type: str,
+    vocab_size: int | None = None,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> MegatronTokenizerBase:
+    """Build a tokenizer by its ``--tokenizer-type`` name; nothing is ever downloaded.
+
+    Args:
+        tokenizer_type: One of :data:`TOKENIZER_TYPES`.
+        vocab_size: ``--vocab-size``; required by ``NullTokenizer``.
+        tokenizer_model: ``--tokenizer-model``; a local ``tokenizer.json`` or its directory
+            (``HuggingFaceTokenizer``).
+        vocab_file: ``--vocab-file`` (``GPT2BPETokenizer``).
+        merge_file: ``--merge-file`` (``GPT2BPETokenizer``).
 
     Returns:
         A megatron-core tokenizer usable by ``GPTDatasetConfig``.
 
     Raises:
-        ValueError: Unknown type, or ``NullTokenizer`` without a positive ``vocab_size``.
+        ValueError: Unknown type, or a missing / invalid setting for the type.
     """
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
@@ -188,6 +277,12 @@ def build_tokenizer(*, tokenizer_type: str, vocab_size: int | None = None) -> Me
                 f"NullTokenizer needs --vocab-size set to a positive integer, got {vocab_size}."
             )
         return NullTokenizer(vocab_size=vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model PATH (a tokenizer.json)")
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     raise ValueError(
         f"Unknown --tokenizer-type {tokenizer_type!r}; "
         f"valid types are {', '.join(TOKENIZER_TYPES)}."

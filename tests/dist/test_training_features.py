@@ -1,0 +1,69 @@
+"""Evaluation, TensorBoard, and what a diverging run does (stop with a pointer, or skip)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import ROOT, assert_same_curves, free_port, run_pretrain
+
+pytestmark = pytest.mark.dist
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "24", "--micro-batch-size", "2", "--global-batch-size", "4",
+    "--lr", "1e-3", "--mock-data", "--train-iters", "6",
+]  # fmt: skip
+
+
+def test_evaluation_reports_and_leaves_training_alone(tmp_path):
+    plain = run_pretrain(MODEL, nproc=1, workdir=tmp_path, name="plain")
+    tb = tmp_path / "tb"
+    evaluated = run_pretrain(
+        MODEL + ["--eval-interval", "3", "--eval-iters", "2", "--tensorboard-dir", str(tb)],
+        nproc=1, workdir=tmp_path, name="eval",
+    )  # fmt: skip
+    # validation batches come from their own split and iterator: training is unchanged
+    assert_same_curves(plain, evaluated, rtol=0.0)
+    with_val = {r["iteration"]: r for r in evaluated if "val_loss" in r}
+    assert sorted(with_val) == [3, 6]
+    for record in with_val.values():
+        assert math.isclose(record["val_ppl"], math.exp(record["val_loss"]))
+    assert with_val[6]["val_loss"] < with_val[3]["val_loss"]  # it is learning the mock data
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert {"train/loss", "train/grad_norm", "train/lr", "val/val_loss"} <= set(
+        events.Tags()["scalars"]
+    )
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert losses == pytest.approx([r["loss"] for r in evaluated])
+
+
+def test_divergence_stops_with_a_pointer_to_the_last_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    # step 1 sees the initial weights; its update with an absurd rate makes step 2's loss NaN
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *MODEL, "--lr", "1e30",
+           "--clip-grad", "0", "--save", str(save), "--save-interval", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "iteration 2: loss nan" in last
+    assert "iteration 1 in" in last and f"--load {save}" in last
+
+
+def test_skip_iterations_with_nan_keeps_going(tmp_path):
+    records = run_pretrain(
+        MODEL + ["--lr", "1e30", "--clip-grad", "0", "--skip-iterations-with-nan"],
+        nproc=1, workdir=tmp_path, name="skip",
+    )  # fmt: skip
+    assert records[-1]["iteration"] == 6
+    assert records[-1]["skipped_iterations"] >= 1
