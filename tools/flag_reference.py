@@ -1,0 +1,69 @@
+"""Print the trainer's flag reference as Markdown tables (the README's "Flag reference").
+
+    python -m tools.flag_reference            # print
+    python -m tools.flag_reference --update   # rewrite the section of README.md in place
+
+The README section lies between ``<!-- flags:begin -->`` and ``<!-- flags:end -->``; a test
+checks that it matches this output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _default(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
+    if action.nargs == 0:
+        return "on" if action.default else "off"
+    if action.default in (None, []):
+        return "—"
+    return f"`{action.default}`"
+
+
+def flag_tables(parser: argparse.ArgumentParser) -> str:
+    """One Markdown table per argument group."""
+    out = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+        if not actions:
+            continue
+        out += [f"**{group.title}**", "", "| flag | default | meaning |", "|---|---|---|"]
+        for a in actions:
+            choices = f" One of {', '.join(f'`{c}`' for c in a.choices)}." if a.choices else ""
+            names = " / ".join(f"`{name}`" for name in a.option_strings)
+            out.append(f"| {names} | {_default(a)} | {a.help}{choices} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def readme_section(text: str) -> str:
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flag_reference", description=__doc__.split("\n")[0])
+    parser.add_argument("--update", action="store_true", help="Rewrite README.md's section.")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from memo_ext.arguments import build_parser
+
+    tables = flag_tables(build_parser())
+    if not args.update:
+        print(tables)
+        return 0
+    text = README.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    README.write_text(text[:start] + "\n" + tables + "\n" + text[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
