@@ -137,6 +137,23 @@ def test_mock_datasets():
         assert int(sample["tokens"].max()) <= ByteTokenizer().eod
 
 
+def test_mock_loss_masks_do_not_depend_on_read_order():
+    """Mock data holds every id; a pad id among them once made masks depend on which sample a
+    process read first (megatron-core caches the first sample's mask and edits it in place)."""
+
+    def masks(order):
+        train, _, _ = build_gpt_datasets(
+            data_path=None, split="1,1,1", mock=True, seq_length=SEQ, seed=0,
+            tokenizer=ByteTokenizer(), num_samples=(64, 0, 0),
+        )  # fmt: skip
+        return {i: train[i]["loss_mask"].clone() for i in order}
+
+    forward, backward = masks(range(64)), masks(reversed(range(64)))
+    for i in range(64):
+        assert torch.equal(forward[i], backward[i])
+        assert bool(forward[i].all())
+
+
 def test_real_datasets_hold_corpus_text(corpus, tmp_path):
     train, valid, test = _build([corpus], cache_dir=str(tmp_path))
     assert len(train) >= 300 and len(valid) >= 20 and len(test) >= 20
