@@ -67,3 +67,14 @@ def test_skip_iterations_with_nan_keeps_going(tmp_path):
     )  # fmt: skip
     assert records[-1]["iteration"] == 6
     assert records[-1]["skipped_iterations"] >= 1
+
+
+def test_exit_duration_saves_and_stops(tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    records = run_pretrain(
+        MODEL + ["--train-iters", "1000", "--save", str(save), "--exit-duration-in-mins", "1e-6"],
+        nproc=1, workdir=tmp_path, name="duration",
+    )  # fmt: skip
+    assert records[-1]["iteration"] == 1  # the first step already outlasts the budget
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
