@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,8 @@ class CanonicalSearch:
     """The tensors to place (sizes in any unit)."""
     deadline: float
     """``time.perf_counter()`` value at which searching stops."""
+    stop: threading.Event | None = None
+    """Set by another thread to stop the search early."""
     sections: _Sections = field(init=False)
     neighbours: list[np.ndarray] = field(init=False)
     nodes: int = 0
@@ -171,7 +174,9 @@ class CanonicalSearch:
         self.node_budget -= 1
         if self.node_budget < 0:
             raise _NodeLimit
-        if self.nodes % 64 == 0 and time.perf_counter() > self.deadline:
+        if self.nodes % 64 == 0 and (
+            time.perf_counter() > self.deadline or (self.stop is not None and self.stop.is_set())
+        ):
             raise _Deadline
         unplaced = members[~self.placed[members]]
         if len(unplaced) == 0:
@@ -304,15 +309,23 @@ def _schedule(
     return best, bound, best_peak <= bound, details
 
 
-def solve_canonical(problem: DsaProblem, options: SolveOptions | None = None) -> Solution:
-    """Minimises the peak by canonical branch and bound, from a greedy incumbent."""
+def solve_canonical(
+    problem: DsaProblem, options: SolveOptions | None = None, *, stop: threading.Event | None = None
+) -> Solution:
+    """Minimises the peak by canonical branch and bound, from a greedy incumbent.
+
+    Args:
+        problem: the tensors to place.
+        options: time limit, seed and optional hint.
+        stop: optional event another thread sets to end the search early.
+    """
     options = options or SolveOptions()
     deadline = time.perf_counter() + options.time_limit_s
     best = solve_greedy(problem).offsets
     if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, best):
         best = np.asarray(options.hint, dtype=np.int64)
     bound = lower_bound(problem)
-    search = CanonicalSearch(problem=problem, deadline=deadline)
+    search = CanonicalSearch(problem=problem, deadline=deadline, stop=stop)
     best, bound, proven, details = _schedule(problem, search, best, bound, options.seed)
     details["bound"] = int(bound)
     return Solution(

@@ -9,6 +9,7 @@ break their symmetry. When the incumbent already meets the lower bound no model 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -61,8 +62,15 @@ def _symmetry_consistent(problem: DsaProblem, offsets: np.ndarray) -> np.ndarray
     return offsets
 
 
-def solve_cpsat_model(problem: DsaProblem, options: SolveOptions, *, bound: int) -> Solution:
-    """Runs CP-SAT alone (optionally from ``options.hint``) within the time limit."""
+def solve_cpsat_model(
+    problem: DsaProblem, options: SolveOptions, *, bound: int, running: list | None = None
+) -> Solution:
+    """Runs CP-SAT alone (optionally from ``options.hint``) within the time limit.
+
+    Args:
+        running: when given, the ``CpSolver`` is appended to it so another thread can call
+            ``stop_search()``.
+    """
     from ortools.sat.python import cp_model
 
     hint = options.hint
@@ -72,6 +80,8 @@ def solve_cpsat_model(problem: DsaProblem, options: SolveOptions, *, bound: int)
     solver.parameters.max_time_in_seconds = max(options.time_limit_s, 0.01)
     solver.parameters.num_workers = max(options.workers, 1)
     solver.parameters.random_seed = options.seed
+    if running is not None:
+        running.append(solver)
     status = solver.solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         offsets = np.asarray([solver.value(v) for v in offset_vars], dtype=np.int64)
@@ -90,26 +100,53 @@ def solve_cpsat_model(problem: DsaProblem, options: SolveOptions, *, bound: int)
 
 
 def solve_cpsat(problem: DsaProblem, options: SolveOptions | None = None) -> Solution:
-    """Canonical branch and bound for a share of the time, then CP-SAT from its incumbent."""
+    """Canonical branch and bound and CP-SAT side by side; the first proof stops both.
+
+    A short canonical run gives CP-SAT its hint and upper bound (and often closes the instance
+    at once). Then CP-SAT runs in a thread (it releases the GIL) with one worker fewer than
+    asked, while the canonical search keeps restarting in this thread; whichever proves
+    optimality stops the other, and the lower peak wins.
+    """
     from memo_ext.planner.solvers.canonical import solve_canonical
 
     options = options or SolveOptions()
     t0 = time.perf_counter()
-    # The branch and bound closes packable and real-trace instances fast; CP-SAT then gets the
-    # rest of the budget to improve or prove what it could not.
-    first = solve_canonical(
-        problem,
-        SolveOptions(time_limit_s=options.time_limit_s * 0.5, seed=options.seed, hint=options.hint),
+    quick = SolveOptions(
+        time_limit_s=min(2.0, 0.1 * options.time_limit_s), seed=options.seed, hint=options.hint
     )
+    first = solve_canonical(problem, quick)
     if first.optimal:
         return Solution(first.offsets, first.peak, True, "cpsat", {"canonical": first.details})
     left = options.time_limit_s - (time.perf_counter() - t0)
-    second = solve_cpsat_model(
-        problem,
-        SolveOptions(
-            time_limit_s=left, workers=options.workers, seed=options.seed, hint=first.offsets
-        ),
-        bound=max(lower_bound(problem), first.details.get("bound", 0)),
+    bound = max(lower_bound(problem), first.details.get("bound", 0))
+    cp_options = SolveOptions(
+        time_limit_s=left,
+        workers=max(options.workers - 1, 1),
+        seed=options.seed,
+        hint=first.offsets,
     )
-    second.details["canonical"] = first.details
-    return second
+    running: list = []
+    results: dict = {}
+    stop = threading.Event()
+
+    def run_cpsat() -> None:
+        results["cpsat"] = solve_cpsat_model(problem, cp_options, bound=bound, running=running)
+        if results["cpsat"].optimal:
+            stop.set()
+
+    thread = threading.Thread(target=run_cpsat, daemon=True)
+    thread.start()
+    second = solve_canonical(
+        problem,
+        SolveOptions(time_limit_s=left, seed=options.seed + 1, hint=first.offsets),
+        stop=stop,
+    )
+    if second.optimal and running:
+        running[0].stop_search()
+    thread.join()
+    best = min([second, results.get("cpsat", second)], key=lambda s: s.peak)
+    details = {"canonical": second.details, "cpsat": results.get("cpsat", second).details}
+    optimal = best.optimal or best.peak <= max(
+        second.details.get("bound", 0), details["cpsat"].get("bound", 0)
+    )
+    return Solution(best.offsets, best.peak, optimal, "cpsat", details)

@@ -1,0 +1,83 @@
+"""How far each planner backend lands from the optimum on perfectly packable instances.
+
+Instances come from ``memo_ext.planner.packable`` (a rectangle cut into pieces, so the optimum
+is the lower bound); the gap is ``peak / optimum - 1``. Run from the repository root:
+
+    python -m benchmarks.planner_quality --sizes 60 400 --seeds 3 --time-limit 60 \\
+        --solvers heuristic canonical cpsat highs --json planner_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+
+import numpy as np
+
+from memo_ext.planner.packable import packable_instance
+from memo_ext.planner.problem import find_conflicts, lower_bound
+from memo_ext.planner.solvers import SolveOptions, solve_dsa
+
+
+def measure(*, solver: str, size: int, seed: int, time_limit_s: float) -> dict:
+    """Solves one instance; returns its gap, time and whether the optimum was proven."""
+    problem, _ = packable_instance(num_buffers=size, seed=seed)
+    t0 = time.perf_counter()
+    solution = solve_dsa(problem, solver=solver, options=SolveOptions(time_limit_s=time_limit_s))
+    elapsed = time.perf_counter() - t0
+    assert len(find_conflicts(problem, solution.offsets)) == 0
+    return {
+        "solver": solver,
+        "buffers": size,
+        "seed": seed,
+        "gap": solution.peak / lower_bound(problem) - 1,
+        "time_s": round(elapsed, 2),
+        "optimal": bool(solution.optimal),
+    }
+
+
+def summarise(rows: list[dict]) -> list[str]:
+    """One table line per (solver, size): mean and worst gap, solved count, mean time."""
+    lines = [
+        f"{'solver':<10} {'buffers':>7} {'mean gap':>9} {'max gap':>8} {'optimal':>8} {'mean s':>7}"
+    ]
+    keys = sorted({(r["solver"], r["buffers"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    for solver, size in keys:
+        group = [r for r in rows if r["solver"] == solver and r["buffers"] == size]
+        gaps = np.array([r["gap"] for r in group])
+        solved = sum(r["optimal"] for r in group)
+        lines.append(
+            f"{solver:<10} {size:>7} {gaps.mean():>9.2%} {gaps.max():>8.2%} "
+            f"{solved:>4}/{len(group):<3} {np.mean([r['time_s'] for r in group]):>7.1f}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[60, 400])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    default = ["heuristic", "canonical", "cpsat", "highs"]
+    if importlib.util.find_spec("gurobipy"):
+        default.append("gurobi")
+    parser.add_argument("--solvers", nargs="+", default=default)
+    parser.add_argument("--json", default="planner_quality.json")
+    args = parser.parse_args()
+    rows = []
+    for size in args.sizes:
+        for seed in range(args.seeds):
+            for solver in args.solvers:
+                rows.append(
+                    measure(solver=solver, size=size, seed=seed, time_limit_s=args.time_limit)
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n".join(summarise(rows)))
+    with open(args.json, "w") as handle:
+        json.dump({"time_limit_s": args.time_limit, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
