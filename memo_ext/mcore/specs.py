@@ -30,16 +30,17 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_attention_backend(backend: str) -> str:
+def resolve_attention_backend(backend: str, *, allow_te: bool = True) -> str:
     """Turn ``auto`` into a concrete backend and check that the asked one can run here.
 
-    ``auto`` picks transformer-engine on CUDA when installed, then flash-attn, else SDPA.
+    ``auto`` picks transformer-engine on CUDA when installed (unless ``allow_te`` is False, as
+    for layers that MEMO rebuilds from their own modules), then flash-attn, else SDPA.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {backend}")
     cuda = torch.cuda.is_available()
     if backend == "auto":
-        if cuda and _installed("transformer_engine"):
+        if cuda and allow_te and _installed("transformer_engine"):
             return "te"
         if cuda and _installed("flash_attn"):
             return "flash"

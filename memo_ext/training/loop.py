@@ -24,6 +24,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.config import RunConfig
+from memo_ext.offload.policy import format_memo_metrics, memo_step_metrics
 from memo_ext.training.checkpointing import TrainProgress, load_checkpoint, save_checkpoint
 from memo_ext.training.control import StopConditions
 from memo_ext.training.data import build_batch_iterator, build_gpt_datasets
@@ -116,6 +117,10 @@ def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
         forward_backward=get_forward_backward_func(), forward_step=build_forward_step(ctx.device),
     )  # fmt: skip
     session.train_batches, session.valid_batches = _batches(run, ctx, tokenizer, progress)
+    if run.memo.enabled:
+        session.metric_sources.append(
+            MetricSource(collect=lambda: memo_step_metrics(model), describe=format_memo_metrics)
+        )
     with StopConditions(run.checkpoint) as stop:
         return _run_steps(session, progress, stop)
 
@@ -133,8 +138,17 @@ class _Session:
     forward_step: Callable
     train_batches: Iterator | None = None
     valid_batches: Iterator | None = None
-    metric_sources: list[Callable[[], dict]] = field(default_factory=list)
-    """Callables whose dicts join each logged record (MEMO, HotSPa figures)."""
+    metric_sources: list[MetricSource] = field(default_factory=list)
+    """Per-step figures of the memory / parallelism systems (MEMO, HotSPa)."""
+
+
+@dataclass(frozen=True)
+class MetricSource:
+    """A system's per-step figures: ``collect`` is called once per step (its counters cover that
+    step) and its dict joins the logged record; ``describe`` renders it for the console."""
+
+    collect: Callable[[], dict]
+    describe: Callable[[dict], str]
 
 
 def _log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> None:
@@ -294,6 +308,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
         for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
             start = time.perf_counter()
             loss, grad_norm, lr, updated = _train_one_step(s)
+            figures = [(source, source.collect()) for source in s.metric_sources]
             skipped += not (_check_finite(s, iteration, loss, grad_norm) and updated)
             step_time = time.perf_counter() - start
             tokens_per_s = run.train.global_batch_size * run.data.seq_length / step_time
@@ -305,8 +320,8 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             if run.evaluation.enabled and iteration % run.evaluation.eval_interval == 0:
                 extra.update(evaluate(s))
             if _is_logged(iteration, run) or extra:
-                for source in s.metric_sources:
-                    extra.update(source())
+                for _, values in figures:
+                    extra.update(values)
                 tflops = flops_per_step / ctx.world_size / step_time / 1e12
                 allocated, reserved = cuda_memory()
                 record = StepMetrics(
@@ -318,7 +333,9 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
                 )  # fmt: skip
                 writer.write(record.to_json())
                 board.write(record.to_json())
-                logger.info(record.console_line(run.train.train_iters))
+                line = [record.console_line(run.train.train_iters)]
+                line += [source.describe(values) for source, values in figures]
+                logger.info(" | ".join(filter(None, line)))
             reason = stop.reason(iteration)
             if reason or _save_due(iteration, run):
                 save_checkpoint(

@@ -38,7 +38,7 @@ def build_gpt_model(*, run: RunConfig, device: torch.device) -> GPTModel:
     """The bare ``GPTModel`` of this process's pipeline stage, on ``device``."""
     config = run.transformer
     model_cfg: ModelConfig = run.model
-    backend = resolve_attention_backend(model_cfg.attention_backend)
+    backend = resolve_attention_backend(model_cfg.attention_backend, allow_te=not run.memo.enabled)
     layer_spec = apply_memory_policy(
         layer_spec=build_layer_spec(config=config, attention_backend=backend), run=run
     )

@@ -66,8 +66,8 @@ def test_null_tokenizer_rejects_bad_ids():
 
 
 def test_unknown_tokenizer_type_lists_valid_types():
-    with pytest.raises(ValueError, match="ByteTokenizer, NullTokenizer"):
-        build_tokenizer(tokenizer_type="GPT2BPETokenizer")
+    with pytest.raises(ValueError, match="ByteTokenizer, NullTokenizer, HuggingFaceTokenizer"):
+        build_tokenizer(tokenizer_type="SentencePieceTokenizer")
 
 
 def test_unique_identifiers_distinguish_tokenizers():
