@@ -1,0 +1,403 @@
+"""What one transformer layer holds and computes, measured on fake tensors.
+
+A megatron-core layer built with the project's spec (``build_layer_spec``) runs forward and
+backward under ``FakeTensorMode`` for one process of a TP (+ SP) layout, so nothing is
+allocated: a 7B layer at 1M tokens takes a fraction of a second. Per method it yields
+
+- the bytes autograd holds for the layer once its forward ends (unique storages of the saved
+  tensors; parameters and the RoPE table, shared by every layer, excluded) and, for MEMO, the
+  host bytes and the device bytes of one ping-pong slot of copy sources;
+- the FLOPs of the forward and of the backward (recomputation included), split into attention
+  and the rest (matrix products), counted by ``flop_counter_mode``;
+- the largest total live at one time over a whole one-layer iteration (embedding, layer, loss,
+  backward), the planner's lower bound on its trace.
+
+Context parallelism is measured as a TP layout on the rank's ``s / cp`` tokens: torch's causal
+bias object that our CPU CP path builds cannot be faked. That matches ring attention (the GPU
+path: each rank saves its own q, k, v, output and log-sum-exp); the attention FLOPs are then
+scaled by ``cp`` (each local query attends to ``cp`` times more keys, load-balanced).
+
+Every figure is linear in the tokens except attention FLOPs, which are quadratic; ``LayerFit``
+traces two lengths and scales, which is exact (``tests/unit/test_estimate.py`` checks a third).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from memo_ext.estimate.presets import ModelShape, transformer_config
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("none", "full", "selective", "memo-0", "memo-1")
+"""Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α)."""
+
+_ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """One layer, one micro-batch, one process, at one token count."""
+
+    saved_bytes: int
+    """Device bytes held for the layer after its forward (MEMO: what stays on the device)."""
+    input_bytes: int
+    """Bytes of the layer input ``[s/cp (/tp under SP), b, h]`` (what full recompute keeps)."""
+    host_bytes: int
+    """Bytes MEMO copies to host memory for the layer."""
+    slot_bytes: int
+    """MEMO: device bytes one ping-pong slot pins (storages of the copy sources)."""
+    forward_matmul_flops: int
+    """Forward FLOPs outside attention."""
+    forward_attention_flops: int
+    """Forward attention FLOPs as counted (full ``s × s`` products, no causal skip)."""
+    backward_matmul_flops: int
+    """Backward FLOPs outside attention, recomputation included."""
+    backward_attention_flops: int
+    """Backward attention FLOPs (full products), recomputation included."""
+    param_count: int = 0
+    """Parameters of the layer on this process."""
+
+
+@contextlib.contextmanager
+def frozen_rng() -> Iterator[None]:
+    """Random-state save / restore and tracker forks made no-ops while tracing.
+
+    Under fake tensors a saved generator state is fake too and cannot be restored; the traced
+    layers draw no random numbers (dropout 0), so megatron's checkpoint has nothing to restore.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class _NoForkTracker:
+        def fork(self, name: str = ""):
+            return contextlib.nullcontext()
+
+        def get_states(self):
+            return {}
+
+        def set_states(self, states):
+            pass
+
+        def is_initialized(self):
+            return True
+
+    state = torch.get_rng_state()
+    saved = (torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER)
+    torch.get_rng_state = lambda: state
+    torch.set_rng_state = lambda new_state: None
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER = saved
+
+
+def method_overrides(method: str) -> dict:
+    """``TransformerConfig`` fields of a Megatron recomputation method."""
+    if method == "full":
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    if method == "selective":
+        return dict(recompute_granularity="selective")
+    return {}
+
+
+def _build_block(config, groups, *, memo_alpha: float | None):
+    """A one-layer ``TransformerBlock`` of the method (MEMO: an offloaded layer)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+    )
+
+    from memo_ext.mcore.specs import build_layer_spec
+    from memo_ext.offload.config import MemoConfig
+    from memo_ext.offload.policy import apply_memo
+
+    spec = build_layer_spec(config=config, attention_backend="sdpa")
+    if memo_alpha is not None:
+        # a huge budget: the estimator states what is needed; the α rule applies the budget
+        memo = MemoConfig(enabled=True, alpha=memo_alpha, keep_last_layers=0, host_memory_gb=2**40)
+        spec = apply_memo(spec, memo, config)
+    submodules = TransformerBlockSubmodules(layer_specs=[spec], layer_norm=None)
+    return TransformerBlock(config, submodules, post_process=False, pg_collection=groups)
+
+
+def _split_flops(counter) -> tuple[int, int]:
+    """(non-attention, attention) FLOPs of a finished ``FlopCounterMode``."""
+    attention = other = 0
+    for op, flops in counter.get_flop_counts().get("Global", {}).items():
+        if any(name in str(op) for name in _ATTENTION_OPS):
+            attention += flops
+        else:
+            other += flops
+    return other, attention
+
+
+def _rope_table(model: ModelShape, config, tokens: int):
+    if model.position_embedding_type != "rope":
+        return None
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    return RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(tokens)
+
+
+@functools.lru_cache(maxsize=512)
+def trace_layer(
+    model: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    tokens: int,
+    micro_batch_size: int,
+    method: str,
+    fp32: bool = False,
+) -> LayerFigures:
+    """Forward and backward of one layer of ``method`` on fake tensors (cached).
+
+    Args:
+        model: the model shape (``num_layers`` is ignored: one layer is built).
+        tp: tensor-parallel size; ``sp`` shards the layer input over it.
+        tokens: tokens of one sequence on this process (``s / cp``).
+        micro_batch_size: sequences per micro-batch.
+        method: one of :data:`METHODS`.
+        fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memo_ext.mcore.flop_count import flop_counter_mode
+    from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
+    from memo_ext.planner.capture import _tracing_environment, fake_process_groups
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    alpha = float(method.split("-")[1]) if method.startswith("memo-") else None
+    sp = sp and tp > 1
+    dtype = dict(params_dtype=torch.float32, bf16=False) if fp32 else {}
+    config = transformer_config(
+        model, tp=tp, sp=sp, num_layers=1, **dtype, **method_overrides(method)
+    )
+    local = tokens // tp if sp else tokens
+    with (
+        warnings.catch_warnings(),
+        fake_process_groups(tp=tp, cp=1) as groups,
+        _tracing_environment(),
+        frozen_rng(),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        warnings.simplefilter("ignore")
+        block = _build_block(config, groups, memo_alpha=alpha)
+        x = torch.empty(local, micro_batch_size, model.hidden_size, dtype=config.params_dtype)
+        x.requires_grad_(True)
+        rope = _rope_table(model, config, tokens)
+        # parameters and the RoPE table (one tensor shared by every layer) are not activations
+        excluded = {p.untyped_storage()._cdata for p in block.parameters()}
+        if rope is not None:
+            excluded.add(rope.untyped_storage()._cdata)
+        saved: dict[int, int] = {}
+
+        def count(t):
+            key = t.untyped_storage()._cdata
+            if key not in excluded:
+                saved[key] = t.untyped_storage().nbytes()
+            return t.detach()
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda t: t)
+        with flop_counter_mode() as forward_counter, hooks:
+            out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+        held, slot = sum(saved.values()), 0
+        runtime = memo_runtime_of(block)
+        if runtime is not None:  # MEMO's own hook shadows the counter: its ledger says what stays
+            held = sum(acts.device_bytes() for acts in runtime.live)
+            slot = runtime.slot_bytes
+        with flop_counter_mode() as backward_counter:
+            out.backward(torch.ones_like(out))
+        host = memo_step_metrics(block).get("host_offload_bytes", 0)
+        params = sum(p.numel() for p in block.parameters())
+    fwd_other, fwd_attention = _split_flops(forward_counter)
+    bwd_other, bwd_attention = _split_flops(backward_counter)
+    return LayerFigures(
+        saved_bytes=held,
+        input_bytes=x.numel() * x.element_size(),
+        host_bytes=host,
+        slot_bytes=slot,
+        forward_matmul_flops=fwd_other,
+        forward_attention_flops=fwd_attention,
+        backward_matmul_flops=bwd_other,
+        backward_attention_flops=bwd_attention,
+        param_count=params,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def layer_max_live_bytes(
+    model: ModelShape, *, tp: int, sp: bool, tokens: int, micro_batch_size: int
+) -> int:
+    """Largest total live at one time over one layer's forward and backward (no recompute).
+
+    From the planner's fake-tensor trace and its lower bound (no plan can peak below it); the
+    layer input is pre-existing and not counted, its saved tensors are.
+    """
+    from memo_ext.planner.capture import trace_transformer_layer
+
+    sp = sp and tp > 1
+    config = transformer_config(model, tp=tp, sp=sp, num_layers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trace = trace_transformer_layer(
+            config=config, seq_length=tokens, micro_batch_size=micro_batch_size
+        )
+    return _max_live(trace)
+
+
+def _max_live(trace) -> int:
+    from memo_ext.planner.problem import lower_bound, problem_from_trace
+
+    _, problem = problem_from_trace(trace)
+    return int(lower_bound(problem))
+
+
+@contextlib.contextmanager
+def _fake_parallel_state(tp: int) -> Iterator[None]:
+    """megatron's global parallel state on a fake ``tp``-rank world (its loss reads it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memo_ext.mcore.compat import cpu_compat
+
+    if dist.is_initialized():
+        raise RuntimeError("estimating traces on a fake process group; call it before init")
+    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = None
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    compat = cpu_compat() if not torch.cuda.is_available() else contextlib.nullcontext()
+    try:
+        with compat:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp, create_gloo_process_groups=False
+            )
+            yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        parallel_state._GLOBAL_MEMORY_BUFFER = buffer
+
+
+@functools.lru_cache(maxsize=256)
+def loss_max_live_bytes(
+    model: ModelShape, *, tp: int, sp: bool, tokens: int, micro_batch_size: int
+) -> int:
+    """Largest total live over the output end: final norm, output layer, megatron's loss.
+
+    megatron-core's ``vocab_parallel_cross_entropy`` runs on the bf16 logits
+    ``[s, b, vocab / tp]``, casts them to fp32 and saves the fp32 softmax for backward; at long
+    sequences this end outweighs a layer (7B, 1M tokens, TP 8: 12 GiB of bf16 logits and 25 GiB
+    of fp32 softmax per process). The final hidden state is pre-existing, not counted.
+    """
+    from megatron.core import tensor_parallel
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memo_ext.planner.capture import trace_module
+
+    sp = sp and tp > 1
+    h, b = model.hidden_size, micro_batch_size
+    padded = -(-model.vocab_size // (128 * tp)) * 128 * tp
+    with warnings.catch_warnings(), _fake_parallel_state(tp):
+        warnings.simplefilter("ignore")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x = torch.empty(tokens // tp if sp else tokens, b, h, dtype=torch.bfloat16)
+            x.requires_grad_(True)
+            norm = torch.nn.Parameter(torch.empty(h, dtype=torch.bfloat16))
+            weight = torch.nn.Parameter(torch.empty(padded // tp, h, dtype=torch.bfloat16))
+            labels = torch.zeros(tokens, b, dtype=torch.long)
+
+            def run(recorder) -> None:
+                y = torch.nn.functional.layer_norm(x, (h,), norm)
+                if sp:  # [s/tp, b, h] -> [s, b, h], as the output layer gathers under SP
+                    y = tensor_parallel.gather_from_sequence_parallel_region(y)
+                logits = torch.nn.functional.linear(y, weight)  # [s, b, vocab/tp], bf16
+                loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+                loss.sum().backward()
+
+            trace = trace_module(run)
+    return _max_live(trace)
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """A layer's figures at any token count, from traces at ``t1`` and ``t2 = 2·t1`` tokens.
+
+    Bytes and non-attention FLOPs are affine in the tokens, attention FLOPs quadratic; the fit
+    is exact for both (two points fix an affine function; attention is checked to be t²).
+    """
+
+    t1: int
+    low: LayerFigures
+    high: LayerFigures
+
+    def at(self, tokens: int) -> LayerFigures:
+        """Figures at ``tokens`` tokens per sequence on this process."""
+        values = {}
+        for f in fields(LayerFigures):
+            a, b = getattr(self.low, f.name), getattr(self.high, f.name)
+            if "attention" in f.name:
+                values[f.name] = round(a * (tokens / self.t1) ** 2)
+            elif f.name == "param_count":
+                values[f.name] = a
+            else:
+                slope = (b - a) / self.t1
+                values[f.name] = round(a + slope * (tokens - self.t1))
+        return LayerFigures(**values)
+
+
+def reference_tokens(*, tp: int, sp: bool) -> int:
+    """A small token count every layout divides (SP needs a multiple of TP)."""
+    return 2048 * (tp if sp else 1)
+
+
+@functools.lru_cache(maxsize=512)
+def layer_fit(
+    model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, method: str
+) -> LayerFit:
+    """Traces ``method`` at two lengths and returns the exact scaling rule."""
+    t1 = reference_tokens(tp=tp, sp=sp)
+    kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method)
+    return LayerFit(
+        t1=t1,
+        low=trace_layer(model, tokens=t1, **kw),
+        high=trace_layer(model, tokens=2 * t1, **kw),
+    )
+
+
+@dataclass(frozen=True)
+class TransientFit:
+    """Bytes per token live on top of the stored activations at the two peaks of an iteration.
+
+    Both are linear in the tokens (every live tensor is), so one trace at the reference length
+    gives the slope.
+    """
+
+    layer_per_token: float
+    """One layer's forward + backward peak minus its saved set (``max_live - saved_bytes``)."""
+    loss_per_token: float
+    """The output end's peak (norm, output layer, loss and their backward)."""
+
+
+@functools.lru_cache(maxsize=256)
+def transient_fit(model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int) -> TransientFit:
+    """Traces the layer and the output end at the reference length."""
+    t = reference_tokens(tp=tp, sp=sp)
+    kw = dict(tp=tp, sp=sp, tokens=t, micro_batch_size=micro_batch_size)
+    layer = trace_layer(model, method="none", **kw)
+    return TransientFit(
+        layer_per_token=(layer_max_live_bytes(model, **kw) - layer.saved_bytes) / t,
+        loss_per_token=loss_max_live_bytes(model, **kw) / t,
+    )

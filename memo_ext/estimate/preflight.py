@@ -1,0 +1,188 @@
+"""Will this run fit? A check the trainer makes before building the model.
+
+``preflight(run)`` estimates the run's device peak and MEMO's host bytes (``estimate``) and
+returns a :class:`Report`; ``check_preflight(run)`` raises :class:`PreflightError` with the
+numbers and a suggestion (``--memo``, a larger CP, …) when the run cannot fit. The device is the
+CUDA device's preset (by name) or one given explicitly; on a machine without a GPU and without a
+given device nothing is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from memo_ext.estimate.model import Efficiency, Estimate, EstimateError, Layout, MemoSettings
+from memo_ext.estimate.model import estimate as run_estimate
+from memo_ext.estimate.presets import DEVICES, DeviceSpec, ModelShape
+
+logger = logging.getLogger(__name__)
+
+
+class PreflightError(RuntimeError):
+    """The run cannot fit device or host memory; the message says by how much and what to do."""
+
+
+@dataclass
+class Report:
+    """What the preflight found."""
+
+    checked: bool
+    """False when there was nothing to check against (no device known)."""
+    fits: bool
+    """True when the run fits device and host memory (or was not checked)."""
+    message: str
+    """One paragraph: the numbers, and a suggestion when it does not fit."""
+    estimate: Estimate | None = None
+
+
+def _model_shape(run) -> ModelShape:
+    t = run.transformer
+    vocab = run.model.vocab_size or run.data.vocab_size or 256
+    return ModelShape(
+        name="run",
+        num_layers=t.num_layers,
+        hidden_size=t.hidden_size,
+        num_attention_heads=t.num_attention_heads,
+        ffn_hidden_size=t.ffn_hidden_size,
+        vocab_size=vocab,
+        num_query_groups=t.num_query_groups,
+        swiglu=bool(t.gated_linear_unit),
+        normalization=t.normalization,
+        add_bias_linear=bool(t.add_bias_linear),
+        position_embedding_type=run.model.position_embedding_type,
+    )
+
+
+def _layout(run) -> Layout:
+    t = run.transformer
+    return Layout(
+        tp=t.tensor_model_parallel_size,
+        cp=t.context_parallel_size,
+        pp=t.pipeline_model_parallel_size,
+        dp=max(1, run.data_parallel_size),
+        sp=bool(t.sequence_parallel),
+        micro_batch_size=run.train.micro_batch_size,
+        num_microbatches=max(1, run.num_microbatches),
+        distributed_optimizer=run.train.use_distributed_optimizer,
+    )
+
+
+def _method(run) -> str:
+    if run.memo.enabled:
+        return "memo"
+    return run.transformer.recompute_granularity or "none"
+
+
+def cuda_device_spec() -> DeviceSpec | None:
+    """The preset of this process's CUDA device (by name and memory), or ``None``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    total = torch.cuda.get_device_properties(0).total_memory
+    for key, spec in DEVICES.items():
+        if key.split("-")[0].upper() in name:
+            return replace(spec, memory_bytes=total)
+    return None
+
+
+def preflight(
+    run,
+    *,
+    device: DeviceSpec | None = None,
+    host_memory_bytes: int | None = None,
+    efficiency: Efficiency | None = None,
+) -> Report:
+    """Estimates ``run`` (a ``memo_ext.config.RunConfig``) and says whether it fits.
+
+    Args:
+        run: the parsed run.
+        device: the accelerator; default the CUDA device's preset.
+        host_memory_bytes: host memory per node; default MEMO's budget (``--memo-host-memory-gb``
+            per process) times the node's processes, else the memory available now.
+        efficiency: estimator knobs (headroom, host share …).
+    """
+    device = device or cuda_device_spec()
+    if device is None:
+        return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
+    efficiency = efficiency or Efficiency()
+    layout = _layout(run)
+    if host_memory_bytes is None:
+        host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
+    memo = MemoSettings(alpha=run.memo.alpha, keep_last_layers=run.memo.keep_last_layers)
+    kwargs = dict(
+        model=_model_shape(run),
+        device=device,
+        method=_method(run),
+        host_memory_bytes=host_memory_bytes,
+        memo=memo,
+        efficiency=efficiency,
+    )
+    try:
+        est = run_estimate(layout=layout, seq_length=run.data.seq_length, **kwargs)
+    except EstimateError as err:
+        return Report(checked=False, fits=True, message=f"preflight skipped: {err}")
+    if est.fits:
+        return Report(checked=True, fits=True, message=_numbers(est), estimate=est)
+    hint = _suggestion(est, layout=layout, seq_length=run.data.seq_length, **kwargs)
+    message = f"this run does not fit: {_numbers(est)}; {hint}"
+    return Report(checked=True, fits=False, message=message, estimate=est)
+
+
+def check_preflight(run, **kwargs) -> Report:
+    """:func:`preflight`, raising :class:`PreflightError` when the run cannot fit."""
+    report = preflight(run, **kwargs)
+    if not report.fits:
+        raise PreflightError(report.message + " (--skip-preflight runs it anyway)")
+    logger.info("preflight: %s", report.message)
+    return report
+
+
+def _host_memory_bytes(run, layout: Layout, device: DeviceSpec, eff: Efficiency) -> int:
+    from memo_ext.offload.config import available_host_memory_bytes
+
+    procs = min(layout.gpus, device.gpus_per_node)
+    if run.memo.host_memory_gb is not None:
+        # the user's per-process budget, expressed as node memory the estimator shares out
+        return int(run.memo.host_memory_gb * 2**30 * procs / eff.host_share)
+    return available_host_memory_bytes()
+
+
+def _numbers(est: Estimate) -> str:
+    gib = 2**30
+    text = (
+        f"device peak {est.device_peak_bytes / gib:.1f} GiB of {est.device_usable_bytes / gib:.1f}"
+        f" GiB usable (model states {est.model_state_bytes / gib:.1f}, activations "
+        f"{est.activation_bytes / gib:.1f}, transient {est.transient_bytes / gib:.1f})"
+    )
+    if est.method == "memo":
+        text += (
+            f", host {est.host_bytes / gib:.1f} GiB of a {est.host_budget_bytes / gib:.1f} GiB "
+            f"budget per process at α = {est.alpha:.2f}"
+        )
+    return text
+
+
+def _suggestion(est: Estimate, *, layout: Layout, seq_length: int, **kwargs) -> str:
+    """The first change that makes the run fit, among MEMO and larger CP / TP."""
+    tries = []
+    if est.method != "memo":
+        tries.append(("add --memo", layout, {"method": "memo", "memo": MemoSettings()}))
+    if not est.fits_host:
+        tries.append(("raise --memo-host-memory-gb or keep more layers", layout, {}))
+    if layout.dp % 2 == 0:
+        bigger_cp = replace(layout, cp=layout.cp * 2, dp=layout.dp // 2)
+        tries.append((f"use --context-parallel-size {bigger_cp.cp}", bigger_cp, {}))
+        if layout.tp < 8:
+            bigger_tp = replace(layout, tp=layout.tp * 2, dp=layout.dp // 2, sp=True)
+            tries.append((f"use --tensor-model-parallel-size {bigger_tp.tp} --sequence-parallel",
+                          bigger_tp, {}))  # fmt: skip
+    for text, lay, change in tries:
+        try:
+            if run_estimate(layout=lay, seq_length=seq_length, **{**kwargs, **change}).fits:
+                return text
+        except EstimateError:
+            continue
+    return "shorten --seq-length, add GPUs for CP / TP, or use --memo with more host memory"

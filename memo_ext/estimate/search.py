@@ -1,0 +1,140 @@
+"""The longest sequence a model trains at on given GPUs, over the layouts that make sense.
+
+For each candidate layout (TP in {1, 2, 4, 8} within a node with SP on whenever TP > 1, CP
+powers of two, DP the rest; PP as given) and, for MEMO, kept last layers in {2, 1, 0} and α in
+{the rule's α, 0}, a galloping search over multiples of ``granularity · 2·CP`` finds the longest
+length that fits device and host memory; the best layout is the longest, then the fastest. Fit
+is monotone in the length (every stored byte grows with it), which makes the search exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from memo_ext.estimate.model import (
+    Efficiency,
+    Estimate,
+    EstimateError,
+    Layout,
+    MemoSettings,
+    check_layout,
+    estimate,
+)
+from memo_ext.estimate.presets import DeviceSpec, ModelShape
+
+DEFAULT_GRANULARITY = 4096
+MAX_MULTIPLE = 1 << 12
+"""Search stops at ``granularity · 2·CP · 4096`` tokens (16M at CP 1)."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which knobs the search may turn; ``None`` means "try every sensible value"."""
+
+    tp: int | None = None
+    cp: int | None = None
+    pp: int = 1
+    sp: bool | None = None
+    keep_last_layers: int | None = None
+    alpha: float | None = None
+    """MEMO α fixed by the user; ``None`` tries the rule's α and 0."""
+
+
+def candidate_layouts(
+    model: ModelShape, device: DeviceSpec, *, gpus: int, space: SearchSpace, base: Layout
+) -> Iterator[Layout]:
+    """Layouts of ``gpus`` GPUs that megatron-core accepts for ``model``."""
+    tps = [space.tp] if space.tp else [t for t in (1, 2, 4, 8) if t <= device.gpus_per_node]
+    cps = [space.cp] if space.cp else [1 << k for k in range(0, 11) if 1 << k <= gpus]
+    for tp, cp in itertools.product(tps, cps):
+        model_parallel = tp * cp * space.pp
+        if gpus % model_parallel:
+            continue
+        sp = (tp > 1) if space.sp is None else (space.sp and tp > 1)
+        layout = replace(base, tp=tp, cp=cp, pp=space.pp, dp=gpus // model_parallel, sp=sp)
+        try:
+            check_layout(model, layout, seq_length=_granularity(layout, DEFAULT_GRANULARITY))
+        except EstimateError:
+            continue
+        yield layout
+
+
+def _granularity(layout: Layout, granularity: int) -> int:
+    return granularity * 2 * layout.cp
+
+
+def _memo_options(space: SearchSpace, method: str) -> list[MemoSettings]:
+    if method != "memo":
+        return [MemoSettings()]
+    keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
+    alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
+    return [MemoSettings(alpha=a, keep_last_layers=k) for k in keeps for a in alphas]
+
+
+def longest_fitting(run, *, layout: Layout, granularity: int) -> Estimate | None:
+    """Galloping then binary search for the largest multiple of the layout's step that fits.
+
+    ``run(layout, seq_length)`` returns an ``Estimate``.
+    """
+    step = _granularity(layout, granularity)
+    first = run(layout, step)
+    if not first.fits:
+        return None
+    lo, best = 1, first
+    hi = 2
+    while hi <= MAX_MULTIPLE:
+        est = run(layout, hi * step)
+        if not est.fits:
+            break
+        lo, best, hi = hi, est, hi * 2
+    else:
+        return best
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        est = run(layout, mid * step)
+        if est.fits:
+            lo, best = mid, est
+        else:
+            hi = mid
+    return best
+
+
+_ANY = SearchSpace()
+_DEFAULT_LAYOUT = Layout()
+_DEFAULT_EFFICIENCY = Efficiency()
+
+
+def find_max_seq_length(
+    *,
+    model: ModelShape,
+    device: DeviceSpec,
+    gpus: int,
+    method: str,
+    host_memory_bytes: int,
+    space: SearchSpace = _ANY,
+    base: Layout = _DEFAULT_LAYOUT,
+    efficiency: Efficiency = _DEFAULT_EFFICIENCY,
+    granularity: int = DEFAULT_GRANULARITY,
+) -> Estimate | None:
+    """The best configuration at the longest length that fits, or ``None`` when none does."""
+    best: Estimate | None = None
+    for layout in candidate_layouts(model, device, gpus=gpus, space=space, base=base):
+        for memo in _memo_options(space, method):
+
+            def run(lay: Layout, seq_length: int, memo=memo) -> Estimate:
+                return estimate(
+                    model=model, device=device, layout=lay, method=method,
+                    seq_length=seq_length, host_memory_bytes=host_memory_bytes,
+                    memo=memo, efficiency=efficiency,
+                )  # fmt: skip
+
+            found = longest_fitting(run, layout=layout, granularity=granularity)
+            if found is not None and (best is None or _better(found, best)):
+                best = found
+    return best
+
+
+def _better(a: Estimate, b: Estimate) -> bool:
+    return (a.seq_length, a.mfu) > (b.seq_length, b.mfu)
