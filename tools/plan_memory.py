@@ -154,9 +154,12 @@ def run(args: argparse.Namespace) -> None:
     if args.save_trace:
         save_trace(trace, args.save_trace)
     alignment = args.alignment or (1 if args.trace else 512)
+    # Keep a margin for building the problem, validating and writing the plan, so the whole
+    # command ends within --time-limit.
+    budget_s = max(0.9 * args.time_limit - (time.perf_counter() - t0), 0.5)
     config = PlannerConfig(
         solver=args.solver,
-        time_limit_s=args.time_limit,
+        time_limit_s=budget_s,
         alignment=alignment,
         bilevel=args.bilevel,
         workers=args.workers,

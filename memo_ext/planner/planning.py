@@ -28,6 +28,9 @@ from memo_ext.planner.trace import Alloc, Trace, trace_digest
 logger = logging.getLogger(__name__)
 
 LAYER_PHASES = ("fwd", "bwd")
+FLAT_REFINE_MAX_TENSORS = 600
+"""Bi-level plans of traces up to this size are refined by a flat solve from the bi-level
+placement (blocks are conservative: a pass's block is reserved for the whole pass)."""
 
 
 @dataclass
@@ -192,6 +195,10 @@ def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
         "level2_peak_bytes": int(outer.peak),
         "block_bytes": {f"{p.phase}:{p.layer}": int(b) for p, b in zip(passes, blocks)},
     }
+    left_s = config.time_limit_s - (time.perf_counter() - t0)
+    if problem.n <= FLAT_REFINE_MAX_TENSORS and peak_of(problem, offsets) > lower_bound(problem):
+        offsets = _refine_flat(problem, offsets, config, left_s)
+        extra["refined_flat"] = True
     return _make_plan(
         trace,
         ids,
@@ -202,6 +209,17 @@ def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
         solve_s=time.perf_counter() - t0,
         extra=extra,
     )
+
+
+def _refine_flat(
+    problem: DsaProblem, offsets: np.ndarray, config: PlannerConfig, budget_s: float
+) -> np.ndarray:
+    """A flat solve started from the bi-level placement; keeps whichever peak is lower."""
+    options = SolveOptions(
+        time_limit_s=max(budget_s, 0.5), workers=config.workers, seed=config.seed, hint=offsets
+    )
+    flat = solve_dsa(problem, solver=config.solver, options=options)
+    return flat.offsets if flat.peak < peak_of(problem, offsets) else offsets
 
 
 def plan_trace(trace: Trace, *, config: PlannerConfig | None = None) -> Plan:

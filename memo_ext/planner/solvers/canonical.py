@@ -276,21 +276,29 @@ class CanonicalSearch:
 
 
 def _schedule(
-    problem: DsaProblem, search: CanonicalSearch, best: np.ndarray, bound: int, seed: int
+    problem: DsaProblem,
+    search: CanonicalSearch,
+    best: np.ndarray,
+    bound: int,
+    *,
+    seed: int,
+    improve: bool,
 ) -> tuple:
     """Many short decision runs (their run times are heavy-tailed), with rotating preorders.
 
-    Each round aims at the lower bound (tightest pruning; the optimum on packable instances) and
-    at the midpoint between it and the incumbent. A run that ends without a placement and
-    without hitting its node budget proves its target infeasible. The budget doubles every
-    few rounds so that proofs become possible.
+    Each round aims at the lower bound (tightest pruning; the optimum on packable instances)
+    and, with ``improve``, a little (1/16 of the gap) below the incumbent. A run that ends
+    without a placement and without hitting its node budget proves its target infeasible. The
+    budget doubles every few rounds so that proofs become possible.
     """
     ranks = preorders(problem, search.sections, np.random.default_rng(seed))
     best_peak = peak_of(problem, best)
     node_limit, runs, rounds = 4 * problem.n + 64, 0, 0
     try:
         while best_peak > bound:
-            for target in sorted({bound, (bound + best_peak - 1) // 2}):
+            # Just below the incumbent a placement is usually easy to find: steady progress.
+            targets = {bound, best_peak - 1 - (best_peak - bound) // 16} if improve else {bound}
+            for target in sorted(targets):
                 if target >= best_peak:
                     continue
                 offsets = search.run(capacity=target, rank=next(ranks), node_limit=node_limit)
@@ -310,7 +318,11 @@ def _schedule(
 
 
 def solve_canonical(
-    problem: DsaProblem, options: SolveOptions | None = None, *, stop: threading.Event | None = None
+    problem: DsaProblem,
+    options: SolveOptions | None = None,
+    *,
+    stop: threading.Event | None = None,
+    improve: bool = True,
 ) -> Solution:
     """Minimises the peak by canonical branch and bound, from a greedy incumbent.
 
@@ -318,6 +330,8 @@ def solve_canonical(
         problem: the tensors to place.
         options: time limit, seed and optional hint.
         stop: optional event another thread sets to end the search early.
+        improve: also aim just below the incumbent; without it every run aims at the lower
+            bound (when another solver takes care of improving the incumbent).
     """
     options = options or SolveOptions()
     deadline = time.perf_counter() + options.time_limit_s
@@ -326,7 +340,9 @@ def solve_canonical(
         best = np.asarray(options.hint, dtype=np.int64)
     bound = lower_bound(problem)
     search = CanonicalSearch(problem=problem, deadline=deadline, stop=stop)
-    best, bound, proven, details = _schedule(problem, search, best, bound, options.seed)
+    best, bound, proven, details = _schedule(
+        problem, search, best, bound, seed=options.seed, improve=improve
+    )
     details["bound"] = int(bound)
     return Solution(
         offsets=best,
