@@ -25,7 +25,7 @@ from memo_ext.config import (
     RunConfig,
     TrainConfig,
 )
-from memo_ext.mcore.specs import ATTENTION_BACKENDS
+from memo_ext.mcore.specs import ATTENTION_BACKENDS, LOCAL_KERNEL_SETTINGS
 from memo_ext.offload.config import (
     MemoArgumentError,
     add_memo_args,
@@ -612,13 +612,7 @@ def _transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # skip tagging weights as tensor-parallel, which gradient norms and checkpoints need.
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
-        # unfused element-wise paths: exact on every device, and what the CPU supports
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **LOCAL_KERNEL_SETTINGS,
     )
 
 

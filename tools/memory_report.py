@@ -100,6 +100,8 @@ def transformer_config(args: argparse.Namespace, **overrides):
     """megatron-core config of the model, as ``pretrain_gpt_memo.py`` would build it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
+
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     fields = dict(
         num_layers=args.num_layers,
@@ -124,12 +126,7 @@ def transformer_config(args: argparse.Namespace, **overrides):
         pipeline_dtype=dtype,
         use_cpu_initialization=True,
         perform_initialization=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **LOCAL_KERNEL_SETTINGS,
     )
     fields.update(overrides)
     return TransformerConfig(**fields)

@@ -25,6 +25,17 @@ from memo_ext.mcore.norms import Norm
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "te")
 
+# TransformerConfig settings for the local layer spec: megatron's fused element-wise kernels
+# come from apex / TE; the unfused paths are exact on every device and all the CPU supports.
+LOCAL_KERNEL_SETTINGS = {
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+}
+
 
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
