@@ -24,34 +24,17 @@ transformer layers are counted: embedding, loss and logits are the same for ever
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from memo_ext.estimate.measure import LayerFigures, trace_layer
+from memo_ext.estimate.presets import ModelShape
 
 METHODS = ("none", "full", "selective", "memo-0", "memo-0.5", "memo-1")
-
-
-@dataclass
-class LayerFigures:
-    """One traced layer under one method, for one micro-batch."""
-
-    saved_bytes: int
-    """Device bytes autograd holds for the layer after its forward."""
-    host_bytes: int
-    """Bytes the layer keeps in host memory (MEMO)."""
-    backward_flops: int
-    """FLOPs of the layer's backward, recomputation included."""
-    source_bytes: int = 0
-    """MEMO: device bytes of the layer's copy sources (a ping-pong slot)."""
 
 
 @dataclass
@@ -73,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="4h if unset.")
     p.add_argument("--num-attention-heads", type=int, required=True)
     p.add_argument("--num-query-groups", type=int, default=None)
-    p.add_argument("--kv-channels", type=int, default=None)
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--num-micro-batches", type=int, default=1, help="Per iteration and process.")
@@ -96,188 +78,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def transformer_config(args: argparse.Namespace, **overrides):
-    """megatron-core config of the model, as ``pretrain_gpt_memo.py`` would build it."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    fields = dict(
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The traced model's shape from the flags (the vocabulary does not enter a layer)."""
+    return ModelShape(
+        name="custom",
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        vocab_size=0,
         num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
+        swiglu=args.swiglu,
         normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        use_cpu_initialization=True,
-        perform_initialization=False,
-        **LOCAL_KERNEL_SETTINGS,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-@contextlib.contextmanager
-def fake_world(args: argparse.Namespace) -> Iterator[None]:
-    """Megatron's parallel state on torch's fake process group (rank 0 of TP × CP × PP)."""
-    from megatron.core import parallel_state
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
-
-    tp, cp, pp = (
-        args.tensor_model_parallel_size,
-        args.context_parallel_size,
-        args.pipeline_model_parallel_size,
-    )
-    dist.init_process_group("fake", rank=0, world_size=tp * cp * pp, store=FakeStore())
-    try:
-        with cpu_compat():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
-                context_parallel_size=cp,
-                create_gloo_process_groups=False,
-            )
-            seed_cpu_rng_tracker(seed=0, tp_rank=0)
-            yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _block(config, *, memo_alpha: float | None):
-    """A one-layer megatron-core ``TransformerBlock`` of the method (MEMO: offloaded layer)."""
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlock,
-        TransformerBlockSubmodules,
+        position_embedding_type=args.position_embedding_type,
     )
 
-    from memo_ext.mcore.specs import build_layer_spec
-    from memo_ext.offload.config import MemoConfig
-    from memo_ext.offload.policy import apply_memo
 
-    spec = build_layer_spec(config=config, attention_backend="sdpa")
-    if memo_alpha is not None:
-        # a huge budget: the report states what is needed, it does not enforce a machine's limit
-        memo = MemoConfig(enabled=True, alpha=memo_alpha, keep_last_layers=0, host_memory_gb=2**40)
-        spec = apply_memo(spec, memo, config)
-    submodules = TransformerBlockSubmodules(layer_specs=[spec], layer_norm=None)
-    return TransformerBlock(config, submodules, post_process=False)
-
-
-def trace_layer(args: argparse.Namespace, method: str) -> LayerFigures:
-    """Forward and backward of one layer of ``method`` on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memo_ext.mcore.flop_count import flop_counter_mode
-    from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
-
-    overrides, alpha = {}, None
-    if method == "full":
-        overrides = dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+def trace_methods(args: argparse.Namespace) -> dict[str, LayerFigures]:
+    """One layer of each method on fake tensors (``memo_ext.estimate.measure``)."""
+    model = model_shape(args)
+    return {
+        method: trace_layer(
+            model,
+            tp=args.tensor_model_parallel_size,
+            sp=args.sequence_parallel,
+            tokens=args.seq_length // args.context_parallel_size,
+            micro_batch_size=args.micro_batch_size,
+            method=method,
+            fp32=not (args.bf16 or args.fp16),
         )
-    elif method == "selective":
-        overrides = dict(recompute_granularity="selective")
-    elif method.startswith("memo-"):
-        alpha = float(method.split("-", 1)[1])
-    config = transformer_config(args, **overrides)
-    with _frozen_rng(), FakeTensorMode(allow_non_fake_inputs=True):
-        block = _block(config, memo_alpha=alpha)
-        x, rope = _layer_inputs(args, config)
-        # parameters, and the RoPE table (one tensor shared by every layer), are not activations
-        params = {p.untyped_storage()._cdata for p in block.parameters()}
-        if rope is not None:
-            params.add(rope.untyped_storage()._cdata)
-        saved: dict[int, int] = {}
-
-        def count(t):
-            key = t.untyped_storage()._cdata
-            if key not in params:
-                saved[key] = t.untyped_storage().nbytes()
-            return t.detach()
-
-        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-            out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
-        runtime = memo_runtime_of(block)
-        source_bytes = 0
-        held = sum(saved.values())
-        if runtime is not None:  # MEMO's own hook shadows the counter: its ledger says what stays
-            held = sum(acts.device_bytes() for acts in runtime.live)
-            source_bytes = runtime.slot_bytes
-        with flop_counter_mode() as counter:
-            out.backward(torch.ones_like(out))
-        host = memo_step_metrics(block).get("host_offload_bytes", 0)
-    return LayerFigures(
-        saved_bytes=held,
-        host_bytes=host,
-        backward_flops=counter.get_total_flops(),
-        source_bytes=source_bytes,
-    )
-
-
-@contextlib.contextmanager
-def _frozen_rng() -> Iterator[None]:
-    """Random-state saving and forking made no-ops while tracing.
-
-    Under fake tensors a saved generator state is fake too and cannot be restored; the traced
-    layers draw no random numbers (dropout 0), so megatron's tracker forks and the checkpoint's
-    state save / restore have nothing to do.
-    """
-    from megatron.core.tensor_parallel import random as mrandom
-
-    class _NoForkTracker:
-        def fork(self, name: str = ""):
-            return contextlib.nullcontext()
-
-        def get_states(self):
-            return {}
-
-        def set_states(self, states):
-            pass
-
-        def is_initialized(self):
-            return True
-
-    state = torch.get_rng_state()
-    saved = (torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER)
-    torch.get_rng_state = lambda: state
-    torch.set_rng_state = lambda new_state: None
-    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
-    try:
-        yield
-    finally:
-        torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER = saved
-
-
-def _layer_inputs(args: argparse.Namespace, config):
-    """This rank's layer input ``[s / cp (/ tp under SP), b, h]`` and its RoPE table."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    tokens = args.seq_length // args.context_parallel_size
-    local = tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
-    x = torch.randn(local, args.micro_batch_size, args.hidden_size, dtype=config.params_dtype)
-    x.requires_grad_(True)
-    rope = None
-    if args.position_embedding_type == "rope":
-        rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(args.seq_length)
-    return x, rope
+        for method in METHODS
+    }
 
 
 def method_figures(
@@ -287,14 +119,14 @@ def method_figures(
     stage_layers = args.num_layers // args.pipeline_model_parallel_size
     in_flight = min(args.pipeline_model_parallel_size, args.num_micro_batches)
     micro_batches = args.num_micro_batches
-    base = layer["none"].backward_flops
+    base = _backward_flops(layer["none"])
     out = {}
     for method, fig in layer.items():
-        recompute = (fig.backward_flops - base) * micro_batches
+        recompute = (_backward_flops(fig) - base) * micro_batches
         if method.startswith("memo-"):
             kept = min(args.memo_keep_last_layers, stage_layers)
             offloaded = stage_layers - kept
-            pingpong = min(2, offloaded) * fig.source_bytes
+            pingpong = min(2, offloaded) * fig.slot_bytes
             device = in_flight * (kept * layer["none"].saved_bytes + offloaded * fig.saved_bytes)
             out[method] = MethodFigures(
                 device_activation_bytes=device + pingpong,
@@ -308,6 +140,10 @@ def method_figures(
                 recompute_flops=stage_layers * recompute,
             )
     return out
+
+
+def _backward_flops(fig: LayerFigures) -> int:
+    return fig.backward_matmul_flops + fig.backward_attention_flops
 
 
 def format_table(figures: dict[str, MethodFigures]) -> str:
@@ -331,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with fake_world(args):
-        layers = {method: trace_layer(args, method) for method in METHODS}
-    figures = method_figures(args, layers)
+    figures = method_figures(args, trace_methods(args))
     print(
         f"per process, per iteration: {args.num_layers} layers / PP "
         f"{args.pipeline_model_parallel_size}, TP {args.tensor_model_parallel_size}"

@@ -176,8 +176,8 @@ def trace_layer(
     from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
     from memo_ext.planner.capture import _tracing_environment, fake_process_groups
 
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in METHODS and not method.startswith("memo-"):
+        raise ValueError(f"method must be one of {METHODS} or memo-ALPHA, got {method!r}")
     alpha = float(method.split("-")[1]) if method.startswith("memo-") else None
     sp = sp and tp > 1
     dtype = dict(params_dtype=torch.float32, bf16=False) if fp32 else {}

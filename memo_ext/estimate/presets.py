@@ -153,6 +153,7 @@ def transformer_config(model: ModelShape, *, tp: int = 1, sp: bool = False, **ov
     """megatron-core ``TransformerConfig`` (bf16, no dropout) of ``model`` at TP ``tp``."""
     import torch.nn.functional as F
 
+    from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
     from memo_ext.planner.models import GPTPreset, gpt_config
 
     preset = GPTPreset(
@@ -168,13 +169,8 @@ def transformer_config(model: ModelShape, *, tp: int = 1, sp: bool = False, **ov
         activation_func=F.silu if model.swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
         num_query_groups=model.num_query_groups,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
         perform_initialization=False,
+        **LOCAL_KERNEL_SETTINGS,
     )
     fields.update(overrides)
     return gpt_config(preset, tensor_model_parallel_size=tp, sequence_parallel=sp, **fields)
