@@ -42,11 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as err:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 2
+    from memo_ext.estimate.preflight import PreflightError
     from memo_ext.training.checkpointing import CheckpointError
     from memo_ext.training.loop import TrainingDiverged, train
 
     try:
         summary = train(run)
+    except PreflightError as err:
+        print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
+        return 2
     except (CheckpointError, TrainingDiverged) as err:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from memo_ext.config import (
     EvaluationConfig,
     LoggingConfig,
     ModelConfig,
+    PreflightConfig,
     RunConfig,
     TrainConfig,
 )
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_memo_args(parser)
     _add_evaluation_args(parser)
     _add_checkpoint_args(parser)
+    _add_preflight_args(parser)
     return parser
 
 
@@ -314,6 +316,23 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         "--exit-signal-handler",
         action="store_true",
         help="On SIGTERM / SIGINT save at the next step boundary and exit 0.",
+    )
+
+
+def _add_preflight_args(parser: argparse.ArgumentParser) -> None:
+    from memo_ext.estimate.presets import DEVICES
+
+    g = parser.add_argument_group("preflight")
+    g.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="Do not estimate memory before building the model (run even if it cannot fit).",
+    )
+    g.add_argument(
+        "--preflight-device",
+        choices=sorted(DEVICES),
+        default=None,
+        help="Check the run against this device preset (default: the CUDA device; none on CPU).",
     )
 
 
@@ -665,6 +684,7 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             tensorboard_dir=args.tensorboard_dir,
         ),
         evaluation=EvaluationConfig(eval_interval=args.eval_interval, eval_iters=args.eval_iters),
+        preflight=PreflightConfig(enabled=not args.skip_preflight, device=args.preflight_device),
         checkpoint=CheckpointConfig(
             save=args.save,
             load=args.load,

@@ -150,6 +150,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class PreflightConfig:
+    """The memory check made before the model is built (``memo_ext.estimate.preflight``)."""
+
+    enabled: bool = True
+    """Estimate device and host memory first and refuse a run that cannot fit."""
+    device: str | None = None
+    """Device preset to check against (e.g. ``h100-80g``); the CUDA device's when unset, and
+    nothing is checked on a machine without one."""
+
+
+@dataclass
 class RunConfig:
     """Everything one training run needs, as parsed from the command line."""
 
@@ -161,6 +172,7 @@ class RunConfig:
     logging: LoggingConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     """MEMO's token-wise activation offloading (off by default)."""
     world_size: int = 1

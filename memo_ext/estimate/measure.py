@@ -149,6 +149,18 @@ def _rope_table(model: ModelShape, config, tokens: int):
     return RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(tokens)
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Silence a logger while tracing: a traced MEMO layer reports its (fake) settings."""
+    log = logging.getLogger(logger_name)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 @functools.lru_cache(maxsize=512)
 def trace_layer(
     model: ModelShape,
@@ -187,6 +199,7 @@ def trace_layer(
     local = tokens // tp if sp else tokens
     with (
         warnings.catch_warnings(),
+        _quiet("memo_ext.offload"),
         fake_process_groups(tp=tp, cp=1) as groups,
         _tracing_environment(),
         frozen_rng(),

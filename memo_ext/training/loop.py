@@ -75,16 +75,19 @@ class TrainSummary:
 
 def train(run: RunConfig) -> TrainSummary:
     """Run a whole training job in this process (one rank of a torchrun job)."""
+    tokenizer = _prepare_vocabulary(run)
+    _maybe_preflight(run)
     init_distributed()
     try:
         with device_environment():
             ctx = init_model_parallel(config=run.transformer, seed=run.train.seed)
-            return _train(run, ctx)
+            return _train(run, ctx, tokenizer)
     finally:
         shutdown()
 
 
-def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
+def _prepare_vocabulary(run: RunConfig):
+    """Build the tokenizer and set the padded embedding size of the model."""
     tokenizer = build_tokenizer(
         tokenizer_type=run.data.tokenizer_type,
         vocab_size=run.data.vocab_size,
@@ -100,6 +103,25 @@ def _train(run: RunConfig, ctx: ParallelContext) -> TrainSummary:
             run.data.make_vocab_size_divisible_by, run.transformer.tensor_model_parallel_size
         ),
     )
+    return tokenizer
+
+
+def _maybe_preflight(run: RunConfig) -> None:
+    """Estimate device and host memory; raise ``PreflightError`` when the run cannot fit.
+
+    Runs before any process group exists (the estimator traces on a fake one); every rank
+    reaches the same verdict from the same flags.
+    """
+    if not run.preflight.enabled:
+        return
+    from memo_ext.estimate.preflight import check_preflight
+    from memo_ext.estimate.presets import device_spec
+
+    device = device_spec(run.preflight.device) if run.preflight.device else None
+    check_preflight(run, device=device)
+
+
+def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
     model = wrap_for_data_parallel(model=build_gpt_model(run=run, device=ctx.device), run=run)
     _log_setup(run, ctx, model)
     optimizer = build_optimizer(

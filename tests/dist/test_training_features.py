@@ -78,3 +78,20 @@ def test_exit_duration_saves_and_stops(tmp_path):
     )  # fmt: skip
     assert records[-1]["iteration"] == 1  # the first step already outlasts the budget
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_preflight_refuses_a_run_that_cannot_fit_before_building_it(tmp_path):
+    big = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+           "--seq-length", "131072", "--micro-batch-size", "1", "--train-iters", "1",
+           "--lr", "1e-4", "--mock-data", "--position-embedding-type", "rope",
+           "--preflight-device", "a100-80g"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *big], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "this run does not fit: device peak" in last and "--skip-preflight" in last
+    # a small model passes the same check and trains
+    records = run_pretrain(MODEL + ["--train-iters", "1", "--preflight-device", "a100-80g"],
+                           nproc=1, workdir=tmp_path, name="fits")  # fmt: skip
+    assert records[-1]["iteration"] == 1
