@@ -90,3 +90,38 @@ def test_unknown_solver_is_refused():
     with pytest.raises(ValueError, match="unknown solver"):
         solve_dsa(packable_instance(num_buffers=3)[0], solver="magic")
     assert set(SOLVERS) == {"cpsat", "canonical", "highs", "gurobi", "heuristic"}
+
+
+def _sections_fit_reference(search, unplaced, usable, capacity):
+    """Spatial inference by plain loops: in every section, each unplaced tensor's usable offset
+    plus the sizes of the section's tensors that can go no lower must fit the capacity."""
+    sections, sizes = search.sections, search.problem.sizes
+    for s in range(len(sections.total)):
+        here = [k for k, i in enumerate(unplaced) if sections.lo[i] <= s < sections.hi[i]]
+        for k in here:
+            above = sum(sizes[unplaced[j]] for j in here if usable[j] >= usable[k])
+            if usable[k] + above > capacity:
+                return False
+    return True
+
+
+def test_spatial_inference_matches_a_loop_reference():
+    from memo_ext.planner.solvers.canonical import CanonicalSearch
+
+    rng = np.random.default_rng(3)
+    verdicts = set()
+    for seed in range(40):
+        problem, _ = packable_instance(num_buffers=25, seed=seed, duration=30, height=64)
+        search = CanonicalSearch(problem=problem, deadline=float("inf"))
+        search.capacity = 64 + int(rng.integers(0, 8))
+        unplaced = np.sort(rng.choice(problem.n, int(rng.integers(1, problem.n)), replace=False))
+        usable = rng.integers(0, 24, len(unplaced))
+        # The search keeps the total size of the unplaced tensors live in each section.
+        sections = search.sections
+        search.total = np.zeros(len(sections.total), dtype=np.int64)
+        for i in unplaced:
+            search.total[sections.lo[i] : sections.hi[i]] += problem.sizes[i]
+        fast = search._sections_fit(unplaced, usable, 0, len(search.total))
+        assert fast == _sections_fit_reference(search, unplaced, usable, search.capacity)
+        verdicts.add(fast)
+    assert verdicts == {True, False}  # both outcomes exercised

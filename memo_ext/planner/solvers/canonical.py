@@ -36,6 +36,9 @@ from memo_ext.planner.solvers.greedy import solve_greedy
 
 logger = logging.getLogger(__name__)
 
+_NO_FLOOR = np.iinfo(np.int64).max
+"""Floor marker of a placed tensor or of padding (never the lowest usable offset)."""
+
 
 class _NodeLimit(Exception):
     """The run used its node budget."""
@@ -66,6 +69,21 @@ def build_sections(problem: DsaProblem) -> _Sections:
     np.add.at(diff, lo, problem.sizes)
     np.add.at(diff, hi, -problem.sizes)
     return _Sections(lo=lo, hi=hi, total=np.cumsum(diff)[:-1])
+
+
+def live_matrix(sections: _Sections, n: int) -> np.ndarray:
+    """``[S, K]`` the tensors live in each section, padded with ``n`` (K: most live at once)."""
+    num_sections = len(sections.total)
+    counts = np.zeros(num_sections + 1, dtype=np.int64)
+    np.add.at(counts, sections.lo, 1)
+    np.add.at(counts, sections.hi, -1)
+    live = np.full((num_sections, max(int(np.cumsum(counts).max()), 1)), n, dtype=np.int64)
+    fill = np.zeros(num_sections, dtype=np.int64)
+    for i in np.argsort(sections.lo, kind="stable"):
+        span = np.arange(sections.lo[i], sections.hi[i])
+        live[span, fill[span]] = i
+        fill[span] += 1
+    return live
 
 
 def _features(problem: DsaProblem, sections: _Sections) -> np.ndarray:
@@ -133,9 +151,15 @@ class CanonicalSearch:
         np.add.at(diff, self.sections.lo, 1)
         np.add.at(diff, self.sections.hi - 1, -1)
         self.base_crossings = np.cumsum(diff)[:-1]
-        # cover[i, s]: tensor i is live in section s.
-        sec = np.arange(len(self.sections.total))
-        self.cover = (sec >= self.sections.lo[:, None]) & (sec < self.sections.hi[:, None])
+        self.live = live_matrix(self.sections, self.problem.n)
+        n = self.problem.n
+        # Scratch arrays indexed by tensor, with entry n for the padding of ``live``: reset after
+        # every use so that a node allocates nothing of size n.
+        self._sizes_ext = np.append(self.problem.sizes, 0)
+        self._usable_ext = np.full(n + 1, -1, dtype=np.int64)
+        self._floor_ext = np.full(n + 1, _NO_FLOOR, dtype=np.int64)
+        self._rank_ext = np.full(n + 1, n + 1, dtype=np.int64)
+        self._order_ext = np.full(n + 2, n, dtype=np.int64)
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * self.problem.n + 1000))
 
     def run(self, *, capacity: int, rank: np.ndarray, node_limit: int) -> np.ndarray | None:
@@ -222,12 +246,28 @@ class CanonicalSearch:
 
         A tensor that can go no lower than ``u`` shares the bytes above ``u`` with every tensor
         of its section that can go no lower either: ``u`` plus their sizes must fit the capacity.
-        (With the lowest ``u`` alone this is the floor-plus-remaining check.)
+        The lowest ``u`` of a section with everything left there (its floor plus its remaining
+        total) is checked first: it is cheap and cuts most nodes.
         """
-        order = np.argsort(-usable, kind="stable")
-        cover = self.cover[unplaced[order], s_lo:s_hi]
-        stacked = np.cumsum(cover * self.problem.sizes[unplaced[order], None], axis=0)
-        need = np.where(cover, stacked + usable[order, None], 0)
+        live = self.live[s_lo:s_hi]  # [S', K] tensors live in each section, n-padded
+        floor_ext = self._floor_ext
+        floor_ext[unplaced] = usable
+        floor = np.minimum(floor_ext[live].min(axis=1), self.capacity)
+        floor_ext[unplaced] = _NO_FLOOR
+        if (floor + self.total[s_lo:s_hi]).max() > self.capacity:
+            return False
+        # Rank the unplaced tensors by decreasing usable offset once; sorting each section's
+        # ranks then lists its tensors in that order (placed ones and padding last, size 0).
+        order = unplaced[np.argsort(-usable, kind="stable")]
+        rank_ext, order_ext, usable_ext = self._rank_ext, self._order_ext, self._usable_ext
+        rank_ext[order] = np.arange(len(order))
+        order_ext[: len(order)] = order
+        usable_ext[unplaced] = usable
+        by_usable = order_ext[np.sort(rank_ext[live], axis=1)]
+        need = usable_ext[by_usable] + np.cumsum(self._sizes_ext[by_usable], axis=1)
+        rank_ext[order] = len(rank_ext)
+        order_ext[: len(order)] = len(rank_ext) - 1
+        usable_ext[unplaced] = -1
         return bool(need.max() <= self.capacity)
 
     def _new_cuts(self, c: int, s_lo: int, s_hi: int) -> np.ndarray:
