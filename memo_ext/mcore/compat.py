@@ -136,33 +136,24 @@ def cpu_compat() -> Iterator[None]:
     check_mcore_version()
     from megatron.core.tensor_parallel import random as mrandom
 
-    saved = (
-        torch.cuda.current_device,
-        torch.cuda.synchronize,
-        mrandom._CUDA_RNG_STATE_TRACKER,
-        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-        mrandom._get_cuda_rng_state,
-        mrandom._set_cuda_rng_state,
-    )
-    # a device object rather than an ordinal: autograd's backward does not see the
-    # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda device=None: None
-    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    # recomputation saves and restores "CUDA" RNG states next to the CPU one it already keeps;
-    # with no CUDA generator there is nothing more to keep
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    replacements = [
+        # a device object rather than an ordinal: autograd's backward does not see the
+        # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
+        (torch.cuda, "current_device", lambda: torch.device("cpu")),
+        (torch.cuda, "synchronize", lambda device=None: None),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker()),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True),
+        # recomputation saves and restores "CUDA" RNG states next to the CPU one it already
+        # keeps; with no CUDA generator there is nothing more to keep
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
+        (mrandom, "_set_cuda_rng_state", lambda *a, **k: None),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
     try:
         with CpuDeviceRedirect():
             yield
     finally:
-        (
-            torch.cuda.current_device,
-            torch.cuda.synchronize,
-            mrandom._CUDA_RNG_STATE_TRACKER,
-            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-            mrandom._get_cuda_rng_state,
-            mrandom._set_cuda_rng_state,
-        ) = saved
+        for owner, name, value in originals:
+            setattr(owner, name, value)
