@@ -122,6 +122,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Give the output layer its own weights.",
     )
     g.add_argument(
+        "--loss-chunks",
+        type=int,
+        default=1,
+        help="Run the output layer and loss over this many sequence slices, recomputed in "
+        "backward: only one slice's logits live at a time (1 = one pass, as megatron).",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",
@@ -435,6 +442,8 @@ def _check_sequence(args: argparse.Namespace, world_size: int) -> None:
             "(context parallelism splits it into 2·CP load-balanced chunks)"
         )
     local = args.seq_length // cp
+    if args.loss_chunks < 1 or args.loss_chunks > local:
+        _fail(f"--loss-chunks must be in [1, {local}] (tokens per CP rank), got {args.loss_chunks}")
     if args.sequence_parallel and local % tp:
         _fail(
             f"with --sequence-parallel each CP rank's {local} tokens must be divisible by TP = {tp}"
@@ -644,6 +653,7 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             rotary_base=args.rotary_base,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             attention_backend=args.attention_backend,
+            loss_chunks=args.loss_chunks,
         ),
         train=TrainConfig(
             micro_batch_size=args.micro_batch_size,

@@ -29,6 +29,9 @@ class ModelConfig:
     """RoPE base period."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding's."""
+    loss_chunks: int = 1
+    """Compute the output layer and loss over this many sequence slices, each recomputed in
+    backward, so that only one slice's logits exist at a time (1 = megatron's single pass)."""
     attention_backend: str = "auto"
     """Core attention: ``sdpa`` (torch), ``flash`` (flash-attn), ``te`` (transformer-engine), or
     ``auto`` (te, then flash on CUDA when installed, else sdpa)."""

@@ -11,11 +11,11 @@ import logging
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import ModelConfig, RunConfig
+from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec, resolve_attention_backend
 from memo_ext.offload.policy import apply_memo
@@ -34,7 +34,7 @@ def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig) -> ModuleSpec
     return apply_memo(layer_spec, run.memo, run.transformer)
 
 
-def build_gpt_model(*, run: RunConfig, device: torch.device) -> GPTModel:
+def build_gpt_model(*, run: RunConfig, device: torch.device) -> ChunkedLossGPTModel:
     """The bare ``GPTModel`` of this process's pipeline stage, on ``device``."""
     config = run.transformer
     model_cfg: ModelConfig = run.model
@@ -43,7 +43,8 @@ def build_gpt_model(*, run: RunConfig, device: torch.device) -> GPTModel:
         layer_spec=build_layer_spec(config=config, attention_backend=backend), run=run
     )
     block_spec = build_block_spec(config=config, layer_spec=layer_spec)
-    model = GPTModel(
+    model = ChunkedLossGPTModel(
+        loss_chunks=model_cfg.loss_chunks,
         config=config,
         transformer_layer_spec=block_spec,
         vocab_size=model_cfg.vocab_size,

@@ -79,6 +79,13 @@ def test_four_processes_cp2_dp2(references, tmp_path):
     assert_same_curves(references["llama"], curves, rtol=RTOL)
 
 
+def test_chunked_loss_under_tp_sp(references, tmp_path):
+    """--loss-chunks slices the SP-gathered sequence; the curves are the one-process ones."""
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--loss-chunks", "3"]
+    curves = run_pretrain(SHAPES["llama"] + COMMON + flags, nproc=2, workdir=tmp_path, name="lc")
+    assert_same_curves(references["llama"], curves, rtol=RTOL)
+
+
 def test_recompute_baselines_match_no_recompute(references, tmp_path):
     """Megatron's full and selective recomputation change memory, never the numbers."""
     for name, flags in {
