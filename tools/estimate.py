@@ -92,7 +92,9 @@ def _add_device_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-efficiency", type=float, default=None)
     g.add_argument("--memory-headroom", type=float, default=None, help="Fraction kept free.")
     g.add_argument("--memo-host-share", type=float, default=None, help="Host share for MEMO.")
-    g.add_argument("--loss-chunks", type=int, default=None, help="Chunked loss (1 = trainer).")
+    g.add_argument(
+        "--loss-chunks", type=int, default=None, help="The trainer's --loss-chunks (default 1)."
+    )
 
 
 def _inputs(args: argparse.Namespace):

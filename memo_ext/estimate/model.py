@@ -76,9 +76,9 @@ class Efficiency:
     host_share: float = DEFAULT_HOST_SHARE
     """Fraction of host memory MEMO may use."""
     loss_chunks: int = 1
-    """Token chunks the output layer and loss run in: 1 is what the trainer does (megatron's
-    vocab-parallel cross entropy on the whole sequence); ``k`` divides that end's working set by
-    ``k``, as a chunked loss would."""
+    """Sequence slices the output layer and loss run in (the trainer's ``--loss-chunks``): 1 is
+    megatron's vocab-parallel cross entropy on the whole sequence; ``k`` divides that end's
+    working set by ``k``."""
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def preflight(
     device = device or cuda_device_spec()
     if device is None:
         return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
-    efficiency = efficiency or Efficiency()
+    efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
     layout = _layout(run)
     if host_memory_bytes is None:
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
