@@ -125,3 +125,46 @@ def test_spatial_inference_matches_a_loop_reference():
         assert fast == _sections_fit_reference(search, unplaced, usable, search.capacity)
         verdicts.add(fast)
     assert verdicts == {True, False}  # both outcomes exercised
+
+
+def test_luby_sequence_matches_its_definition():
+    from memo_ext.planner.solvers.canonical import luby
+
+    # The sequence as published: 1 1 2 1 1 2 4 1 1 2 1 1 2 4 8 ...
+    head = [1, 1, 2, 1, 1, 2, 4, 1, 1, 2, 1, 1, 2, 4, 8, 1, 1, 2, 1, 1, 2, 4, 1, 1, 2, 1, 1, 2]
+    assert [luby(i) for i in range(1, len(head) + 1)] == head
+    assert luby(2**10 - 1) == 2**9
+
+
+def test_time_reversal_keeps_every_conflict():
+    from memo_ext.planner.problem import overlap_pairs
+    from memo_ext.planner.solvers.canonical import time_reversed
+
+    problem, offsets = packable_instance(num_buffers=80, seed=5)
+    backwards = time_reversed(problem)
+    pairs = {tuple(p) for p in overlap_pairs(problem)}
+    assert pairs == {tuple(p) for p in overlap_pairs(backwards)} and pairs
+    assert len(find_conflicts(backwards, offsets)) == 0
+
+
+def test_greedy_completes_a_partial_placement_around_it():
+    problem, offsets = packable_instance(num_buffers=40, seed=2)
+    partial = np.where(np.arange(problem.n) % 3 == 0, offsets, -1)
+    left = np.flatnonzero(partial < 0)
+    done = place_in_order(problem, left[np.argsort(-problem.sizes[left])], offsets=partial)
+    kept = partial >= 0
+    assert (done[kept] == offsets[kept]).all() and (done >= 0).all()
+    assert len(find_conflicts(problem, done)) == 0
+
+
+def test_canonical_run_with_fixed_tensors_places_the_rest_above_them():
+    from memo_ext.planner.solvers.canonical import CanonicalSearch, preorder
+
+    problem, offsets = packable_instance(num_buffers=12, seed=1, duration=20, height=256)
+    search = CanonicalSearch(problem=problem, deadline=float("inf"))
+    # Keep the tensors of the known packing that sit on the floor; the rest must fit above.
+    fixed = np.where(offsets == 0, 0, -1)
+    rank = preorder(search.sections, problem.sizes.astype(float))
+    found = search.run(capacity=256, rank=rank, node_limit=100_000, fixed=fixed)
+    assert found is not None and (found[offsets == 0] == 0).all()
+    assert len(find_conflicts(problem, found)) == 0 and peak_of(problem, found) <= 256

@@ -32,7 +32,7 @@ import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import solve_greedy
+from memo_ext.planner.solvers.greedy import greedy_orders, place_in_order, solve_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,20 @@ class CanonicalSearch:
         self._order_ext = np.full(n + 2, n, dtype=np.int64)
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * self.problem.n + 1000))
 
-    def run(self, *, capacity: int, rank: np.ndarray, node_limit: int) -> np.ndarray | None:
+    def run(
+        self,
+        *,
+        capacity: int,
+        rank: np.ndarray,
+        node_limit: int,
+        fixed: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """Looks for a placement with peak <= ``capacity``.
+
+        Args:
+            fixed: optional offsets of tensors to keep where they are (``-1``: free); the
+                others are searched above them. A run with fixed tensors proves nothing about
+                the whole problem.
 
         Returns:
             The offsets found, or None when the tree holds none (``self.complete`` is then True)
@@ -183,12 +195,36 @@ class CanonicalSearch:
         self.crossings = self.base_crossings.copy()
         self.stack: list[tuple] = []
         self.complete = False
+        self.deepest, self.deepest_offsets = 0, self.offsets.copy()
+        if fixed is not None:
+            for c in np.flatnonzero(fixed >= 0):
+                self._place(c, int(fixed[c]))
         try:
             found = self._search(np.arange(n), 0, len(self.total), -1, -1)
         except _NodeLimit:
             return None
         self.complete = not found
         return self.offsets.copy() if found else None
+
+    def complete_deepest(self) -> np.ndarray:
+        """The most complete placement of the last run, finished greedily above the rest.
+
+        A run aimed at a tight capacity packs the bottom of the region densely before it gets
+        stuck; stacking the tensors it did not reach on top is often far better than a greedy
+        placement from scratch.
+        """
+        partial = self.deepest_offsets
+        left = np.flatnonzero(partial < 0)
+        best, best_peak = partial, None
+        for order in greedy_orders(self.problem.subproblem(left)).values():
+            for best_fit in (False, True):
+                offsets = place_in_order(
+                    self.problem, left[order], best_fit=best_fit, offsets=partial
+                )
+                peak = peak_of(self.problem, offsets)
+                if best_peak is None or peak < best_peak:
+                    best, best_peak = offsets, peak
+        return best
 
     def _search(
         self, members: np.ndarray, s_lo: int, s_hi: int, last_off: int, last_rank: int
@@ -207,15 +243,15 @@ class CanonicalSearch:
             return True
         sizes = self.problem.sizes
         mo = self.min_off[unplaced]
-        # The residual problem depends only on what is left, where it can go and the order
-        # constraint; a state that failed once fails again (the same partition is often
-        # revisited unchanged while the search backtracks elsewhere).
-        key = (s_lo, last_off, last_rank, unplaced.tobytes(), mo.tobytes())
+        # Tensors the canonical order forbids at their minimum offset go at least one unit up.
+        allowed = (mo > last_off) | ((mo == last_off) & (self.rank[unplaced] > last_rank))
+        # The residual problem depends only on what is left, where it can go and which tensors
+        # the order still allows at ``last_off``; a state that failed once fails again (the same
+        # partition is often revisited unchanged while the search backtracks elsewhere). Naming
+        # the allowed tensors rather than the last rank keeps the key valid across preorders.
+        key = (s_lo, last_off, unplaced.tobytes(), mo.tobytes(), allowed.tobytes())
         if key in self.failed:
             return False
-        rk = self.rank[unplaced]
-        # Tensors the canonical order forbids at their minimum offset go at least one unit up.
-        allowed = (mo > last_off) | ((mo == last_off) & (rk > last_rank))
         usable = np.where(allowed, mo, last_off + 1)
         if not self._sections_fit(unplaced, usable, s_lo, s_hi):
             self.failed.add(key)
@@ -302,6 +338,8 @@ class CanonicalSearch:
         self.crossings[lo : hi - 1] -= 1
         self.placed[c] = True
         self.offsets[c] = off
+        if len(self.stack) > self.deepest:
+            self.deepest, self.deepest_offsets = len(self.stack), self.offsets.copy()
 
     def _undo_to(self, mark: int) -> None:
         """Reverts placements, latest first, until ``mark`` remain."""
@@ -315,9 +353,31 @@ class CanonicalSearch:
             self.offsets[c] = -1
 
 
+def time_reversed(problem: DsaProblem) -> DsaProblem:
+    """The problem played backwards: the same conflicts, so the same placements are valid.
+
+    The canonical search sweeps time left to right; on the reversed problem it makes other
+    early decisions, and its run time on an instance is often very different.
+    """
+    horizon = int(problem.end.max())
+    return DsaProblem(sizes=problem.sizes, start=horizon - problem.end, end=horizon - problem.start)
+
+
+def luby(i: int) -> int:
+    """The ``i``-th term (from 1) of the Luby sequence 1, 1, 2, 1, 1, 2, 4, 1, 1, 2, ...
+
+    Restarting with run lengths proportional to it is within a log factor of the best fixed
+    cutoff for any heavy-tailed run-time distribution (Luby, Sinclair and Zuckerman, 1993).
+    """
+    k = i.bit_length()  # the smallest k with 2**k - 1 >= i
+    if i == (1 << k) - 1:
+        return 1 << (k - 1)
+    return luby(i - (1 << (k - 1)) + 1)
+
+
 def _schedule(
     problem: DsaProblem,
-    search: CanonicalSearch,
+    searches: list[CanonicalSearch],
     best: np.ndarray,
     bound: int,
     *,
@@ -327,33 +387,44 @@ def _schedule(
     """Many short decision runs (their run times are heavy-tailed), with rotating preorders.
 
     Each round aims at the lower bound (tightest pruning; the optimum on packable instances)
-    and, with ``improve``, a little (1/16 of the gap) below the incumbent. A run that ends
-    without a placement and without hitting its node budget proves its target infeasible. The
-    budget doubles every few rounds so that proofs become possible.
+    and, with ``improve``, a little (1/16 of the gap) below the incumbent. Rounds alternate
+    between the searches (the problem forwards and backwards in time). A run that ends without
+    a placement and without hitting its node budget proves its target infeasible. The budget
+    doubles every few rounds so that proofs become possible.
     """
-    ranks = preorders(problem, search.sections, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    ranks = [preorders(search.problem, search.sections, rng) for search in searches]
     best_peak = peak_of(problem, best)
-    node_limit, runs, rounds = 4 * problem.n + 64, 0, 0
+    base_nodes, runs, rounds = 4 * problem.n + 64, 0, 0
+    node_limit = base_nodes
+    search = searches[0]
     try:
         while best_peak > bound:
+            k = rounds % len(searches)
+            search = searches[k]
             # Just below the incumbent a placement is usually easy to find: steady progress.
             targets = {bound, best_peak - 1 - (best_peak - bound) // 16} if improve else {bound}
             for target in sorted(targets):
                 if target >= best_peak:
                     continue
-                offsets = search.run(capacity=target, rank=next(ranks), node_limit=node_limit)
+                offsets = search.run(capacity=target, rank=next(ranks[k]), node_limit=node_limit)
                 runs += 1
-                if offsets is not None:
+                if offsets is None and not search.complete:
+                    offsets = search.complete_deepest()
+                if offsets is not None and peak_of(problem, offsets) < best_peak:
                     best, best_peak = offsets, peak_of(problem, offsets)
                     logger.debug("canonical: peak %d after %d nodes", best_peak, search.nodes)
                 elif search.complete:
                     bound = target + 1
             rounds += 1
-            if rounds % 8 == 0:
-                node_limit *= 2
+            node_limit = base_nodes * luby(rounds // len(searches) + 1)
     except _Deadline:
-        pass
-    details = {"runs": runs, "nodes": search.nodes, "node_limit": node_limit}
+        # The interrupted run's partial placement may still beat the incumbent.
+        offsets = search.complete_deepest()
+        if peak_of(problem, offsets) < best_peak:
+            best, best_peak = offsets, peak_of(problem, offsets)
+    nodes = sum(search.nodes for search in searches)
+    details = {"runs": runs, "nodes": nodes, "node_limit": node_limit}
     return best, bound, best_peak <= bound, details
 
 
@@ -379,9 +450,12 @@ def solve_canonical(
     if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, best):
         best = np.asarray(options.hint, dtype=np.int64)
     bound = lower_bound(problem)
-    search = CanonicalSearch(problem=problem, deadline=deadline, stop=stop)
+    searches = [
+        CanonicalSearch(problem=p, deadline=deadline, stop=stop)
+        for p in (problem, time_reversed(problem))
+    ]
     best, bound, proven, details = _schedule(
-        problem, search, best, bound, seed=options.seed, improve=improve
+        problem, searches, best, bound, seed=options.seed, improve=improve
     )
     details["bound"] = int(bound)
     return Solution(

@@ -29,10 +29,23 @@ def _gap_offset(lo: np.ndarray, hi: np.ndarray, size: int, best_fit: bool) -> in
     return int(gap_start[k])
 
 
-def place_in_order(problem: DsaProblem, order: np.ndarray, *, best_fit: bool = False) -> np.ndarray:
-    """Places tensors in ``order``, each at the lowest (or tightest) gap that fits it."""
-    offsets = np.full(problem.n, -1, dtype=np.int64)
-    placed = np.zeros(problem.n, dtype=bool)
+def place_in_order(
+    problem: DsaProblem,
+    order: np.ndarray,
+    *,
+    best_fit: bool = False,
+    offsets: np.ndarray | None = None,
+) -> np.ndarray:
+    """Places tensors in ``order``, each at the lowest (or tightest) gap that fits it.
+
+    Args:
+        offsets: optional partial placement to complete (``-1`` marks a tensor to place); the
+            tensors it already places stay where they are.
+    """
+    if offsets is None:
+        offsets = np.full(problem.n, -1, dtype=np.int64)
+    offsets = np.array(offsets, dtype=np.int64)
+    placed = offsets >= 0
     for i in order:
         live = placed & (problem.start < problem.end[i]) & (problem.end > problem.start[i])
         nb = np.nonzero(live)[0]
