@@ -251,6 +251,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
     g.add_argument("--mock-data", action="store_true", help="Synthetic tokens.")
     g.add_argument(
+        "--variable-seq-lengths",
+        action="store_true",
+        help="Whole documents (cut at --seq-length) packed into rows with per-document "
+        "attention; --global-batch-size then counts documents.",
+    )
+    g.add_argument(
         "--tokenizer-type",
         choices=TOKENIZERS,
         default="ByteTokenizer",
@@ -517,6 +523,23 @@ def _check_data(args: argparse.Namespace, world_size: int) -> None:
                 )
 
 
+def _check_variable_lengths(args: argparse.Namespace, world_size: int) -> None:
+    """Packed rows are tested with DP and TP only so far; refuse what is not."""
+    if not args.variable_seq_lengths:
+        return
+    unsupported = {
+        "--micro-batch-size > 1 (a packed row is one micro-batch)": args.micro_batch_size != 1,
+        "--context-parallel-size > 1": args.context_parallel_size > 1,
+        "--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
+        "--memo": getattr(args, "memo", False),
+        "--eval-interval": bool(args.eval_interval),
+        "a blend of several --data-path prefixes": len(args.data_path) > 1,
+    }
+    for what, present in unsupported.items():
+        if present:
+            _fail(f"--variable-seq-lengths does not support {what} yet")
+
+
 def _check_file_tokenizer(args: argparse.Namespace) -> None:
     """Load a file-based tokenizer now: a bad path or a size mismatch fails before any work."""
     from memo_ext.training.tokenizers import build_tokenizer
@@ -602,6 +625,7 @@ CHECKS = (
     _check_memo,
     _check_evaluation,
     _check_checkpointing,
+    _check_variable_lengths,
 )
 
 
@@ -679,6 +703,7 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             data_path=list(args.data_path),
             split=args.split,
             mock_data=args.mock_data,
+            variable_seq_lengths=args.variable_seq_lengths,
             tokenizer_type=args.tokenizer_type,
             vocab_size=args.vocab_size,
             tokenizer_model=args.tokenizer_model,

@@ -90,6 +90,9 @@ class DataConfig:
     """Train / validation / test proportions of each dataset."""
     mock_data: bool = False
     """Synthetic tokens instead of ``data_path``."""
+    variable_seq_lengths: bool = False
+    """Train on whole documents cut at ``seq_length`` and packed into rows with per-document
+    attention boundaries, instead of fixed-length samples; the global batch counts documents."""
     tokenizer_type: str = "ByteTokenizer"
     """``ByteTokenizer`` (UTF-8 bytes) or ``NullTokenizer`` (ids as text; needs ``vocab_size``)."""
     vocab_size: int | None = None

@@ -196,6 +196,8 @@ def _connect_schedule_hooks(run: RunConfig, model, optimizer) -> None:
 
 def _batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
     """Train and validation iterators, both positioned where ``progress`` says."""
+    if run.data.variable_seq_lengths:
+        return _packed_batches(run, ctx, tokenizer, progress), None
     gbs = run.train.global_batch_size
     evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
     valid_samples = evals * run.evaluation.eval_iters * gbs
@@ -220,6 +222,25 @@ def _batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainPro
         done = progress.iteration // run.evaluation.eval_interval
         valid = iterate(valid_ds, done * run.evaluation.eval_iters * gbs)
     return iterate(train_ds, progress.consumed_samples), valid
+
+
+def _packed_batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
+    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents."""
+    from memo_ext.hotspa.batches import packed_step_batches
+    from memo_ext.hotspa.documents import IndexedDocuments, MockDocuments
+
+    gbs = run.train.global_batch_size
+    if run.data.mock_data:
+        source = MockDocuments(
+            num_documents=run.train.train_iters * gbs, seq_length=run.data.seq_length,
+            vocab_size=tokenizer.vocab_size, seed=run.train.seed,
+        )  # fmt: skip
+    else:
+        source = IndexedDocuments(run.data.data_path[0])
+    return packed_step_batches(
+        source, global_batch_size=gbs, seq_length=run.data.seq_length, seed=run.train.seed,
+        dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, consumed_documents=progress.consumed_samples,
+    )  # fmt: skip
 
 
 def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -249,11 +270,16 @@ def _is_logged(iteration: int, run: RunConfig) -> bool:
 
 def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> torch.Tensor:
     """One global batch through megatron's schedule; its (loss sum, real tokens)."""
+    num_microbatches = s.run.num_microbatches
+    if s.run.data.variable_seq_lengths:
+        # one step's packed rows: as many on every DP rank, but not the same count every step
+        rows = next(batches)
+        batches, num_microbatches = iter(rows), len(rows)
     losses = s.forward_backward(
         forward_step_func=s.forward_step,
         data_iterator=batches,
         model=[s.model],
-        num_microbatches=s.run.num_microbatches,
+        num_microbatches=num_microbatches,
         seq_length=s.run.data.seq_length,
         micro_batch_size=s.run.train.micro_batch_size,
         forward_only=forward_only,
@@ -261,18 +287,22 @@ def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> 
     return _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
 
 
-def _train_one_step(s: _Session) -> tuple[float, float | None, float, bool]:
-    """Forward / backward over the global batch, then the update; (loss, grad norm, lr, ok)."""
+def _train_one_step(s: _Session) -> tuple[float, float | None, float, bool, int]:
+    """Forward / backward over the global batch, then the update.
+
+    Returns (loss, grad norm, lr, updated, tokens with a label in the global batch).
+    """
     s.model.zero_grad_buffer()
     s.optimizer.zero_grad()
-    loss = _mean(_forward_backward(s, s.train_batches, forward_only=False))
+    pair = _forward_backward(s, s.train_batches, forward_only=False)
+    loss = _mean(pair)
     lr = s.optimizer.param_groups[0]["lr"]  # the rate this step applies
     updated, grad_norm = s.optimizer.step()
     if updated:
         s.scheduler.step(increment=1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return loss, grad_norm, lr, updated
+    return loss, grad_norm, lr, updated, int(pair[1].item())
 
 
 def evaluate(s: _Session) -> dict[str, float]:
@@ -329,11 +359,14 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
     try:
         for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
             start = time.perf_counter()
-            loss, grad_norm, lr, updated = _train_one_step(s)
+            loss, grad_norm, lr, updated, labelled_tokens = _train_one_step(s)
             figures = [(source, source.collect()) for source in s.metric_sources]
             skipped += not (_check_finite(s, iteration, loss, grad_norm) and updated)
             step_time = time.perf_counter() - start
-            tokens_per_s = run.train.global_batch_size * run.data.seq_length / step_time
+            step_tokens = run.train.global_batch_size * run.data.seq_length
+            if run.data.variable_seq_lengths:  # documents of any length: count what was trained
+                step_tokens = labelled_tokens
+            tokens_per_s = step_tokens / step_time
             summary.iterations = iteration
             summary.losses.append(loss)
             summary.tokens_per_s.append(tokens_per_s)
@@ -344,13 +377,16 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             if _is_logged(iteration, run) or extra:
                 for _, values in figures:
                     extra.update(values)
-                tflops = flops_per_step / ctx.world_size / step_time / 1e12
+                # the analytic count assumes full-length samples; packed documents are not that
+                tflops = None
+                if not run.data.variable_seq_lengths:
+                    tflops = flops_per_step / ctx.world_size / step_time / 1e12
                 allocated, reserved = cuda_memory()
                 record = StepMetrics(
                     iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr,
                     step_time_s=step_time, tokens_per_s=tokens_per_s,
                     consumed_samples=progress.consumed_samples, skipped_iterations=skipped,
-                    tflops_per_device=tflops, mfu=tflops / peak if peak else None,
+                    tflops_per_device=tflops, mfu=tflops / peak if peak and tflops else None,
                     mem_allocated_bytes=allocated, mem_reserved_bytes=reserved, extra=extra,
                 )  # fmt: skip
                 writer.write(record.to_json())

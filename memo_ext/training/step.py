@@ -14,6 +14,8 @@ from functools import partial
 import torch
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from memo_ext.mcore.packed import build_packed_seq_params
+
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
@@ -29,8 +31,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> LossOutpu
 def load_micro_batch(
     data_iterator: Iterator[dict[str, torch.Tensor]], *, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Next micro-batch on ``device``, cut to this context-parallel rank's two chunks."""
+    """Next micro-batch on ``device``, cut to this context-parallel rank's two chunks.
+
+    Packed rows (with ``cu_seqlens``) are not cut: they run with CP = 1.
+    """
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    if "cu_seqlens" in batch:
+        return batch
     return get_batch_on_this_cp_rank(batch)
 
 
@@ -42,8 +49,21 @@ def forward_step(
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
     """megatron-core's ``forward_step_func``: model output and the loss closure."""
     batch = load_micro_batch(data_iterator, device=device)
+    packed = None
+    if "cu_seqlens" in batch:  # a packed row [1, t] of whole documents
+        packed = build_packed_seq_params(
+            cu_seqlens=batch.pop("cu_seqlens"),
+            cu_seqlens_padded=batch.pop("cu_seqlens_padded"),
+            device=device,
+        )
     # tokens / labels / position_ids: [b, s/cp]; GPTModel returns per-token losses [b, s/cp]
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        packed_seq_params=packed,
+    )
     return output, partial(loss_func, batch["loss_mask"])
 
 
