@@ -64,6 +64,11 @@ class TrainSummary:
     tokens_per_s: list[float] = field(default_factory=list)
     stopped_early: bool = False
 
+    def record(self, iteration: int, loss: float, tokens_per_s: float) -> None:
+        self.iterations = iteration
+        self.losses.append(loss)
+        self.tokens_per_s.append(tokens_per_s)
+
     @property
     def first_loss(self) -> float:
         return self.losses[0]
@@ -343,17 +348,49 @@ def _last_good_checkpoint_hint(run: RunConfig) -> str:
     return "no checkpoint was saved (use --save DIR --save-interval N to keep one)"
 
 
+@dataclass
+class _Reporter:
+    """Writes a step's record to the console, the metrics file and TensorBoard (rank 0)."""
+
+    run: RunConfig
+    ctx: ParallelContext
+    resume_from: int
+
+    def __post_init__(self) -> None:
+        run, rank0 = self.run, self.ctx.is_logging_rank
+        self.writer = MetricsWriter(
+            run.logging.metrics_file if rank0 else None, resume_from=self.resume_from
+        )
+        self.board = TensorBoardWriter(run.logging.tensorboard_dir if rank0 else None)
+        self.peak = device_peak_tflops(run.logging.device_peak_tflops)
+        self.flops_per_step = None  # the analytic count assumes full-length samples
+        if not run.data.variable_seq_lengths:
+            self.flops_per_step = gpt_train_flops(
+                config=run.transformer, vocab_size=run.model.vocab_size,
+                seq_length=run.data.seq_length, sequences=run.train.global_batch_size,
+            )  # fmt: skip
+
+    def report(self, record: StepMetrics, figures: list[tuple[MetricSource, dict]]) -> None:
+        if self.flops_per_step is not None:
+            tflops = self.flops_per_step / self.ctx.world_size / record.step_time_s / 1e12
+            record.tflops_per_device = tflops
+            record.mfu = tflops / self.peak if self.peak else None
+        record.mem_allocated_bytes, record.mem_reserved_bytes = cuda_memory()
+        for _, values in figures:
+            record.extra.update(values)
+        self.writer.write(record.to_json())
+        self.board.write(record.to_json())
+        line = [record.console_line(self.run.train.train_iters)]
+        line += [source.describe(values) for source, values in figures]
+        logger.info(" | ".join(filter(None, line)))
+
+    def close(self) -> None:
+        self.board.close()
+
+
 def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> TrainSummary:
-    run, ctx = s.run, s.ctx
-    writer = MetricsWriter(
-        run.logging.metrics_file if ctx.is_logging_rank else None, resume_from=progress.iteration
-    )
-    board = TensorBoardWriter(run.logging.tensorboard_dir if ctx.is_logging_rank else None)
-    flops_per_step = gpt_train_flops(
-        config=run.transformer, vocab_size=run.model.vocab_size,
-        seq_length=run.data.seq_length, sequences=run.train.global_batch_size,
-    )  # fmt: skip
-    peak = device_peak_tflops(run.logging.device_peak_tflops)
+    run = s.run
+    reporter = _Reporter(run=run, ctx=s.ctx, resume_from=progress.iteration)
     summary = TrainSummary()
     skipped = 0
     try:
@@ -366,34 +403,19 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             step_tokens = run.train.global_batch_size * run.data.seq_length
             if run.data.variable_seq_lengths:  # documents of any length: count what was trained
                 step_tokens = labelled_tokens
-            tokens_per_s = step_tokens / step_time
-            summary.iterations = iteration
-            summary.losses.append(loss)
-            summary.tokens_per_s.append(tokens_per_s)
+            summary.record(iteration, loss, step_tokens / step_time)
             progress = TrainProgress(iteration, iteration * run.train.global_batch_size)
             extra = {}
             if run.evaluation.enabled and iteration % run.evaluation.eval_interval == 0:
                 extra.update(evaluate(s))
             if _is_logged(iteration, run) or extra:
-                for _, values in figures:
-                    extra.update(values)
-                # the analytic count assumes full-length samples; packed documents are not that
-                tflops = None
-                if not run.data.variable_seq_lengths:
-                    tflops = flops_per_step / ctx.world_size / step_time / 1e12
-                allocated, reserved = cuda_memory()
                 record = StepMetrics(
                     iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr,
-                    step_time_s=step_time, tokens_per_s=tokens_per_s,
+                    step_time_s=step_time, tokens_per_s=step_tokens / step_time,
                     consumed_samples=progress.consumed_samples, skipped_iterations=skipped,
-                    tflops_per_device=tflops, mfu=tflops / peak if peak and tflops else None,
-                    mem_allocated_bytes=allocated, mem_reserved_bytes=reserved, extra=extra,
+                    extra=extra,
                 )  # fmt: skip
-                writer.write(record.to_json())
-                board.write(record.to_json())
-                line = [record.console_line(run.train.train_iters)]
-                line += [source.describe(values) for source, values in figures]
-                logger.info(" | ".join(filter(None, line)))
+                reporter.report(record, figures)
             reason = stop.reason(iteration)
             if reason or _save_due(iteration, run):
                 save_checkpoint(
@@ -405,7 +427,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
                 summary.stopped_early = True
                 break
     finally:
-        board.close()
+        reporter.close()
     return summary
 
 
