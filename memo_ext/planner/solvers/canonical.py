@@ -138,6 +138,8 @@ class CanonicalSearch:
     """Nodes visited over all runs."""
     failed: set = field(default_factory=set)
     """Residual states known to have no placement within the current capacity."""
+    failed_by_capacity: dict = field(default_factory=dict)
+    """``failed`` of the latest capacities searched."""
 
     def __post_init__(self) -> None:
         self.sections = build_sections(self.problem)
@@ -178,15 +180,23 @@ class CanonicalSearch:
                 the whole problem.
 
         Returns:
-            The offsets found, or None when the tree holds none (``self.complete`` is then True)
+            The offsets found, or None when the tree holds none (``self.complete`` is then True
+            unless tensors were fixed)
             or the node budget ran out (``self.complete`` False).
 
         Raises:
             _Deadline: when the wall-clock budget ran out.
         """
         n = self.problem.n
-        if capacity != getattr(self, "capacity", None) or len(self.failed) > 2_000_000:
-            self.failed = set()
+        # Failed states are only failures for their capacity; keep the sets of the two latest
+        # capacities, since runs alternate between the lower bound and the incumbent.
+        if capacity not in self.failed_by_capacity:
+            if len(self.failed_by_capacity) >= 2:
+                self.failed_by_capacity.pop(next(iter(self.failed_by_capacity)))
+            self.failed_by_capacity[capacity] = set()
+        self.failed = self.failed_by_capacity[capacity]
+        if len(self.failed) > 2_000_000:
+            self.failed.clear()
         self.capacity, self.rank, self.node_budget = capacity, rank, node_limit
         self.min_off = np.zeros(n, dtype=np.int64)
         self.offsets = np.full(n, -1, dtype=np.int64)
@@ -203,7 +213,7 @@ class CanonicalSearch:
             found = self._search(np.arange(n), 0, len(self.total), -1, -1)
         except _NodeLimit:
             return None
-        self.complete = not found
+        self.complete = not found and fixed is None
         return self.offsets.copy() if found else None
 
     def complete_deepest(self) -> np.ndarray:
@@ -375,6 +385,28 @@ def luby(i: int) -> int:
     return luby(i - (1 << (k - 1)) + 1)
 
 
+def _finish_partial(
+    search: CanonicalSearch, ranks, best_peak: int, record: int, *, node_limit: int
+) -> tuple[np.ndarray, int]:
+    """A full placement from the deepest partial placement of the run that just failed.
+
+    The partial is completed greedily; when it is the deepest seen so far (``record`` tensors),
+    the tensors it leaves are also searched above it, aiming just below the incumbent.
+
+    Returns:
+        The better completion and the new record depth.
+    """
+    partial, depth = search.deepest_offsets, search.deepest
+    offsets = search.complete_deepest()
+    if depth > record and peak_of(search.problem, offsets) >= best_peak:
+        found = search.run(
+            capacity=best_peak - 1, rank=next(ranks), node_limit=node_limit, fixed=partial
+        )
+        if found is not None:
+            offsets = found
+    return offsets, max(record, depth)
+
+
 def _schedule(
     problem: DsaProblem,
     searches: list[CanonicalSearch],
@@ -395,7 +427,7 @@ def _schedule(
     rng = np.random.default_rng(seed)
     ranks = [preorders(search.problem, search.sections, rng) for search in searches]
     best_peak = peak_of(problem, best)
-    base_nodes, runs, rounds = 4 * problem.n + 64, 0, 0
+    base_nodes, runs, rounds, record = 4 * problem.n + 64, 0, 0, 0
     node_limit = base_nodes
     search = searches[0]
     try:
@@ -409,12 +441,15 @@ def _schedule(
                     continue
                 offsets = search.run(capacity=target, rank=next(ranks[k]), node_limit=node_limit)
                 runs += 1
-                if offsets is None and not search.complete:
-                    offsets = search.complete_deepest()
+                complete = search.complete  # before any run above a partial placement
+                if offsets is None and not complete:
+                    offsets, record = _finish_partial(
+                        search, ranks[k], best_peak, record, node_limit=base_nodes
+                    )
                 if offsets is not None and peak_of(problem, offsets) < best_peak:
                     best, best_peak = offsets, peak_of(problem, offsets)
                     logger.debug("canonical: peak %d after %d nodes", best_peak, search.nodes)
-                elif search.complete:
+                elif complete:
                     bound = target + 1
             rounds += 1
             node_limit = base_nodes * luby(rounds // len(searches) + 1)
