@@ -184,9 +184,10 @@ def trace_layer(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memo_ext.mcore.compat import tracing_environment
     from memo_ext.mcore.flop_count import flop_counter_mode
     from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
-    from memo_ext.planner.capture import _tracing_environment, fake_process_groups
+    from memo_ext.planner.capture import fake_process_groups
 
     if method not in METHODS and not method.startswith("memo-"):
         raise ValueError(f"method must be one of {METHODS} or memo-ALPHA, got {method!r}")
@@ -201,7 +202,7 @@ def trace_layer(
         warnings.catch_warnings(),
         _quiet("memo_ext.offload"),
         fake_process_groups(tp=tp, cp=1) as groups,
-        _tracing_environment(),
+        tracing_environment(),
         frozen_rng(),
         FakeTensorMode(allow_non_fake_inputs=True),
     ):

@@ -157,3 +157,26 @@ def cpu_compat() -> Iterator[None]:
     finally:
         for owner, name, value in originals:
             setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def tracing_environment() -> Iterator[None]:
+    """For tracing layers on fake tensors: CPU redirections of megatron's CUDA-isms (on
+    machines without CUDA) and a private sequence-parallel gather buffer.
+
+    Megatron keeps one global buffer for sequence-parallel all-gathers; a fresh one is installed
+    for the trace (so its fake tensor never leaks into real runs) and the old one put back.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    saved = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    try:
+        if torch.cuda.is_available():
+            yield
+        else:
+            with cpu_compat():
+                yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved

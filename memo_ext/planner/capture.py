@@ -152,30 +152,6 @@ def fake_process_groups(*, tp: int, cp: int):
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _tracing_environment() -> Iterator[None]:
-    """CPU redirections of megatron's CUDA-isms and a private sequence-parallel gather buffer.
-
-    Megatron keeps one global buffer for sequence-parallel all-gathers; a fresh one is installed
-    for the trace (so its fake tensor never leaks into real runs) and the old one put back.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    saved = parallel_state._GLOBAL_MEMORY_BUFFER
-    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
-    try:
-        if torch.cuda.is_available():
-            yield
-        else:
-            from memo_ext.mcore.compat import cpu_compat
-
-            with cpu_compat():
-                yield
-    finally:
-        parallel_state._GLOBAL_MEMORY_BUFFER = saved
-
-
 def _default_layer_spec(config):
     from memo_ext.mcore.specs import build_layer_spec
 
@@ -241,7 +217,9 @@ def trace_transformer_layer(
     dtype = config.params_dtype
     s_local, h = seq_length // cp, config.hidden_size
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_groups(tp=tp, cp=cp) as groups, _tracing_environment(), fake:
+    from memo_ext.mcore.compat import tracing_environment
+
+    with fake_process_groups(tp=tp, cp=cp) as groups, tracing_environment(), fake:
         layer = TransformerLayer(config, spec.submodules, layer_number=1, pg_collection=groups)
         for param in layer.parameters():
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))

@@ -57,11 +57,12 @@ def _real_saved_bytes(model: ModelShape, tokens: int) -> int:
 
     from memo_ext.estimate.measure import frozen_rng
     from memo_ext.estimate.presets import transformer_config
+    from memo_ext.mcore.compat import tracing_environment
     from memo_ext.mcore.specs import build_layer_spec
-    from memo_ext.planner.capture import _tracing_environment, fake_process_groups
+    from memo_ext.planner.capture import fake_process_groups
 
     config = transformer_config(model, num_layers=1, params_dtype=torch.float32, bf16=False)
-    with fake_process_groups(tp=1, cp=1) as groups, _tracing_environment(), frozen_rng():
+    with fake_process_groups(tp=1, cp=1) as groups, tracing_environment(), frozen_rng():
         spec = build_layer_spec(config=config, attention_backend="sdpa")
         layer = TransformerLayer(config, spec.submodules, pg_collection=groups)
         x = torch.randn(tokens, 1, model.hidden_size, requires_grad=True)
