@@ -1,28 +1,40 @@
 #!/usr/bin/env bash
 # GPU check on one lent GPU (e.g. an H200): installs what the device lacks, runs tests/gpu and a
-# short training benchmark, and writes logs and metrics under $OUT.
-# Hardware: 1 CUDA GPU with torch preinstalled (CUDA build). Expected time: ~5 minutes.
-# Prepare wheels here first (the device cannot reach PyPI):
+# short comparison of MEMO (α auto) against Megatron's full recomputation on a ~1B GPT, and
+# writes logs and metrics under $OUT.
+# Hardware: 1 CUDA GPU with a CUDA build of torch preinstalled. Expected time: ~6 minutes.
+# Prepare wheels here first (the device cannot reach PyPI), for its Python (3.12 there):
 #   pip download --only-binary=:all: --python-version 3.12 --no-deps -d wheels \
-#       megatron-core==0.16.1 einops ortools highspy
+#       megatron-core==0.16.1 einops psutil tokenizers
+# then run with the device tool, carrying wheels/:  OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
+SEQ=${SEQ:-32768}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-pip install --quiet --no-index --find-links wheels megatron-core einops 2>&1 | tail -3
+pip install --quiet --no-index --find-links wheels megatron-core einops psutil tokenizers \
+    2>&1 | tail -3
 pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | tail -3
 
 python -m pytest -q tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 
-# ~1B GPT at 16K tokens on one GPU, bf16, SDPA flash kernels: throughput, TFLOP/s, MFU, memory
-torchrun --nproc-per-node 1 pretrain_gpt_memo.py \
-    --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 \
-    --seq-length 16384 --position-embedding-type rope --attention-dropout 0 --hidden-dropout 0 \
-    --micro-batch-size 1 --global-batch-size 1 --train-iters 8 --lr 1e-4 --bf16 \
-    --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 \
-    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
-    --log-interval 1 --metrics-file "$OUT/full_recompute.jsonl" 2>&1 | tail -12 | tee "$OUT/bench.log"
-python -m tools.summarize_metrics "$OUT/full_recompute.jsonl" | tee -a "$OUT/bench.log"
+# ~1B GPT (16 layers, h 2048, 16 heads) at $SEQ tokens, bf16, SDPA flash kernels
+MODEL=(
+    --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192
+    --seq-length "$SEQ" --position-embedding-type rope --micro-batch-size 1
+    --global-batch-size 1 --train-iters 6 --lr 1e-4 --bf16 --mock-data
+    --tokenizer-type NullTokenizer --vocab-size 50256 --loss-chunks 8 --log-interval 1
+)
+run() {  # name, extra flags...
+    local name=$1
+    shift
+    torchrun --nproc-per-node 1 pretrain_gpt_memo.py "${MODEL[@]}" "$@" \
+        --metrics-file "$OUT/$name.jsonl" 2>&1 | tail -8 | tee "$OUT/$name.log"
+    python -m tools.summarize_metrics "$OUT/$name.jsonl" | tee -a "$OUT/summary.txt"
+}
+run full_recompute --recompute-granularity full --recompute-method uniform \
+    --recompute-num-layers 1
+run memo_auto --memo --memo-alpha auto
