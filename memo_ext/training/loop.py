@@ -42,6 +42,7 @@ from memo_ext.training.metrics import (
     cuda_memory,
     device_peak_tflops,
     gpt_train_flops,
+    packed_train_flops,
 )
 from memo_ext.training.model import build_gpt_model, count_parameters, wrap_for_data_parallel
 from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer
@@ -165,6 +166,8 @@ class _Session:
     forward_step: Callable
     train_batches: Iterator | None = None
     valid_batches: Iterator | None = None
+    document_lengths: list[int] = field(default_factory=list)
+    """``--variable-seq-lengths``: the documents of this DP rank's rows in the last step."""
     metric_sources: list[MetricSource] = field(default_factory=list)
     """Per-step figures of the memory / parallelism systems (MEMO, HotSPa)."""
 
@@ -280,6 +283,9 @@ def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> 
         # one step's packed rows: as many on every DP rank, but not the same count every step
         rows = next(batches)
         batches, num_microbatches = iter(rows), len(rows)
+        s.document_lengths = [
+            int(n) for row in rows for n in row["cu_seqlens"].diff().tolist() if n > 0
+        ]
     losses = s.forward_backward(
         forward_step_func=s.forward_step,
         data_iterator=batches,
@@ -363,16 +369,32 @@ class _Reporter:
         )
         self.board = TensorBoardWriter(run.logging.tensorboard_dir if rank0 else None)
         self.peak = device_peak_tflops(run.logging.device_peak_tflops)
-        self.flops_per_step = None  # the analytic count assumes full-length samples
+        self.flops_per_step = None  # packed documents are counted per step, one by one
         if not run.data.variable_seq_lengths:
             self.flops_per_step = gpt_train_flops(
                 config=run.transformer, vocab_size=run.model.vocab_size,
                 seq_length=run.data.seq_length, sequences=run.train.global_batch_size,
             )  # fmt: skip
 
-    def report(self, record: StepMetrics, figures: list[tuple[MetricSource, dict]]) -> None:
-        if self.flops_per_step is not None:
-            tflops = self.flops_per_step / self.ctx.world_size / record.step_time_s / 1e12
+    def report(
+        self,
+        record: StepMetrics,
+        figures: list[tuple[MetricSource, dict]],
+        *,
+        document_lengths: list[int],
+    ) -> None:
+        flops = self.flops_per_step
+        if flops is not None:
+            flops /= self.ctx.world_size
+        elif document_lengths:
+            # this DP rank's documents, shared by the model-parallel ranks of its replica
+            model_parallel = self.ctx.world_size // self.ctx.dp_size
+            flops = packed_train_flops(
+                config=self.run.transformer, vocab_size=self.run.model.vocab_size,
+                document_lengths=document_lengths,
+            ) / model_parallel  # fmt: skip
+        if flops is not None:
+            tflops = flops / record.step_time_s / 1e12
             record.tflops_per_device = tflops
             record.mfu = tflops / self.peak if self.peak else None
         record.mem_allocated_bytes, record.mem_reserved_bytes = cuda_memory()
@@ -415,7 +437,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
                     consumed_samples=progress.consumed_samples, skipped_iterations=skipped,
                     extra=extra,
                 )  # fmt: skip
-                reporter.report(record, figures)
+                reporter.report(record, figures, document_lengths=s.document_lengths)
             reason = stop.reason(iteration)
             if reason or _save_due(iteration, run):
                 save_checkpoint(

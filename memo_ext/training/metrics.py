@@ -72,6 +72,17 @@ def gpt_forward_flops(
     return layers * (qkv + attention + proj + mlp) + logits
 
 
+def packed_train_flops(
+    *, config: TransformerConfig, vocab_size: int, document_lengths: list[int]
+) -> float:
+    """Training FLOPs of packed documents: each attends only within itself, so the attention
+    term is per document while everything else is per token."""
+    return sum(
+        gpt_train_flops(config=config, vocab_size=vocab_size, seq_length=n, sequences=1)
+        for n in document_lengths
+    )
+
+
 def gpt_train_flops(**kwargs) -> float:
     """Forward + backward (twice the forward) model FLOPs; recomputation not counted."""
     return 3.0 * gpt_forward_flops(**kwargs)

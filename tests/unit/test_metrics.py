@@ -62,3 +62,34 @@ def test_cpu_attention_kernel_is_counted():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     # QK^T and PV over the full 16 × 16 matrix: 2 · (2·b·h·s·s·d)
     assert counter.get_total_flops() == 2 * (2 * 2 * 3 * 16 * 16 * 8)
+
+
+def test_packed_document_flops_match_flop_counter(megatron_cpu):
+    """A packed row of three documents: attention per document, the rest per token."""
+    from memo_ext.mcore.packed import build_packed_seq_params
+    from memo_ext.training.metrics import gpt_forward_flops
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )  # fmt: skip
+    spec = build_layer_spec(config=config, attention_backend="sdpa")
+    model = GPTModel(
+        config=config, transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
+        vocab_size=64, max_sequence_length=32, position_embedding_type="rope",
+    )  # fmt: skip
+    lengths = [5, 11, 16]
+    cu = torch.tensor([0, 5, 16, 32], dtype=torch.int32)
+    params = build_packed_seq_params(cu_seqlens=cu, cu_seqlens_padded=cu, device="cpu")
+    tokens = torch.randint(0, 64, (1, 32))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with flop_counter_mode() as counter, torch.no_grad():
+        model(tokens, positions, None, packed_seq_params=params)
+    expected = sum(
+        gpt_forward_flops(config=config, vocab_size=64, seq_length=n, sequences=1,
+                          causal_fraction=1.0)
+        for n in lengths
+    )  # fmt: skip
+    assert counter.get_total_flops() == expected
