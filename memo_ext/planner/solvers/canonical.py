@@ -12,12 +12,17 @@ minimum offset, and
   tensor is skipped: that other tensor could always be slid under it (*dominance*);
 * the time axis is cut into sections (between consecutive event times); a node is cut off when,
   in some section, the floor (top of what is placed there, and at least the current offset) plus
-  the sizes of the unplaced tensors live there exceeds the capacity (*spatial inference*).
+  the sizes of the unplaced tensors live there exceeds the capacity (*spatial inference*). A
+  ``[sections, most live]`` table of the tensors live in each section keeps this check to a few
+  small numpy operations per node.
 
-For minimisation the capacity is one below the best peak found so far and shrinks whenever a
-leaf is reached. Depth-first search can lose itself in one subtree, so runs are restarted with a
-doubling node budget and rotating preorders; a run aimed at a capacity below the incumbent that
-ends without a leaf proves that capacity infeasible and raises the lower bound.
+Each run is a decision search for one capacity (the lower bound, or just below the incumbent).
+Depth-first search can lose itself in one subtree, so runs are restarted with Luby-sequence
+node budgets and rotating preorders, alternating between the problem and its time reversal; a
+run that ends without a leaf and within its budget proves its capacity infeasible and raises the
+lower bound. A run that fails still packed the bottom of the region densely: its deepest partial
+placement, completed greedily or by a search of the remaining tensors above it, is often a
+better incumbent than the greedy one.
 """
 
 from __future__ import annotations
