@@ -102,7 +102,7 @@ class MemoRuntime:
         n = x.size(0)
         a = self.host_tokens(n)
         if 0 < a < n and kwargs.get("packed_seq_params") is not None:
-            raise NotImplementedError(
+            raise ValueError(
                 "MEMO with 0 < --memo-alpha < 1 does not support packed sequences yet; "
                 "use --memo-alpha 0 or 1"
             )

@@ -83,3 +83,12 @@ def solve_greedy(problem: DsaProblem, options: SolveOptions | None = None) -> So
         solver="heuristic",
         details={"order": best_name},
     )
+
+
+def mip_start(problem: DsaProblem, hint: np.ndarray | None) -> tuple[np.ndarray, int, int]:
+    """Start of the big-M MIP backends: the better of the greedy placement and ``hint``,
+    with its peak (an upper bound) and the live-total lower bound."""
+    start = solve_greedy(problem).offsets
+    if hint is not None and peak_of(problem, hint) < peak_of(problem, start):
+        start = np.asarray(hint, dtype=np.int64)
+    return start, peak_of(problem, start), lower_bound(problem)

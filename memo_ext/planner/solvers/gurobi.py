@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from memo_ext.planner.errors import SolverUnavailableError
-from memo_ext.planner.problem import DsaProblem, find_conflicts, lower_bound, overlap_pairs, peak_of
+from memo_ext.planner.problem import DsaProblem, find_conflicts, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import solve_greedy
+from memo_ext.planner.solvers.greedy import mip_start
 
 
 def import_gurobi():
@@ -31,10 +31,7 @@ def solve_gurobi(problem: DsaProblem, options: SolveOptions | None = None) -> So
     """Solves the big-M MIP with Gurobi from the greedy (or hinted) placement."""
     gp = import_gurobi()
     options = options or SolveOptions()
-    start = solve_greedy(problem).offsets
-    if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, start):
-        start = np.asarray(options.hint, dtype=np.int64)
-    upper, bound = peak_of(problem, start), lower_bound(problem)
+    start, upper, bound = mip_start(problem, options.hint)
     if upper == bound:
         return Solution(start, upper, True, "gurobi", {"bound": bound})
     try:

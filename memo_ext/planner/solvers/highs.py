@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
+from memo_ext.planner.problem import DsaProblem, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import solve_greedy
+from memo_ext.planner.solvers.greedy import mip_start
 
 
 def _start_values(problem: DsaProblem, pairs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -28,10 +28,7 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     import highspy
 
     options = options or SolveOptions()
-    start = solve_greedy(problem).offsets
-    if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, start):
-        start = np.asarray(options.hint, dtype=np.int64)
-    upper, bound = peak_of(problem, start), lower_bound(problem)
+    start, upper, bound = mip_start(problem, options.hint)
     if upper == bound:
         return Solution(start, upper, True, "highs", {"bound": bound})
     pairs = overlap_pairs(problem)
