@@ -26,6 +26,12 @@ from memo_ext.config import (
     RunConfig,
     TrainConfig,
 )
+from memo_ext.hotspa.config import (
+    HotSPaArgumentError,
+    add_hotspa_args,
+    hotspa_config_from_args,
+    validate_hotspa_args,
+)
 from memo_ext.mcore.specs import ATTENTION_BACKENDS, LOCAL_KERNEL_SETTINGS
 from memo_ext.offload.config import (
     MemoArgumentError,
@@ -58,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_logging_args(parser)
     add_memo_args(parser)
+    add_hotspa_args(parser)
     _add_evaluation_args(parser)
     _add_checkpoint_args(parser)
     _add_preflight_args(parser)
@@ -605,6 +612,13 @@ def _check_checkpointing(args: argparse.Namespace, world_size: int) -> None:
               "stopping and need --save DIR")  # fmt: skip
 
 
+def _check_hotspa(args: argparse.Namespace, world_size: int) -> None:
+    try:
+        validate_hotspa_args(args, world_size)
+    except HotSPaArgumentError as err:
+        _fail(str(err))
+
+
 def _check_memo(args: argparse.Namespace, world_size: int) -> None:
     try:
         validate_memo_args(args)
@@ -626,6 +640,7 @@ CHECKS = (
     _check_evaluation,
     _check_checkpointing,
     _check_variable_lengths,
+    _check_hotspa,
 )
 
 
@@ -729,5 +744,6 @@ def _to_run_config(args: argparse.Namespace, world_size: int) -> RunConfig:
             exit_signal_handler=args.exit_signal_handler,
         ),
         memo=memo_config_from_args(args),
+        hotspa=hotspa_config_from_args(args, world_size),
         world_size=world_size,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from memo_ext.hotspa.config import HotSPaConfig
 from memo_ext.offload.config import MemoConfig
 
 
@@ -181,6 +182,8 @@ class RunConfig:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     """MEMO's token-wise activation offloading (off by default)."""
+    hotspa: HotSPaConfig = field(default_factory=HotSPaConfig)
+    """HotSPa's length buckets and per-bucket layouts (off by default)."""
     world_size: int = 1
     """Processes in the job (from torchrun's ``WORLD_SIZE``)."""
 

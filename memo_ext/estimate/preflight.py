@@ -36,7 +36,8 @@ class Report:
     estimate: Estimate | None = None
 
 
-def _model_shape(run) -> ModelShape:
+def run_model_shape(run) -> ModelShape:
+    """The estimator's shape of the model a parsed run trains."""
     t = run.transformer
     vocab = run.model.vocab_size or run.data.vocab_size or 256
     return ModelShape(
@@ -113,7 +114,7 @@ def preflight(
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
     memo = MemoSettings(alpha=run.memo.alpha, keep_last_layers=run.memo.keep_last_layers)
     kwargs = dict(
-        model=_model_shape(run),
+        model=run_model_shape(run),
         device=device,
         method=_method(run),
         host_memory_bytes=host_memory_bytes,

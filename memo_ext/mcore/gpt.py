@@ -12,7 +12,11 @@ only the weight gradient is summed in k parts.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.utils import VocabUtility
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -42,6 +46,24 @@ class ChunkedLossGPTModel(GPTModel):
         if plain:
             return super()._postprocess(*args, **kwargs)
         return self._chunked_loss(kwargs["hidden_states"], labels)
+
+    def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+        """megatron's loss, in this model's own TP group.
+
+        megatron-core's unfused vocab-parallel cross entropy reads the global TP group, which
+        is another layout's when HotSPa builds this model with explicit groups.
+        """
+        tp_group = self.pg_collection.tp
+        if tp_group is parallel_state.get_tensor_model_parallel_group(check_initialized=False):
+            return super().compute_language_model_loss(labels, logits)
+        if self.config.cross_entropy_loss_fusion:
+            raise ValueError(
+                "cross_entropy_loss_fusion with explicit process groups is not supported"
+            )
+        loss = _GroupVocabParallelCrossEntropy.apply(
+            logits, labels.transpose(0, 1).contiguous(), tp_group
+        )
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
     def _chunk_loss(self, hidden: Tensor, labels: Tensor, weight: Tensor | None) -> Tensor:
         logits, _ = self.output_layer(hidden, weight=weight)
@@ -83,3 +105,39 @@ def _slices(length: int, parts: int) -> list[tuple[int, int]]:
     parts = min(parts, length)
     bounds = [length * i // parts for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+class _GroupVocabParallelCrossEntropy(torch.autograd.Function):
+    """megatron-core's vocab-parallel cross entropy (no label smoothing) over a given group,
+    from the same helpers as its own."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits: Tensor, target: Tensor, group) -> Tensor:
+        logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(vocab_parallel_logits)
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            logits.size(-1), group.rank(), group.size()
+        )
+        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
+            VocabParallelCrossEntropy.calculate_predicted_logits(
+                logits, target, logits_max, start, end
+            )
+        )
+        dist.all_reduce(predicted, group=group)
+        dist.all_reduce(sum_exp, group=group)
+        exp_logits, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(
+            exp_logits, predicted, sum_exp
+        )
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
+        )
+        grad_input = VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output
+        )
+        return grad_input, None, None

@@ -76,16 +76,38 @@ def _full_shape(param: torch.nn.Parameter, tp: int) -> list[int]:
     return shape
 
 
+Segment = tuple[int, int, int]
+"""``(start in the full tensor, length, start in the shard)`` along the partition dimension."""
+
+
+def tp_segments(param, *, name: str, tp: int, tp_rank: int, gated: bool, full_size=None):
+    """Which part of the full parameter this TP rank holds: ``(dim, segments)``.
+
+    Replicated parameters hold all of dim 0; a gated fc1 holds ``[gate_r; up_r]`` (each rank
+    keeps its slice of both halves, as megatron-core's layers cut it); the rest hold one
+    contiguous ``1 / tp`` of their partition dimension. Sizes come from ``param``'s (local)
+    shape, or from ``full_size`` (the full tensor's size along that dimension) when given.
+    """
+    parallel = getattr(param, "tensor_model_parallel", False)
+    dim = param.partition_dim if parallel else 0
+    if full_size is None:
+        full_size = param.shape[dim] * (tp if parallel else 1)
+    if not parallel or tp == 1:
+        return dim, [(0, full_size, 0)]
+    n = full_size // tp
+    if gated and name.endswith(_GATED):
+        half = n // 2  # this rank's slice of each half
+        return dim, [(tp_rank * half, half, 0), (tp * half + tp_rank * half, half, half)]
+    return dim, [(tp_rank * n, n, 0)]
+
+
 def _shard(full: torch.Tensor, param, *, name: str, tp: int, tp_rank: int, gated: bool):
     """This TP rank's slice of ``full``, laid out as megatron-core's layers hold it."""
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
-        return full
-    dim = param.partition_dim
-    if gated and name.endswith(_GATED):
-        # gated fc1 holds [gate; up]; each rank keeps [gate_r; up_r]
-        halves = full.chunk(2, dim=0)
-        return torch.cat([h.chunk(tp, dim=0)[tp_rank] for h in halves], dim=0)
-    return full.chunk(tp, dim=dim)[tp_rank]
+    dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else 0
+    dim, segments = tp_segments(
+        param, name=name, tp=tp, tp_rank=tp_rank, gated=gated, full_size=full.shape[dim]
+    )
+    return torch.cat([full.narrow(dim, start, length) for start, length, _ in segments], dim=dim)
 
 
 @torch.no_grad()

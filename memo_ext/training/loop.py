@@ -24,6 +24,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.config import RunConfig
+from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
 from memo_ext.offload.policy import format_memo_metrics, memo_step_metrics
 from memo_ext.training.checkpointing import TrainProgress, load_checkpoint, save_checkpoint
 from memo_ext.training.control import StopConditions
@@ -81,7 +82,10 @@ class TrainSummary:
 
 def train(run: RunConfig) -> TrainSummary:
     """Run a whole training job in this process (one rank of a torchrun job)."""
-    tokenizer = _prepare_vocabulary(run)
+    tokenizer = _build_tokenizer(run)
+    if run.hotspa.enabled:
+        _choose_hotspa_layouts(run, tokenizer)
+    _pad_vocabulary(run, tokenizer)
     _maybe_preflight(run)
     init_distributed()
     try:
@@ -92,24 +96,69 @@ def train(run: RunConfig) -> TrainSummary:
         shutdown()
 
 
-def _prepare_vocabulary(run: RunConfig):
-    """Build the tokenizer and set the padded embedding size of the model."""
-    tokenizer = build_tokenizer(
+def _build_tokenizer(run: RunConfig):
+    return build_tokenizer(
         tokenizer_type=run.data.tokenizer_type,
         vocab_size=run.data.vocab_size,
         tokenizer_model=run.data.tokenizer_model,
         vocab_file=run.data.vocab_file,
         merge_file=run.data.merge_file,
     )
-    # padded to lcm(divisible_by, TP) rather than Megatron-LM's divisible_by × TP: the padded
-    # logits enter the softmax, so the vocabulary must not change with the TP size
+
+
+def _pad_vocabulary(run: RunConfig, tokenizer) -> None:
+    """Set the padded embedding size of the model.
+
+    Padded to lcm(divisible_by, TP) rather than Megatron-LM's divisible_by × TP: the padded
+    logits enter the softmax, so the vocabulary must not change with the TP size (nor with
+    HotSPa's layouts: every layout's TP divides it).
+    """
+    tp_sizes = [run.transformer.tensor_model_parallel_size]
+    if run.hotspa.enabled:
+        tp_sizes += [layout.tp for layout in run.hotspa.strategies]
     run.model.vocab_size = padded_vocab_size(
         tokenizer.vocab_size,
-        divisible_by=math.lcm(
-            run.data.make_vocab_size_divisible_by, run.transformer.tensor_model_parallel_size
-        ),
+        divisible_by=math.lcm(run.data.make_vocab_size_divisible_by, *tp_sizes),
     )
-    return tokenizer
+
+
+def _choose_hotspa_layouts(run: RunConfig, tokenizer) -> None:
+    """Settle each bucket's layout (``auto``: by the estimator) and make home megatron's layout.
+
+    Runs before any process group exists; every rank reaches the same choice from the same
+    flags and data.
+    """
+    from memo_ext.hotspa import auto
+
+    hot = run.hotspa
+    if hot.strategies is None:
+        from memo_ext.estimate.preflight import cuda_device_spec, run_model_shape
+        from memo_ext.estimate.presets import DEVICES, device_spec
+
+        device = device_spec(hot.device) if hot.device else cuda_device_spec()
+        device = device or DEVICES["h100-80g"]
+        rows = auto.expected_rows(
+            _document_source(run, tokenizer), bounds=hot.buckets,
+            global_batch_size=run.train.global_batch_size, seed=run.train.seed,
+        )  # fmt: skip
+        run.model.vocab_size = tokenizer.vocab_size
+        choices = auto.choose_strategies(
+            model=run_model_shape(run), device=device, bounds=hot.buckets, rows=rows,
+            world_size=run.world_size,
+        )  # fmt: skip
+        hot.strategies = [c.layout for c in choices]
+        if _is_logging_process():
+            logger.info("HotSPa layouts chosen for %s:\n%s", device.name, auto.describe(choices))
+    home = hot.home
+    t = run.transformer
+    t.tensor_model_parallel_size, t.pipeline_model_parallel_size = home.tp, home.pp
+    t.context_parallel_size, t.sequence_parallel = home.cp, home.sp
+
+
+def _is_logging_process() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _maybe_preflight(run: RunConfig) -> None:
@@ -118,7 +167,7 @@ def _maybe_preflight(run: RunConfig) -> None:
     Runs before any process group exists (the estimator traces on a fake one); every rank
     reaches the same verdict from the same flags.
     """
-    if not run.preflight.enabled:
+    if not run.preflight.enabled or run.hotspa.enabled:  # HotSPa's auto checks each bucket
         return
     from memo_ext.estimate.preflight import check_preflight
     from memo_ext.estimate.presets import device_spec
@@ -149,8 +198,34 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
         session.metric_sources.append(
             MetricSource(collect=lambda: memo_step_metrics(model), describe=format_memo_metrics)
         )
+    if run.hotspa.enabled:
+        session.hotspa = _build_hotspa(run, ctx, model)
+        session.metric_sources.append(
+            MetricSource(collect=session.hotspa.step_metrics, describe=format_hotspa_metrics)
+        )
     with StopConditions(run.checkpoint) as stop:
         return _run_steps(session, progress, stop)
+
+
+def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model) -> HotSPaEngine:
+    """Models of the non-home layouts on this process, and the switch plans between them."""
+
+    def build_model(*, config, pg_collection):
+        bare = build_gpt_model(run=run, device=ctx.device, config=config,
+                               pg_collection=pg_collection)  # fmt: skip
+        return wrap_for_data_parallel(model=bare, run=run, config=config,
+                                      pg_collection=pg_collection)  # fmt: skip
+
+    engine = HotSPaEngine(
+        run=run, home_model=home_model, layouts=run.hotspa.strategies,
+        build_model=build_model,
+    )  # fmt: skip
+    logger.info(
+        "HotSPa: buckets %s in layouts %s (home %s)",
+        ",".join(map(str, run.hotspa.buckets)),
+        ";".join(layout.name for layout in run.hotspa.strategies), run.hotspa.home.name,
+    )  # fmt: skip
+    return engine
 
 
 @dataclass
@@ -170,6 +245,8 @@ class _Session:
     """``--variable-seq-lengths``: the documents of this DP rank's rows in the last step."""
     metric_sources: list[MetricSource] = field(default_factory=list)
     """Per-step figures of the memory / parallelism systems (MEMO, HotSPa)."""
+    hotspa: HotSPaEngine | None = None
+    """``--hotspa``: runs each step's buckets in their layouts."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +273,8 @@ def _log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> 
 def _connect_schedule_hooks(run: RunConfig, model, optimizer) -> None:
     """Tell megatron-core's schedules how to sync and finalize gradients."""
     config = run.transformer
-    config.finalize_model_grads_func = finalize_model_grads
+    # HotSPa finalizes each layout's gradients itself, once all its buckets have run
+    config.finalize_model_grads_func = None if run.hotspa.enabled else finalize_model_grads
     config.no_sync_func = model.no_sync
     if hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "scale_loss"):
         config.grad_scale_func = optimizer.optimizer.scale_loss
@@ -232,22 +310,36 @@ def _batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainPro
     return iterate(train_ds, progress.consumed_samples), valid
 
 
-def _packed_batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
-    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents."""
-    from memo_ext.hotspa.batches import packed_step_batches
+def _document_source(run: RunConfig, tokenizer):
+    """The whole documents ``--variable-seq-lengths`` trains on."""
     from memo_ext.hotspa.documents import IndexedDocuments, MockDocuments
 
-    gbs = run.train.global_batch_size
     if run.data.mock_data:
-        source = MockDocuments(
-            num_documents=run.train.train_iters * gbs, seq_length=run.data.seq_length,
-            vocab_size=tokenizer.vocab_size, seed=run.train.seed,
+        return MockDocuments(
+            num_documents=run.train.train_iters * run.train.global_batch_size,
+            seq_length=run.data.seq_length, vocab_size=tokenizer.vocab_size, seed=run.train.seed,
         )  # fmt: skip
-    else:
-        source = IndexedDocuments(run.data.data_path[0])
+    return IndexedDocuments(run.data.data_path[0])
+
+
+def _packed_batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
+    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents
+    (with HotSPa: this process's rows of each non-empty bucket, in the bucket's layout)."""
+    source = _document_source(run, tokenizer)
+    if run.hotspa.enabled:
+        from memo_ext.hotspa.buckets import hotspa_step_batches
+
+        return hotspa_step_batches(
+            source, bounds=run.hotspa.buckets, layouts=run.hotspa.strategies, rank=ctx.rank,
+            global_batch_size=run.train.global_batch_size, seed=run.train.seed,
+            consumed_documents=progress.consumed_samples,
+        )  # fmt: skip
+    from memo_ext.hotspa.batches import packed_step_batches
+
     return packed_step_batches(
-        source, global_batch_size=gbs, seq_length=run.data.seq_length, seed=run.train.seed,
-        dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, consumed_documents=progress.consumed_samples,
+        source, global_batch_size=run.train.global_batch_size, seq_length=run.data.seq_length,
+        seed=run.train.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+        consumed_documents=progress.consumed_samples,
     )  # fmt: skip
 
 
@@ -279,6 +371,13 @@ def _is_logged(iteration: int, run: RunConfig) -> bool:
 def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> torch.Tensor:
     """One global batch through megatron's schedule; its (loss sum, real tokens)."""
     num_microbatches = s.run.num_microbatches
+    if s.hotspa is not None:
+        buckets = next(batches)
+        s.document_lengths = [n for bucket in buckets for n in bucket.document_lengths]
+        pair = s.hotspa.step(buckets, s.forward_step)
+        if dist.is_initialized():
+            dist.all_reduce(pair)
+        return pair
     if s.run.data.variable_seq_lengths:
         # one step's packed rows: as many on every DP rank, but not the same count every step
         rows = next(batches)
@@ -388,7 +487,10 @@ class _Reporter:
             flops /= self.ctx.world_size
         elif document_lengths:
             # this DP rank's documents, shared by the model-parallel ranks of its replica
+            # (with HotSPa: the whole batch's documents, shared by every process)
             model_parallel = self.ctx.world_size // self.ctx.dp_size
+            if self.run.hotspa.enabled:
+                model_parallel = self.ctx.world_size
             flops = packed_train_flops(
                 config=self.run.transformer, vocab_size=self.run.model.vocab_size,
                 document_lengths=document_lengths,

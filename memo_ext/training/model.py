@@ -34,9 +34,25 @@ def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig) -> ModuleSpec
     return apply_memo(layer_spec, run.memo, run.transformer)
 
 
-def build_gpt_model(*, run: RunConfig, device: torch.device) -> ChunkedLossGPTModel:
-    """The bare ``GPTModel`` of this process's pipeline stage, on ``device``."""
-    config = run.transformer
+def build_gpt_model(
+    *, run: RunConfig, device: torch.device, config=None, pg_collection=None
+) -> ChunkedLossGPTModel:
+    """The bare ``GPTModel`` of this process's pipeline stage, on ``device``.
+
+    ``config`` and ``pg_collection`` build it in another layout than megatron's global one
+    (HotSPa's bucket layouts); by default it is the run's layout and megatron's global groups.
+    """
+    config = config or run.transformer
+    if pg_collection is None:
+        first, last = (
+            parallel_state.is_pipeline_first_stage(),
+            parallel_state.is_pipeline_last_stage(),
+        )
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    else:
+        pp = pg_collection.pp
+        first, last = pp.rank() == 0, pp.rank() == pp.size() - 1
+        tp_rank = pg_collection.tp.rank()
     model_cfg: ModelConfig = run.model
     backend = resolve_attention_backend(model_cfg.attention_backend, allow_te=not run.memo.enabled)
     layer_spec = apply_memory_policy(
@@ -49,12 +65,13 @@ def build_gpt_model(*, run: RunConfig, device: torch.device) -> ChunkedLossGPTMo
         transformer_layer_spec=block_spec,
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=first,
+        post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
         position_embedding_type=model_cfg.position_embedding_type,
         rotary_base=model_cfg.rotary_base,
+        pg_collection=pg_collection,
     )
     model = model.to(device)
     init_weights_layout_independent(
@@ -62,14 +79,16 @@ def build_gpt_model(*, run: RunConfig, device: torch.device) -> ChunkedLossGPTMo
         config=config,
         seed=run.train.seed,
         tp=config.tensor_model_parallel_size,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_rank=tp_rank,
     )
     return model
 
 
-def wrap_for_data_parallel(*, model: torch.nn.Module, run: RunConfig) -> DistributedDataParallel:
+def wrap_for_data_parallel(
+    *, model: torch.nn.Module, run: RunConfig, config=None, pg_collection=None
+) -> DistributedDataParallel:
     """megatron-core DDP: contiguous fp32 gradient buffers reduced over DP × CP."""
-    config = run.transformer
+    config = config or run.transformer
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
@@ -79,8 +98,9 @@ def wrap_for_data_parallel(*, model: torch.nn.Module, run: RunConfig) -> Distrib
     )
     # one bucket: gloo has no stream overlap to gain from bucketing
     return DistributedDataParallel(
-        config, ddp_config, model, disable_bucketing=not torch.cuda.is_available()
-    )
+        config, ddp_config, model, disable_bucketing=not torch.cuda.is_available(),
+        pg_collection=pg_collection,
+    )  # fmt: skip
 
 
 def count_parameters(model: torch.nn.Module) -> int:

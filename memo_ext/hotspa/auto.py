@@ -1,0 +1,203 @@
+"""``--hotspa-strategies auto``: each bucket's layout from the estimator's cost model.
+
+Inputs: the model shape, a device preset, the bucket bounds and the expected rows per bucket
+and step (measured by packing the run's first global batches, :func:`expected_rows`). For every
+candidate home layout that fits the longest bucket, each other bucket takes the layout with the
+least predicted time (the estimator's step time for its rows, plus the switch when it is not
+home) among those that fit device memory next to the home layout's model states; the home with
+the least total wins. A bucket that fits no layout is refused with the numbers.
+
+Candidates are DP × TP × PP splits of the world with TP a power of two inside a node and SP on
+with TP > 1 (CP is not offered: packed rows do not run under CP yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memo_ext.estimate.model import Efficiency, Estimate, EstimateError, estimate
+from memo_ext.estimate.model import Layout as EstimatorLayout
+from memo_ext.estimate.presets import DeviceSpec, ModelShape
+from memo_ext.hotspa.buckets import assign_buckets
+from memo_ext.hotspa.documents import DocumentSource, global_batches
+from memo_ext.hotspa.layouts import Layout, LayoutError, check_layout
+from memo_ext.hotspa.packing import first_fit_decreasing
+
+logger = logging.getLogger(__name__)
+
+WORKING_COPY_BYTES_PER_PARAM = 2 + 4
+"""A non-home layout's bf16 working weight and fp32 gradient, per parameter it holds."""
+SAMPLED_STEPS = 32
+"""Global batches packed to measure the expected rows per bucket."""
+
+
+class StrategyError(ValueError):
+    """No layout can run a bucket; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """One bucket's layout and its predicted cost per step."""
+
+    length: int
+    rows: float
+    """Expected rows per step."""
+    layout: Layout
+    compute_s: float
+    """Predicted time of the bucket's forward / backward and gradient reduction."""
+    switch_s: float
+    """Predicted weight + gradient switch time (0 in the home layout)."""
+    peak_bytes: int
+
+
+def expected_rows(
+    source: DocumentSource,
+    *,
+    bounds: Sequence[int],
+    global_batch_size: int,
+    seed: int,
+    steps: int = SAMPLED_STEPS,
+) -> list[float]:
+    """Mean packed rows per bucket over the first ``steps`` global batches of the run."""
+    totals = [0] * len(bounds)
+    batches = global_batches(
+        source, global_batch_size=global_batch_size, seq_length=bounds[-1], seed=seed
+    )
+    for _, documents in zip(range(steps), batches):
+        lengths = [len(d) for d in documents]
+        for b, members in enumerate(assign_buckets(lengths, bounds)):
+            if members:
+                rows = first_fit_decreasing([lengths[i] for i in members], row_tokens=bounds[b])
+                totals[b] += len(rows)
+    return [t / steps for t in totals]
+
+
+def candidate_layouts(model: ModelShape, *, world_size: int, gpus_per_node: int, length: int):
+    """DP × TP × PP splits of the world that megatron-core can run on a ``length`` bucket."""
+    tps = [t for t in (1, 2, 4, 8) if t <= min(world_size, gpus_per_node)]
+    for tp in tps:
+        for pp in (p for p in range(1, world_size // tp + 1) if (world_size // tp) % p == 0):
+            if world_size % (tp * pp):
+                continue
+            layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+            try:
+                check_layout(layout, config=model, bucket_length=length)
+            except LayoutError:
+                continue
+            yield layout
+
+
+def _estimate(model, device, layout: Layout, *, length: int, rows: float, eff) -> Estimate:
+    microbatches = max(1, math.ceil(rows / layout.dp))
+    est_layout = EstimatorLayout(
+        tp=layout.tp, pp=layout.pp, dp=layout.dp, sp=layout.sp, micro_batch_size=1,
+        num_microbatches=microbatches, distributed_optimizer=False,
+    )  # fmt: skip
+    return estimate(
+        model=model, device=device, layout=est_layout, method="none", seq_length=length,
+        host_memory_bytes=1 << 40, efficiency=eff,
+    )  # fmt: skip
+
+
+def _switch_s(est: Estimate, device: DeviceSpec, world_size: int) -> float:
+    link = device.nvlink_gbps if world_size <= device.gpus_per_node else device.internode_gbps
+    return est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM / (link * 1e9)
+
+
+def choose_strategies(
+    *,
+    model: ModelShape,
+    device: DeviceSpec,
+    bounds: Sequence[int],
+    rows: Sequence[float],
+    world_size: int,
+    efficiency: Efficiency | None = None,
+) -> list[BucketChoice]:
+    """The fastest fitting layout per bucket (see the module docstring)."""
+    eff = efficiency or Efficiency()
+    usable = int(device.memory_bytes * (1 - eff.headroom))
+    per_bucket: list[list[tuple[Layout, Estimate]]] = []
+    for length, n in zip(bounds, rows):
+        options = []
+        for layout in candidate_layouts(
+            model, world_size=world_size, gpus_per_node=device.gpus_per_node, length=length
+        ):
+            try:
+                options.append((layout, _estimate(model, device, layout, length=length, rows=n,
+                                                  eff=eff)))  # fmt: skip
+            except EstimateError:
+                continue
+        if not options:
+            raise StrategyError(f"no DP × TP × PP layout of {world_size} processes can run the "
+                                f"{length}-token bucket of {model.name}")  # fmt: skip
+        per_bucket.append(options)
+    best: tuple[float, list[BucketChoice]] | None = None
+    for home, home_est in per_bucket[-1]:
+        if home_est.device_peak_bytes > usable:
+            continue
+        choices = _choices_given_home(home, home_est, per_bucket, bounds, rows, usable=usable,
+                                      device=device, world_size=world_size)  # fmt: skip
+        if choices is None:
+            continue
+        total = sum(c.compute_s + c.switch_s for c in choices if c.rows > 0)
+        if best is None or total < best[0]:
+            best = (total, choices)
+    if best is None:
+        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
+    return best[1]
+
+
+def _choices_given_home(home, home_est, per_bucket, bounds, rows, *, usable, device, world_size):
+    choices = []
+    for b, options in enumerate(per_bucket):
+        fitting = []
+        for layout, est in options:
+            peak = est.device_peak_bytes
+            switch = 0.0
+            if layout != home:
+                # home's model states stay; this layout adds its working copy and activations
+                peak += home_est.model_state_bytes - est.model_state_bytes
+                peak += est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM
+                switch = _switch_s(est, device, world_size)
+            if peak <= usable:
+                choice = BucketChoice(bounds[b], rows[b], layout, est.step_time_s, switch, peak)
+                fitting.append(choice)
+        if not fitting:
+            return None
+        if rows[b] == 0:  # never seen: keep it at home, nothing to switch
+            home_choice = [c for c in fitting if c.layout == home]
+            if home_choice:
+                choices.append(home_choice[0])
+                continue
+        choices.append(min(fitting, key=lambda c: (c.compute_s + c.switch_s, c.layout.tp,
+                                                    c.layout.pp)))  # fmt: skip
+    return choices
+
+
+def _nothing_fits(per_bucket, bounds, usable, device) -> str:
+    gib = 2**30
+    for b, options in enumerate(per_bucket):
+        smallest = min(est.device_peak_bytes for _, est in options)
+        if smallest > usable:
+            return (
+                f"the {bounds[b]}-token bucket fits no layout on {device.name}: the smallest "
+                f"estimated peak is {smallest / gib:.1f} GiB of {usable / gib:.1f} GiB usable; "
+                "use shorter buckets / --seq-length or more processes"
+            )
+    return (f"no home layout leaves room for every bucket's working copy on {device.name}; "
+            "give --hotspa-strategies by hand or shorten the buckets")  # fmt: skip
+
+
+def describe(choices: Sequence[BucketChoice]) -> str:
+    """One line per bucket for the log."""
+    lines = []
+    for c in choices:
+        lines.append(
+            f"≤{c.length} tokens: {c.rows:.1f} rows/step → {c.layout.name} "
+            f"(predicted {c.compute_s * 1e3:.3g} ms + switch {c.switch_s * 1e3:.3g} ms, "
+            f"peak {c.peak_bytes / 2**30:.3g} GiB)"
+        )
+    return "\n".join(lines)

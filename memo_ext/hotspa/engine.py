@@ -1,0 +1,223 @@
+"""One HotSPa step: every bucket in its own layout, gradients gathered in the home layout.
+
+The home layout (the longest bucket's) is megatron's global one: its model is the trainer's
+DDP model and owns the optimizer (fp32 master weights and state). Every other layout used by a
+bucket has a model of its own, built on the same processes with explicit process groups, whose
+parameters are working copies refreshed from home once per step, before the first bucket that
+needs them. A step:
+
+1. buckets in the home layout run first, then ``finalize_model_grads`` (DP × CP sum, SP norms
+   over TP, tied embeddings over PP) in the home groups;
+2. for each other layout: switch the weights home → layout, zero its gradients, run its
+   buckets, finalize in its groups, switch the gradients layout → home, adding them;
+3. divide the home gradients by the real tokens of the whole global batch.
+
+After finalisation every holder of a gradient slice holds the complete sum over its layout's
+micro-batches, so any holder can send it and home receives each slice exactly once: the sum is
+the gradient of the mean loss over every token of the global batch, whatever the layouts. The
+loss pair (sum, tokens) is taken from TP rank 0 of each last pipeline stage only, so layouts
+with different TP degrees add up correctly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from memo_ext.hotspa.buckets import BucketBatch
+from memo_ext.hotspa.layouts import (
+    Layout,
+    build_process_groups,
+    home_process_groups,
+    layout_config,
+)
+from memo_ext.hotspa.switch import (
+    SwitchPlan,
+    SwitchStats,
+    build_plan,
+    describe_shards,
+    local_tensors,
+    merge_shards,
+    ranks_per_node,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayoutRuntime:
+    """One layout's model and groups on this process."""
+
+    layout: Layout
+    config: object
+    pgs: object
+    model: torch.nn.Module
+    is_home: bool
+    forward_backward: Callable = field(init=False)
+    p2p: P2PCommunicator | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.forward_backward = get_forward_backward_func(pp_size=self.layout.pp)
+        self.p2p = P2PCommunicator(pp_group=self.pgs.pp, config=self.config)
+
+    @property
+    def reports_loss(self) -> bool:
+        """TP rank 0 of the last stage: one loss pair per (DP, CP) replica."""
+        return self.pgs.tp.rank() == 0 and self.pgs.pp.rank() == self.pgs.pp.size() - 1
+
+
+@dataclass
+class StepFigures:
+    """What one step's switching did (this process, and the job where said)."""
+
+    weight: SwitchStats = field(default_factory=SwitchStats)
+    grad: SwitchStats = field(default_factory=SwitchStats)
+    bucket_rows: list[int] = field(default_factory=list)
+    bucket_documents: list[int] = field(default_factory=list)
+
+
+class HotSPaEngine:
+    """Runs steps over buckets in their layouts (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        run,
+        home_model: torch.nn.Module,
+        layouts: Sequence[Layout],
+        build_model: Callable[..., torch.nn.Module],
+    ) -> None:
+        self.layouts = list(layouts)
+        self.home = self.layouts[-1]
+        self.runtimes: dict[Layout, LayoutRuntime] = {}
+        self.runtimes[self.home] = LayoutRuntime(
+            layout=self.home, config=run.transformer, pgs=home_process_groups(),
+            model=home_model, is_home=True,
+        )  # fmt: skip
+        for layout in dict.fromkeys(self.layouts):  # distinct, in bucket order, on every rank
+            if layout == self.home:
+                continue
+            config = layout_config(run.transformer, layout)
+            pgs = build_process_groups(layout)
+            model = build_model(config=config, pg_collection=pgs)
+            self.runtimes[layout] = LayoutRuntime(
+                layout=layout, config=config, pgs=pgs, model=model, is_home=False
+            )
+        rank = dist.get_rank()
+        gated = bool(run.transformer.gated_linear_unit)
+        local = {
+            rt.layout.name: describe_shards(rt.model, rank=rank, tp=rt.layout.tp,
+                                            tp_rank=rt.pgs.tp.rank(), gated=gated)
+            for rt in self.runtimes.values()
+        }  # fmt: skip
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        self._shards = {
+            rt.layout.name: merge_shards([per_rank[rt.layout.name] for per_rank in everyone])
+            for rt in self.runtimes.values()
+        }
+        self._plans: dict[tuple[str, str], SwitchPlan] = {}
+        self._rank, self._ranks_per_node = rank, ranks_per_node()
+        self.last = StepFigures()
+
+    def plan(self, source: Layout, target: Layout) -> SwitchPlan:
+        """The cached plan that fills ``target``'s shards from ``source``'s."""
+        key = (source.name, target.name)
+        if key not in self._plans:
+            self._plans[key] = build_plan(
+                self._shards[source.name], self._shards[target.name], rank=self._rank,
+                ranks_per_node=self._ranks_per_node,
+            )  # fmt: skip
+        return self._plans[key]
+
+    def step(self, buckets: Sequence[BucketBatch], forward_step: Callable) -> torch.Tensor:
+        """Forward / backward of one global batch; home gradients ready for the optimizer.
+
+        The home model's gradient buffers must be zero on entry. Returns this process's
+        (loss sum, real tokens) contribution; summed over the world it is the batch's pair.
+        """
+        figures = StepFigures(
+            bucket_rows=[0] * len(self.layouts), bucket_documents=[0] * len(self.layouts)
+        )
+        by_layout: dict[Layout, list[BucketBatch]] = {}
+        for bucket in buckets:
+            figures.bucket_rows[bucket.bucket] = bucket.rows
+            figures.bucket_documents[bucket.bucket] = len(bucket.document_lengths)
+            by_layout.setdefault(self.layouts[bucket.bucket], []).append(bucket)
+        order = sorted(by_layout, key=lambda lay: lay != self.home)  # home first
+        pair = torch.zeros(2, dtype=torch.float64)
+        home = self.runtimes[self.home]
+        for layout in order:
+            rt = self.runtimes[layout]
+            if not rt.is_home:
+                figures.weight.add(
+                    self.plan(self.home, layout).run(local_tensors(home.model),
+                                                     local_tensors(rt.model))
+                )  # fmt: skip
+                rt.model.zero_grad_buffer()
+            for bucket in by_layout[layout]:
+                pair += self._run_bucket(rt, bucket, forward_step)
+            finalize_model_grads([rt.model], num_tokens=None, pg_collection=rt.pgs)
+            if not rt.is_home:
+                figures.grad.add(
+                    self.plan(layout, self.home).run(
+                        local_tensors(rt.model, grads=True),
+                        local_tensors(home.model, grads=True),
+                        accumulate=True,
+                    )
+                )
+        total = sum(b.labelled_tokens for b in buckets)
+        if total:
+            home.model.scale_gradients(1.0 / total)
+        self.last = figures
+        return pair
+
+    def _run_bucket(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> torch.Tensor:
+        losses = rt.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(bucket.micro_batches),
+            model=[rt.model],
+            num_microbatches=len(bucket.micro_batches),
+            seq_length=bucket.length,
+            micro_batch_size=1,
+            forward_only=False,
+            p2p_communicator=rt.p2p,
+            pg_collection=rt.pgs,
+        )
+        pair = torch.zeros(2, dtype=torch.float64)
+        if rt.reports_loss:
+            for record in losses:
+                pair += record["lm loss"].detach().double().cpu()
+        return pair
+
+    def step_metrics(self) -> dict:
+        """The last step's figures for the metrics file (switch bytes are the job's)."""
+        f = self.last
+        return {
+            "hotspa_bucket_rows": f.bucket_rows,
+            "hotspa_bucket_documents": f.bucket_documents,
+            "hotspa_weight_switch_bytes": f.weight.world_bytes_moved,
+            "hotspa_grad_switch_bytes": f.grad.world_bytes_moved,
+            "hotspa_switch_bytes_sent": f.weight.bytes_sent + f.grad.bytes_sent,
+            "hotspa_switch_bytes_reused": f.weight.bytes_reused + f.grad.bytes_reused,
+            "hotspa_switch_s": f.weight.seconds + f.grad.seconds,
+        }
+
+
+def format_hotspa_metrics(metrics: dict) -> str:
+    """A console fragment such as ``buckets 12/3/1 rows | switch 4.0 MiB in 3.1 ms``."""
+    if not metrics:
+        return ""
+    rows = "/".join(str(r) for r in metrics["hotspa_bucket_rows"])
+    moved = metrics["hotspa_weight_switch_bytes"] + metrics["hotspa_grad_switch_bytes"]
+    return (
+        f"buckets {rows} rows | switch {moved / 2**20:.1f} MiB "
+        f"in {metrics['hotspa_switch_s'] * 1e3:.1f} ms"
+    )
