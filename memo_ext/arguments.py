@@ -536,7 +536,6 @@ def _check_variable_lengths(args: argparse.Namespace, world_size: int) -> None:
         return
     unsupported = {
         "--micro-batch-size > 1 (a packed row is one micro-batch)": args.micro_batch_size != 1,
-        "--context-parallel-size > 1": args.context_parallel_size > 1,
         "--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
         "--memo": getattr(args, "memo", False),
         "--eval-interval": bool(args.eval_interval),

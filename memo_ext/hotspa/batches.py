@@ -53,17 +53,20 @@ def packed_step_batches(
     dp_rank: int,
     dp_size: int,
     consumed_documents: int = 0,
+    pad_multiple: int = 1,
 ) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Endless steps; each is this rank's list of packed micro-batches for one global batch.
 
     Every rank packs the whole global batch the same way (packing is deterministic), so the
     rows, and hence the losses, do not depend on ``dp_size``. Empty documents carry no token
-    and are left out of the rows.
+    and are left out of the rows. Under CP, ``pad_multiple = 2·CP`` gives every document a slot
+    that cuts into ``2·CP`` chunks.
     """
     for documents in global_batches(
         source, global_batch_size=global_batch_size, seq_length=seq_length, seed=seed,
         consumed_documents=consumed_documents,
     ):  # fmt: skip
-        rows = pack_documents([d for d in documents if len(d)], row_tokens=seq_length)
+        rows = pack_documents([d for d in documents if len(d)], row_tokens=seq_length,
+                              pad_multiple=pad_multiple)  # fmt: skip
         dealt = deal_rows(rows, dp_rank=dp_rank, dp_size=dp_size, row_tokens=seq_length)
         yield [row_to_micro_batch(row) for row in dealt]

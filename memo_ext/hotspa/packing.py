@@ -13,6 +13,15 @@ next one. With the boundaries handed to the model (``memo_ext.mcore.packed``), a
 learned positions treat every document as if it ran alone, so each real token gets the loss it
 would get in a batch of one; padding comes after every real token of the row, so causal
 attention keeps it out of their results, and its loss is masked.
+
+Under context parallelism every document is cut into ``2·CP`` equal chunks, so each document
+gets a slot padded to a multiple of ``pad_multiple = 2·CP`` (TE's ``thd`` convention):
+``cu_seqlens`` counts real tokens, ``cu_seqlens_padded`` marks the slots.
+
+    pad_multiple = 4
+    tokens        d0 d0 d0 pad d1 d1 pad pad
+    cu_seqlens    [0, 3, 5]
+    cu_seqlens_padded [0, 4, 8]
 """
 
 from __future__ import annotations
@@ -41,9 +50,9 @@ class PackedRow:
     position_ids: torch.Tensor
     """int64 ``[row_tokens]``: 0, 1, ... within each document; padding continues the last one."""
     cu_seqlens: torch.Tensor
-    """int32 ``[documents + 1]``: start of each document's real tokens, then the end of the last."""
+    """int32 ``[documents + 1]``: cumulative real tokens of the documents (0, n0, n0 + n1, …)."""
     cu_seqlens_padded: torch.Tensor
-    """int32 ``[documents + 1]``: as ``cu_seqlens`` with the last entry at ``row_tokens``."""
+    """int32 ``[documents + 1]``: start of each document's slot, then ``row_tokens``."""
     document_ids: list[int]
     """Index of each packed document in the list given to :func:`pack_documents`."""
 
@@ -51,6 +60,11 @@ class PackedRow:
     def real_tokens(self) -> int:
         """Tokens of the row that belong to a document."""
         return int(self.cu_seqlens[-1])
+
+
+def slot_length(length: int, pad_multiple: int = 1) -> int:
+    """Tokens a document of ``length`` takes in a row: rounded up to ``pad_multiple``."""
+    return -(-length // pad_multiple) * pad_multiple
 
 
 def first_fit_decreasing(lengths: Sequence[int], *, row_tokens: int) -> list[list[int]]:
@@ -92,35 +106,36 @@ def first_fit_decreasing(lengths: Sequence[int], *, row_tokens: int) -> list[lis
     return rows
 
 
-def pack_row(documents: Sequence[np.ndarray], *, row_tokens: int) -> PackedRow:
-    """Lay ``documents`` (1-D token id arrays) out as one row padded to ``row_tokens``."""
+def pack_row(
+    documents: Sequence[np.ndarray], *, row_tokens: int, pad_multiple: int = 1
+) -> PackedRow:
+    """Lay ``documents`` (1-D token id arrays) out as one row padded to ``row_tokens``, each in
+    a slot of a multiple of ``pad_multiple`` tokens."""
     lengths = [len(doc) for doc in documents]
-    used = sum(lengths)
-    if not documents or used > row_tokens:
+    slots = [slot_length(n, pad_multiple) for n in lengths]
+    if not documents or sum(slots) > row_tokens or row_tokens % pad_multiple:
         raise ValueError(f"a row needs 1 or more documents of {row_tokens} tokens in all, "
-                         f"got {len(documents)} documents of {used} tokens")  # fmt: skip
+                         f"got {len(documents)} documents in {sum(slots)} tokens of slots "
+                         f"(multiples of {pad_multiple})")  # fmt: skip
     tokens = np.full(row_tokens, PAD_TOKEN_ID, dtype=np.int64)
     labels = np.zeros(row_tokens, dtype=np.int64)
     loss_mask = np.zeros(row_tokens, dtype=np.float32)
     position_ids = np.zeros(row_tokens, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    for doc, start, length in zip(documents, starts[:-1], lengths):
-        end = start + length
-        tokens[start:end] = doc
-        labels[start : end - 1] = doc[1:]
-        loss_mask[start : end - 1] = 1.0
-        position_ids[start:end] = np.arange(length)
-    # padding continues the last document's positions, as cu_seqlens_padded attaches it there
-    position_ids[used:] = lengths[-1] + np.arange(row_tokens - used)
-    padded = starts.copy()
-    padded[-1] = row_tokens
+    starts = np.concatenate([[0], np.cumsum(slots)]).astype(np.int32)
+    starts[-1] = row_tokens  # the row's padding joins the last slot
+    for doc, start, end, length in zip(documents, starts[:-1], starts[1:], lengths):
+        tokens[start : start + length] = doc
+        labels[start : start + length - 1] = doc[1:]
+        loss_mask[start : start + length - 1] = 1.0
+        # padding continues its document's positions, as its slot attaches it there
+        position_ids[start:end] = np.arange(end - start)
     return PackedRow(
         tokens=torch.from_numpy(tokens),
         labels=torch.from_numpy(labels),
         loss_mask=torch.from_numpy(loss_mask),
         position_ids=torch.from_numpy(position_ids),
-        cu_seqlens=torch.from_numpy(starts),
-        cu_seqlens_padded=torch.from_numpy(padded),
+        cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+        cu_seqlens_padded=torch.from_numpy(starts),
         document_ids=[],
     )
 
@@ -137,20 +152,26 @@ def empty_row(*, row_tokens: int) -> PackedRow:
     )  # fmt: skip
 
 
-def pack_documents(documents: Sequence[np.ndarray], *, row_tokens: int) -> list[PackedRow]:
+def pack_documents(
+    documents: Sequence[np.ndarray], *, row_tokens: int, pad_multiple: int = 1
+) -> list[PackedRow]:
     """Pack documents into as few rows of ``row_tokens`` tokens as first-fit decreasing finds.
 
     Args:
         documents: 1-D integer token id arrays, each of 1 to ``row_tokens`` tokens.
         row_tokens: Length of every row (the bucket's sequence length).
+        pad_multiple: Each document's slot is a multiple of this (``2·CP`` under context
+            parallelism, else 1).
 
     Returns:
         The rows, each recording which documents it holds (``PackedRow.document_ids``).
     """
-    groups = first_fit_decreasing([len(doc) for doc in documents], row_tokens=row_tokens)
+    slots = [slot_length(len(doc), pad_multiple) for doc in documents]
+    groups = first_fit_decreasing(slots, row_tokens=row_tokens)
     rows = []
     for group in groups:
-        row = pack_row([np.asarray(documents[i]) for i in group], row_tokens=row_tokens)
+        row = pack_row([np.asarray(documents[i]) for i in group], row_tokens=row_tokens,
+                       pad_multiple=pad_multiple)  # fmt: skip
         row.document_ids = list(group)
         rows.append(row)
     return rows

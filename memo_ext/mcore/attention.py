@@ -29,6 +29,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from memo_ext.mcore.packed import cp_chunk_positions
+
 
 class SDPAttention(MegatronModule):
     """Causal core attention on torch SDPA; megatron's core-attention interface.
@@ -76,10 +78,7 @@ class SDPAttention(MegatronModule):
         cp_size = self.cp_group.size() if self.cp_group is not None else 1
         if packed_seq_params is not None:
             if cp_size > 1:
-                raise ValueError(
-                    "packed sequences with context parallelism are not supported by the sdpa "
-                    "backend; use --context-parallel-size 1 or the te backend"
-                )
+                return self._packed_context_parallel(query, key, value, packed_seq_params)
             return self._packed(query, key, value, packed_seq_params)
         if cp_size > 1:
             return self._context_parallel(query, key, value, cp_size)
@@ -129,6 +128,40 @@ class SDPAttention(MegatronModule):
         if bounds[-1] < q.size(0):  # padding tokens past the last sequence attend to nothing
             pad = q.new_zeros(q.size(0) - bounds[-1], *out.shape[1:])
             out = torch.cat([out, pad], dim=0)
+        return out.reshape(out.size(0), -1)
+
+    def _packed_context_parallel(
+        self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams
+    ) -> Tensor:
+        """Packed rows under CP: each document's two local query chunks against its gathered
+        keys / values (the load-balanced order of ``cp_chunk_positions``, per document slot)."""
+        bounds = params.cu_seqlens_q_padded.tolist()
+        cp_size, rank = self.cp_group.size(), self.cp_group.rank()
+        if bounds[-1] != q.size(0) * cp_size:
+            raise ValueError("under CP, packed document slots must cover the whole row")
+        held = torch.cat(
+            [cp_chunk_positions(bounds, cp_rank=r, cp_size=cp_size) for r in range(cp_size)]
+        )
+        order = torch.argsort(held).to(q.device)  # gathered rank by rank -> row order
+        k_row, v_row = (
+            tensor_parallel.gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=True, group=self.cp_group
+            )[order]
+            for x in (k, v)
+        )
+        outs, local = [], 0
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            chunk = (end - start) // (2 * cp_size)
+            if chunk == 0:
+                continue
+            for global_chunk in (rank, 2 * cp_size - 1 - rank):
+                q_chunk = q[local : local + chunk].unsqueeze(1)
+                local += chunk
+                seen = (global_chunk + 1) * chunk  # causal: the slot's first `seen` keys
+                k_seen, v_seen = (x[start : start + seen].unsqueeze(1) for x in (k_row, v_row))
+                mask = causal_lower_right(chunk, seen)
+                outs.append(self._sdpa(q_chunk, k_seen, v_seen, causal=mask).squeeze(1))
+        out = torch.cat(outs, dim=0)
         return out.reshape(out.size(0), -1)
 
     def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cp_size: int) -> Tensor:

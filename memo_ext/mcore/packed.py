@@ -56,3 +56,24 @@ def build_packed_seq_params(
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
     )
+
+
+def cp_chunk_positions(cu_seqlens_padded: list[int], *, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Row positions context-parallel rank ``cp_rank`` holds of a packed row, in its order.
+
+    Each document slot (``cu_seqlens_padded``, lengths multiples of ``2·cp_size``) is cut into
+    ``2·cp_size`` equal chunks and the rank keeps chunks ``cp_rank`` and ``2·cp_size - 1 -
+    cp_rank`` of every slot, back to back: megatron-core's load-balanced CP order, per document,
+    as TE's ``thd`` format and megatron's RoPE for ``thd`` expect.
+    """
+    pieces = []
+    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(
+                f"a document slot of {end - start} tokens cannot be cut into 2·CP = "
+                f"{2 * cp_size} chunks; pack with pad_multiple = 2·CP"
+            )
+        chunk = (end - start) // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)

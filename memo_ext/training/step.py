@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from memo_ext.mcore.packed import build_packed_seq_params
+from memo_ext.mcore.packed import build_packed_seq_params, cp_chunk_positions
 
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
@@ -29,16 +29,25 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> LossOutpu
 
 
 def load_micro_batch(
-    data_iterator: Iterator[dict[str, torch.Tensor]], *, device: torch.device
+    data_iterator: Iterator[dict[str, torch.Tensor]], *, device: torch.device, cp_group=None
 ) -> dict[str, torch.Tensor]:
     """Next micro-batch on ``device``, cut to this context-parallel rank's two chunks.
 
-    Packed rows (with ``cu_seqlens``) are not cut: they run with CP = 1.
+    Packed rows (with ``cu_seqlens``) are cut per document slot (``cp_chunk_positions``) over
+    ``cp_group`` (the model's); their boundaries stay whole. Plain rows use megatron's cut over
+    the global CP group.
     """
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-    if "cu_seqlens" in batch:
+    if "cu_seqlens" not in batch:
+        return get_batch_on_this_cp_rank(batch)
+    if cp_group is None or cp_group.size() == 1:
         return batch
-    return get_batch_on_this_cp_rank(batch)
+    positions = cp_chunk_positions(
+        batch["cu_seqlens_padded"].tolist(), cp_rank=cp_group.rank(), cp_size=cp_group.size()
+    ).to(device)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        batch[key] = batch[key][:, positions]
+    return batch
 
 
 def forward_step(
@@ -48,7 +57,7 @@ def forward_step(
     device: torch.device,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
     """megatron-core's ``forward_step_func``: model output and the loss closure."""
-    batch = load_micro_batch(data_iterator, device=device)
+    batch = load_micro_batch(data_iterator, device=device, cp_group=_cp_group(model))
     packed = None
     if "cu_seqlens" in batch:  # a packed row [1, t] of whole documents
         packed = build_packed_seq_params(
@@ -65,6 +74,14 @@ def forward_step(
         packed_seq_params=packed,
     )
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def _cp_group(model: torch.nn.Module):
+    """The model's own CP group (HotSPa builds models in several layouts)."""
+    while hasattr(model, "module"):
+        model = model.module
+    pgs = getattr(model, "pg_collection", None)
+    return getattr(pgs, "cp", None)
 
 
 def build_forward_step(device: torch.device) -> Callable:
