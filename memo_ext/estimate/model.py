@@ -442,7 +442,9 @@ def estimate(
     stage_s = stage.compute_s + stage.comm_s + stage.copy_s
     slots = layout.num_microbatches + layout.pp - 1  # 1F1B: the pipeline fills and drains
     _, _, dp_link = _links(device, layout)
-    dp_s = 2 * (layout.dp - 1) / layout.dp * 4 * params / (dp_link * 1e9)
+    # gradients are all-reduced over DP × CP (CP ranks hold the same weights), in fp32
+    replicas = layout.dp * layout.cp
+    dp_s = 2 * (replicas - 1) / replicas * 4 * params / (dp_link * 1e9)
     step_s = slots * stage_s + dp_s
     sequences = layout.micro_batch_size * layout.num_microbatches * layout.dp
     model_flops = _model_flops(model, seq_length=seq_length, sequences=sequences)

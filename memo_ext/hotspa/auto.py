@@ -7,8 +7,10 @@ least predicted time (the estimator's step time for its rows, plus the switch wh
 home) among those that fit device memory next to the home layout's model states; the home with
 the least total wins. A bucket that fits no layout is refused with the numbers.
 
-Candidates are DP × TP × PP splits of the world with TP a power of two inside a node and SP on
-with TP > 1 (CP is not offered: packed rows do not run under CP yet).
+Candidates are DP × TP × PP × CP splits of the world with TP a power of two inside a node, CP a
+power of two and SP on with TP > 1. A layout with home's TP and PP runs on the home model itself
+(only the CP group changes: dynamic CP), so it costs no switch and no working copy. In
+``dynamic-cp`` mode every bucket must be such a layout; in ``switch`` mode any layout goes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 WORKING_COPY_BYTES_PER_PARAM = 2 + 4
 """A non-home layout's bf16 working weight and fp32 gradient, per parameter it holds."""
+MODES = ("switch", "dynamic-cp")
 SAMPLED_STEPS = 32
 """Global batches packed to measure the expected rows per bucket."""
 
@@ -76,24 +79,29 @@ def expected_rows(
 
 
 def candidate_layouts(model: ModelShape, *, world_size: int, gpus_per_node: int, length: int):
-    """DP × TP × PP splits of the world that megatron-core can run on a ``length`` bucket."""
-    tps = [t for t in (1, 2, 4, 8) if t <= min(world_size, gpus_per_node)]
-    for tp in tps:
-        for pp in (p for p in range(1, world_size // tp + 1) if (world_size // tp) % p == 0):
-            if world_size % (tp * pp):
-                continue
-            layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
-            try:
-                check_layout(layout, config=model, bucket_length=length)
-            except LayoutError:
-                continue
-            yield layout
+    """DP × TP × PP × CP splits of the world megatron-core can run on a ``length`` bucket."""
+    powers = [1 << k for k in range(world_size.bit_length()) if world_size % (1 << k) == 0]
+    for tp in (t for t in powers if t <= gpus_per_node):
+        for cp in powers:
+            rest = world_size // (tp * cp) if world_size % (tp * cp) == 0 else 0
+            for pp in (p for p in range(1, rest + 1) if rest % p == 0):
+                layout = Layout(dp=rest // pp, tp=tp, pp=pp, cp=cp)
+                try:
+                    check_layout(layout, config=model, bucket_length=length)
+                except LayoutError:
+                    continue
+                yield layout
+
+
+def shares_home(layout: Layout, home: Layout) -> bool:
+    """Runs on the home model (dynamic CP): the same TP and PP."""
+    return (layout.tp, layout.pp) == (home.tp, home.pp)
 
 
 def _estimate(model, device, layout: Layout, *, length: int, rows: float, eff) -> Estimate:
     microbatches = max(1, math.ceil(rows / layout.dp))
     est_layout = EstimatorLayout(
-        tp=layout.tp, pp=layout.pp, dp=layout.dp, sp=layout.sp, micro_batch_size=1,
+        tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, sp=layout.sp, micro_batch_size=1,
         num_microbatches=microbatches, distributed_optimizer=False,
     )  # fmt: skip
     return estimate(
@@ -114,9 +122,12 @@ def choose_strategies(
     bounds: Sequence[int],
     rows: Sequence[float],
     world_size: int,
+    mode: str = "switch",
     efficiency: Efficiency | None = None,
 ) -> list[BucketChoice]:
     """The fastest fitting layout per bucket (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     eff = efficiency or Efficiency()
     usable = int(device.memory_bytes * (1 - eff.headroom))
     per_bucket: list[list[tuple[Layout, Estimate]]] = []
@@ -139,7 +150,8 @@ def choose_strategies(
         if home_est.device_peak_bytes > usable:
             continue
         choices = _choices_given_home(home, home_est, per_bucket, bounds, rows, usable=usable,
-                                      device=device, world_size=world_size)  # fmt: skip
+                                      device=device, world_size=world_size,
+                                      dynamic_cp_only=mode == "dynamic-cp")  # fmt: skip
         if choices is None:
             continue
         total = sum(c.compute_s + c.switch_s for c in choices if c.rows > 0)
@@ -150,14 +162,18 @@ def choose_strategies(
     return best[1]
 
 
-def _choices_given_home(home, home_est, per_bucket, bounds, rows, *, usable, device, world_size):
+def _choices_given_home(
+    home, home_est, per_bucket, bounds, rows, *, usable, device, world_size, dynamic_cp_only
+):
     choices = []
     for b, options in enumerate(per_bucket):
         fitting = []
         for layout, est in options:
+            if dynamic_cp_only and not shares_home(layout, home):
+                continue
             peak = est.device_peak_bytes
             switch = 0.0
-            if layout != home:
+            if not shares_home(layout, home):
                 # home's model states stay; this layout adds its working copy and activations
                 peak += home_est.model_state_bytes - est.model_state_bytes
                 peak += est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM

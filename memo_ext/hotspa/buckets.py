@@ -89,7 +89,8 @@ def pack_buckets(
         if not members:
             continue
         layout = layouts[b]
-        rows = pack_documents([documents[i] for i in members], row_tokens=bounds[b])
+        rows = pack_documents([documents[i] for i in members], row_tokens=bounds[b],
+                              pad_multiple=2 * layout.cp if layout.cp > 1 else 1)  # fmt: skip
         dp_rank = layout.coords(rank)["dp"]
         mine = deal_rows(rows, dp_rank=dp_rank, dp_size=layout.dp, row_tokens=bounds[b])
         out.append(

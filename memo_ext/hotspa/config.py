@@ -30,6 +30,8 @@ class HotSPaConfig:
     """Ascending upper bounds in tokens; the last is ``--seq-length``."""
     strategies: list[Layout] | None = None
     """One layout per bucket (shortest first); ``None`` until ``auto`` has chosen."""
+    mode: str = "switch"
+    """``switch`` (any DP / TP / PP / CP per bucket) or ``dynamic-cp`` (only CP / DP vary)."""
     device: str | None = None
     """Device preset ``auto`` plans for (``--preflight-device``; the CUDA device by default)."""
 
@@ -62,18 +64,30 @@ def add_hotspa_args(parser: argparse.ArgumentParser) -> None:
         default=AUTO,
         metavar="LAYOUTS|auto",
         help="One layout per bucket, shortest first, separated by ';', each a product of "
-        "dp<N>, tp<N>, pp<N> (e.g. 'dp4;dp2tp2;tp2pp2'; a missing dp takes the remaining "
+        "dp<N>, tp<N>, pp<N>, cp<N> (e.g. 'dp4;dp2tp2;tp2cp2'; a missing dp takes the remaining "
         "processes; SP is on with TP > 1). 'auto' picks, per bucket, the fastest layout that "
         "fits device memory by the estimator's model, for --preflight-device (default: the CUDA "
         "device, or h100-80g on a machine without one).",
+    )
+
+    g.add_argument(
+        "--hotspa-mode",
+        choices=("switch", "dynamic-cp"),
+        default="switch",
+        help="switch: each bucket may use any DP × TP × PP × CP layout (weights re-sharded when "
+        "TP or PP differ from home); dynamic-cp: every bucket keeps home's TP and PP and only "
+        "the CP degree changes, so nothing is re-sharded. Layouts that differ from home only in "
+        "CP run on the home model in both modes.",
     )
 
 
 def validate_hotspa_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse what cannot run, before any work (explicit strategies are checked in full)."""
     if not args.hotspa:
-        if args.hotspa_buckets is not None or args.hotspa_strategies != AUTO:
-            raise HotSPaArgumentError("--hotspa-buckets / --hotspa-strategies need --hotspa")
+        if (args.hotspa_buckets is not None or args.hotspa_strategies != AUTO
+                or args.hotspa_mode != "switch"):  # fmt: skip
+            raise HotSPaArgumentError("--hotspa-buckets / --hotspa-strategies / --hotspa-mode "
+                                      "need --hotspa")  # fmt: skip
         return
     if not args.variable_seq_lengths:
         raise HotSPaArgumentError("--hotspa trains whole documents: add --variable-seq-lengths")
@@ -101,6 +115,14 @@ def validate_hotspa_args(args: argparse.Namespace, world_size: int) -> None:
         )
     for layout, bucket in zip(layouts, buckets):
         _check(layout, args, bucket)
+    home = layouts[-1]
+    if args.hotspa_mode == "dynamic-cp":
+        for layout in layouts:
+            if (layout.tp, layout.pp) != (home.tp, home.pp):
+                raise HotSPaArgumentError(
+                    f"--hotspa-mode dynamic-cp changes only CP: layout {layout.name} has other "
+                    f"TP / PP than home ({home.name})"
+                )
 
 
 def _buckets(args: argparse.Namespace) -> list[int]:
@@ -110,16 +132,9 @@ def _buckets(args: argparse.Namespace) -> list[int]:
 
 def _strategies(text: str, world_size: int) -> list[Layout]:
     try:
-        layouts = parse_strategies(text, world_size)
+        return parse_strategies(text, world_size)
     except LayoutError as err:
         raise HotSPaArgumentError(f"--hotspa-strategies: {err}") from None
-    for layout in layouts:
-        if layout.cp > 1:
-            raise HotSPaArgumentError(
-                f"--hotspa-strategies: layout {layout.name} uses CP, which packed rows do not "
-                "support yet; use dp / tp / pp"
-            )
-    return layouts
 
 
 class _Shape:
@@ -146,5 +161,6 @@ def hotspa_config_from_args(args: argparse.Namespace, world_size: int) -> HotSPa
     if args.hotspa_strategies.strip().lower() != AUTO:
         strategies = _strategies(args.hotspa_strategies, world_size)
     return HotSPaConfig(
-        enabled=True, buckets=_buckets(args), strategies=strategies, device=args.preflight_device
-    )
+        enabled=True, buckets=_buckets(args), strategies=strategies, mode=args.hotspa_mode,
+        device=args.preflight_device,
+    )  # fmt: skip

@@ -21,6 +21,7 @@ with different TP degrees add up correctly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from memo_ext.hotspa.switch import (
     local_tensors,
     merge_shards,
     ranks_per_node,
+    unwrap,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class LayoutRuntime:
     pgs: object
     model: torch.nn.Module
     is_home: bool
+    shares_home: bool = False
+    """Same TP and PP as home (only CP / DP differ): runs on the home model itself, with its
+    CP group swapped for the bucket (dynamic CP), so nothing is switched."""
     forward_backward: Callable = field(init=False)
     p2p: P2PCommunicator | None = field(init=False)
 
@@ -104,24 +109,31 @@ class HotSPaEngine:
         for layout in dict.fromkeys(self.layouts):  # distinct, in bucket order, on every rank
             if layout == self.home:
                 continue
-            config = layout_config(run.transformer, layout)
             pgs = build_process_groups(layout)
+            if (layout.tp, layout.pp) == (self.home.tp, self.home.pp):
+                self.runtimes[layout] = LayoutRuntime(
+                    layout=layout, config=run.transformer, pgs=pgs, model=home_model,
+                    is_home=False, shares_home=True,
+                )  # fmt: skip
+                continue
+            config = layout_config(run.transformer, layout)
             model = build_model(config=config, pg_collection=pgs)
             self.runtimes[layout] = LayoutRuntime(
                 layout=layout, config=config, pgs=pgs, model=model, is_home=False
             )
         rank = dist.get_rank()
         gated = bool(run.transformer.gated_linear_unit)
+        switched = [rt for rt in self.runtimes.values() if not rt.shares_home]
         local = {
             rt.layout.name: describe_shards(rt.model, rank=rank, tp=rt.layout.tp,
                                             tp_rank=rt.pgs.tp.rank(), gated=gated)
-            for rt in self.runtimes.values()
+            for rt in switched
         }  # fmt: skip
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
         self._shards = {
             rt.layout.name: merge_shards([per_rank[rt.layout.name] for per_rank in everyone])
-            for rt in self.runtimes.values()
+            for rt in switched
         }
         self._plans: dict[tuple[str, str], SwitchPlan] = {}
         self._rank, self._ranks_per_node = rank, ranks_per_node()
@@ -151,28 +163,32 @@ class HotSPaEngine:
             figures.bucket_rows[bucket.bucket] = bucket.rows
             figures.bucket_documents[bucket.bucket] = len(bucket.document_lengths)
             by_layout.setdefault(self.layouts[bucket.bucket], []).append(bucket)
-        order = sorted(by_layout, key=lambda lay: lay != self.home)  # home first
         pair = torch.zeros(2, dtype=torch.float64)
         home = self.runtimes[self.home]
-        for layout in order:
+        # the home model first (home and dynamic-CP layouts), one gradient reduction for all
+        on_home = [lay for lay in by_layout if self.runtimes[lay].model is home.model]
+        for layout in on_home:
+            for bucket in by_layout[layout]:
+                pair += self._run_bucket(self.runtimes[layout], bucket, forward_step)
+        if on_home:
+            finalize_model_grads([home.model], num_tokens=None, pg_collection=home.pgs)
+        for layout in (lay for lay in by_layout if lay not in on_home):
             rt = self.runtimes[layout]
-            if not rt.is_home:
-                figures.weight.add(
-                    self.plan(self.home, layout).run(local_tensors(home.model),
-                                                     local_tensors(rt.model))
-                )  # fmt: skip
-                rt.model.zero_grad_buffer()
+            figures.weight.add(
+                self.plan(self.home, layout).run(local_tensors(home.model),
+                                                 local_tensors(rt.model))
+            )  # fmt: skip
+            rt.model.zero_grad_buffer()
             for bucket in by_layout[layout]:
                 pair += self._run_bucket(rt, bucket, forward_step)
             finalize_model_grads([rt.model], num_tokens=None, pg_collection=rt.pgs)
-            if not rt.is_home:
-                figures.grad.add(
-                    self.plan(layout, self.home).run(
-                        local_tensors(rt.model, grads=True),
-                        local_tensors(home.model, grads=True),
-                        accumulate=True,
-                    )
+            figures.grad.add(
+                self.plan(layout, self.home).run(
+                    local_tensors(rt.model, grads=True),
+                    local_tensors(home.model, grads=True),
+                    accumulate=True,
                 )
+            )
         total = sum(b.labelled_tokens for b in buckets)
         if total:
             home.model.scale_gradients(1.0 / total)
@@ -180,7 +196,16 @@ class HotSPaEngine:
         return pair
 
     def _run_bucket(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> torch.Tensor:
-        losses = rt.forward_backward(
+        with cp_group_of(rt.model, rt.pgs.cp) if rt.shares_home else contextlib.nullcontext():
+            losses = self._schedule(rt, bucket, forward_step)
+        pair = torch.zeros(2, dtype=torch.float64)
+        if rt.reports_loss:
+            for record in losses:
+                pair += record["lm loss"].detach().double().cpu()
+        return pair
+
+    def _schedule(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> list:
+        return rt.forward_backward(
             forward_step_func=forward_step,
             data_iterator=iter(bucket.micro_batches),
             model=[rt.model],
@@ -191,11 +216,6 @@ class HotSPaEngine:
             p2p_communicator=rt.p2p,
             pg_collection=rt.pgs,
         )
-        pair = torch.zeros(2, dtype=torch.float64)
-        if rt.reports_loss:
-            for record in losses:
-                pair += record["lm loss"].detach().double().cpu()
-        return pair
 
     def step_metrics(self) -> dict:
         """The last step's figures for the metrics file (switch bytes are the job's)."""
@@ -209,6 +229,28 @@ class HotSPaEngine:
             "hotspa_switch_bytes_reused": f.weight.bytes_reused + f.grad.bytes_reused,
             "hotspa_switch_s": f.weight.seconds + f.grad.seconds,
         }
+
+
+@contextlib.contextmanager
+def cp_group_of(model: torch.nn.Module, group):
+    """Run ``model`` with another CP group: every module's ``cp_group`` and every process-group
+    collection's ``cp`` point at ``group`` inside the block (megatron-core's modules read them
+    at call time; ours too)."""
+    saved, seen = [], set()
+    for module in unwrap(model).modules():
+        if hasattr(module, "cp_group"):
+            saved.append((module, "cp_group", module.cp_group))
+        pgs = getattr(module, "pg_collection", None)
+        if pgs is not None and id(pgs) not in seen and hasattr(pgs, "cp"):
+            seen.add(id(pgs))
+            saved.append((pgs, "cp", pgs.cp))
+    try:
+        for obj, attr, _ in saved:
+            setattr(obj, attr, group)
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
 
 
 def format_hotspa_metrics(metrics: dict) -> str:

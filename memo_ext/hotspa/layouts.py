@@ -127,8 +127,13 @@ def check_layout(layout: Layout, *, config, bucket_length: int) -> None:
         (groups, layout.tp, "query groups", "TP"),
         (config.ffn_hidden_size, layout.tp, "FFN width", "TP"),
         (config.num_layers, layout.pp, "layers", "PP"),
-        (bucket_length, layout.tp if layout.sp else 1, "bucket length", "TP (sequence parallel)"),
         (bucket_length, 2 * layout.cp, "bucket length", "2 × CP"),
+        (
+            bucket_length // layout.cp,
+            layout.tp if layout.sp else 1,
+            "bucket length / CP",
+            "TP (sequence parallel)",
+        ),
     ]
     for value, divisor, what, by in needs:
         if value % divisor:

@@ -144,7 +144,7 @@ def _choose_hotspa_layouts(run: RunConfig, tokenizer) -> None:
         run.model.vocab_size = tokenizer.vocab_size
         choices = auto.choose_strategies(
             model=run_model_shape(run), device=device, bounds=hot.buckets, rows=rows,
-            world_size=run.world_size,
+            world_size=run.world_size, mode=hot.mode,
         )  # fmt: skip
         hot.strategies = [c.layout for c in choices]
         if _is_logging_process():
@@ -336,10 +336,11 @@ def _packed_batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: T
         )  # fmt: skip
     from memo_ext.hotspa.batches import packed_step_batches
 
+    cp = run.transformer.context_parallel_size
     return packed_step_batches(
         source, global_batch_size=run.train.global_batch_size, seq_length=run.data.seq_length,
         seed=run.train.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-        consumed_documents=progress.consumed_samples,
+        consumed_documents=progress.consumed_samples, pad_multiple=2 * cp if cp > 1 else 1,
     )  # fmt: skip
 
 
