@@ -166,7 +166,12 @@ def _choices_given_home(
     home, home_est, per_bucket, bounds, rows, *, usable, device, world_size, dynamic_cp_only
 ):
     choices = []
+    last = len(per_bucket) - 1
     for b, options in enumerate(per_bucket):
+        if b == last:  # the longest bucket defines home
+            peak = home_est.device_peak_bytes
+            choices.append(BucketChoice(bounds[b], rows[b], home, home_est.step_time_s, 0.0, peak))
+            continue
         fitting = []
         for layout, est in options:
             if dynamic_cp_only and not shares_home(layout, home):

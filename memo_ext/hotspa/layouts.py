@@ -127,7 +127,7 @@ def check_layout(layout: Layout, *, config, bucket_length: int) -> None:
         (groups, layout.tp, "query groups", "TP"),
         (config.ffn_hidden_size, layout.tp, "FFN width", "TP"),
         (config.num_layers, layout.pp, "layers", "PP"),
-        (bucket_length, 2 * layout.cp, "bucket length", "2 × CP"),
+        (bucket_length, 2 * layout.cp if layout.cp > 1 else 1, "bucket length", "2 × CP"),
         (
             bucket_length // layout.cp,
             layout.tp if layout.sp else 1,

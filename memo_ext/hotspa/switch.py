@@ -143,7 +143,7 @@ class SwitchPlan:
                 flat = inboxes[peer][offset : offset + piece.numel]
                 _write(dst, piece, flat.view(target.shape), accumulate)
                 offset += piece.numel
-        element = torch.finfo(dtype).bits // 8
+        element = torch.empty(0, dtype=dtype).element_size()
         sent = sum(p.numel for pieces in self.sends.values() for p in pieces)
         return SwitchStats(
             bytes_sent=sent * element,
@@ -242,7 +242,8 @@ def _pieces(name, holders, shard, start, length, local_start, load, ranks_per_no
         if not covering:
             raise ValueError(f"{name}: no source process holds [{lo}, {hi})")
         src, src_start = _choose_sender(covering, shard.rank, load, ranks_per_node)
-        load[src] += (hi - lo) * shard.inner
+        if src != shard.rank:  # only sends count: copies from a process's own shards are free
+            load[src] += (hi - lo) * shard.inner
         yield Piece(name, src, shard.rank, shard.dim, src_start, local_start + lo - start,
                     hi - lo, shard.inner)  # fmt: skip
 

@@ -1,0 +1,147 @@
+"""--hotspa through the trainer: every bucket / layout mix trains exactly like one process.
+
+The corpus has long-tailed document lengths (a Pareto draw), preprocessed as users do it
+(``tools/preprocess_data.py --tokenizer-type ByteTokenizer --append-eod``). The reference is one
+process with ``--variable-seq-lengths`` and no HotSPa: the loss is the mean over every real token
+of the global batch, so regrouping the documents into buckets, rows and layouts cannot change
+it, and the gradient norm checks the gradients that the switches carry back to home.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.launch import ROOT, assert_same_curves, run_pretrain
+
+pytestmark = pytest.mark.dist
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--micro-batch-size", "1", "--lr", "2e-3",
+    "--tokenizer-type", "ByteTokenizer", "--variable-seq-lengths", "--seed", "3",
+]  # fmt: skip
+BUCKETS = ["--hotspa", "--hotspa-buckets", "32,64,128"]
+
+
+def preprocess(tmp_path, texts: list[str], name: str) -> str:
+    corpus = tmp_path / f"{name}.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prefix = tmp_path / name
+    cmd = [sys.executable, "-m", "tools.preprocess_data", "--input", str(corpus),
+           "--output-prefix", str(prefix), "--tokenizer-type", "ByteTokenizer", "--append-eod",
+           "--no-progress"]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    return f"{prefix}_text_document"
+
+
+def pareto_texts(n: int, *, seed: int) -> list[str]:
+    """Documents whose lengths follow a Pareto tail: mostly short, a few up to 300 bytes."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(300, (6 * (1 + rng.pareto(1.2, size=n))).astype(int))
+    letters = np.array(list("abcdefgh ij"))
+    return ["".join(rng.choice(letters, size=k)) for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return preprocess(tmp_path_factory.mktemp("hotspa"), pareto_texts(96, seed=0), "pareto")
+
+
+def train_args(data: str, *, iters: int = 3, gbs: int = 8) -> list[str]:
+    return MODEL + ["--data-path", data, "--seq-length", "128", "--global-batch-size", str(gbs),
+                    "--train-iters", str(iters)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    return run_pretrain(train_args(corpus), nproc=1, workdir=tmp_path_factory.mktemp("r"),
+                        name="one")  # fmt: skip
+
+
+def test_auto_strategies_on_four_processes_match_one_process(corpus, reference, tmp_path):
+    curves = run_pretrain(train_args(corpus) + BUCKETS + ["--hotspa-strategies", "auto"],
+                          nproc=4, workdir=tmp_path, name="auto")  # fmt: skip
+    assert_same_curves(reference, curves, rtol=1e-4)
+    rows = [r["hotspa_bucket_rows"] for r in curves]
+    assert all(len(r) == 3 for r in rows) and sum(map(sum, rows)) > 0
+
+
+@pytest.mark.parametrize(
+    "strategies, nproc",
+    [
+        ("dp4;dp2tp2;tp2pp2", 4),  # DP -> TP -> TP × PP home: weights and gradients switched
+        ("dp4;dp2cp2;cp2tp2", 4),  # CP enters, with TP at home
+        ("cp2tp2;dp4;dp2pp2", 4),  # the short bucket in the most model-parallel layout
+        ("dp2;tp2;pp2", 2),
+    ],
+)
+def test_switching_layouts_match_one_process(corpus, reference, tmp_path, strategies, nproc):
+    curves = run_pretrain(train_args(corpus) + BUCKETS + ["--hotspa-strategies", strategies],
+                          nproc=nproc, workdir=tmp_path, name="mix")  # fmt: skip
+    assert_same_curves(reference, curves, rtol=1e-4)
+    moved = sum(r["hotspa_weight_switch_bytes"] + r["hotspa_grad_switch_bytes"] for r in curves)
+    assert moved > 0, "these layouts differ in TP or PP: something must move"
+
+
+def test_dynamic_cp_moves_nothing(corpus, reference, tmp_path):
+    curves = run_pretrain(
+        train_args(corpus) + BUCKETS
+        + ["--hotspa-mode", "dynamic-cp", "--hotspa-strategies", "dp4;dp2cp2;cp4"],
+        nproc=4, workdir=tmp_path, name="dyncp",
+    )  # fmt: skip
+    assert_same_curves(reference, curves, rtol=1e-4)
+    for record in curves:
+        assert record["hotspa_weight_switch_bytes"] == record["hotspa_grad_switch_bytes"] == 0
+        assert record["hotspa_switch_bytes_reused"] == 0
+
+
+def sharded_elements(*, hidden: int, heads: int, groups: int, ffn: int, layers: int, vocab: int):
+    """Elements of the tensor-parallel parameters of the MODEL above (swiglu, biases, GQA)."""
+    head_dim = hidden // heads
+    qkv = (heads + 2 * groups) * head_dim
+    per_layer = (
+        qkv * hidden + qkv  # linear_qkv weight and bias (column-parallel)
+        + hidden * hidden  # linear_proj weight (row-parallel; its bias is replicated)
+        + 2 * ffn * hidden + 2 * ffn  # linear_fc1 weight and bias, gate and up halves
+        + hidden * ffn  # linear_fc2 weight (row-parallel; its bias is replicated)
+    )  # fmt: skip
+    return layers * per_layer + vocab * hidden  # + the tied vocab-parallel embedding
+
+
+def test_switch_moves_the_hand_counted_bytes(corpus, tmp_path):
+    """Home DP2, short bucket TP2. Weights home -> TP2: each rank keeps its half, nothing moves.
+    Gradients TP2 -> home: each rank holds its complete half and receives the other one, so
+    the job moves every TP-sharded element once (fp32); replicated ones are reused in place."""
+    curves = run_pretrain(
+        train_args(corpus) + ["--hotspa", "--hotspa-buckets", "64,128",
+                              "--hotspa-strategies", "tp2;dp2"],
+        nproc=2, workdir=tmp_path, name="bytes",
+    )  # fmt: skip
+    vocab = 384  # 257 byte tokens padded to a multiple of lcm(128, TP 2)
+    expected = 4 * sharded_elements(hidden=32, heads=4, groups=2, ffn=128, layers=2, vocab=vocab)
+    switched = [r for r in curves if r["hotspa_bucket_rows"][0] > 0]
+    assert switched, "no step had a document in the short bucket"
+    for record in switched:
+        assert record["hotspa_weight_switch_bytes"] == 0
+        assert record["hotspa_grad_switch_bytes"] == expected
+
+
+def test_single_document_bucket_and_empty_bucket(tmp_path):
+    """Four documents, every step all of them: the long bucket holds exactly one document and
+    the middle bucket none, on every step."""
+    texts = ["x" * 9, "yy" * 7, "z" * 20, "w" * 110]  # with the end-of-document token: 10..111
+    data = preprocess(tmp_path, texts, "four")
+    args = train_args(data, iters=3, gbs=4)
+    reference = run_pretrain(args, nproc=1, workdir=tmp_path, name="ref")
+    curves = run_pretrain(args + BUCKETS + ["--hotspa-strategies", "dp4;tp2pp2;cp2tp2"],
+                          nproc=4, workdir=tmp_path, name="hot")  # fmt: skip
+    assert_same_curves(reference, curves, rtol=1e-4)
+    for record in curves:
+        assert record["hotspa_bucket_documents"] == [3, 0, 1]
+        assert record["hotspa_bucket_rows"] == [2, 0, 1]
