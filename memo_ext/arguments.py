@@ -531,12 +531,11 @@ def _check_data(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _check_variable_lengths(args: argparse.Namespace, world_size: int) -> None:
-    """Packed rows are tested with DP and TP only so far; refuse what is not."""
+    """Packed rows run under DP, TP, PP and CP; refuse what they do not support."""
     if not args.variable_seq_lengths:
         return
     unsupported = {
         "--micro-batch-size > 1 (a packed row is one micro-batch)": args.micro_batch_size != 1,
-        "--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
         "--memo": getattr(args, "memo", False),
         "--eval-interval": bool(args.eval_interval),
         "a blend of several --data-path prefixes": len(args.data_path) > 1,

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.dist
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "36", "--num-attention-heads", "6",
-    "--num-query-groups", "2", "--seq-length", "50", "--micro-batch-size", "1",
+    "--num-query-groups", "2", "--seq-length", "52", "--micro-batch-size", "1",
     "--global-batch-size", "6", "--train-iters", "4", "--lr", "2e-3", "--mock-data",
     "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
     "--variable-seq-lengths", "--seed", "5",
@@ -24,12 +24,17 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
-    ids=["dp2", "tp2-sp"],
+    [
+        [],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--context-parallel-size", "2"],
+        ["--pipeline-model-parallel-size", "2"],
+    ],
+    ids=["dp2", "tp2-sp", "cp2", "pp2"],
 )
 def test_packed_documents_match_one_process(reference, tmp_path, flags):
     curves = run_pretrain(ARGS + flags, nproc=2, workdir=tmp_path, name="two")
-    # rows are dealt to DP ranks or split over TP: fp32 summation order only
+    # rows are dealt to DP ranks or split over TP / CP / PP: fp32 summation order only
     assert_same_curves(reference, curves, rtol=1e-5)
 
 

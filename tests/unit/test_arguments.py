@@ -13,6 +13,9 @@ BASE = [
 ]  # fmt: skip
 
 
+HOT = ["--hotspa", "--variable-seq-lengths", "--micro-batch-size", "1"]
+
+
 def parse(*extra: str, world_size: int = 1):
     return parse_args([*BASE, *extra], world_size=world_size)
 
@@ -64,8 +67,18 @@ def test_sequence_parallel_is_dropped_without_tp():
         (["--vocab-size", "300"], 1, "ByteTokenizer has 257 tokens"),
         (["--tokenizer-type", "NullTokenizer"], 1, "needs --vocab-size"),
         (["--variable-seq-lengths"], 1, "does not support --micro-batch-size > 1"),
-        (["--variable-seq-lengths", "--micro-batch-size", "1", "--context-parallel-size", "2"],
-         2, "does not support --context-parallel-size > 1"),
+        (["--hotspa"], 1, "add --variable-seq-lengths"),
+        (["--hotspa-buckets", "64,128"], 1, "need --hotspa"),
+        (HOT + ["--tensor-model-parallel-size", "2"], 2, "drop --tensor-model-parallel-size"),
+        (HOT + ["--hotspa-buckets", "64,100"], 2, "must equal --seq-length (128)"),
+        (HOT + ["--hotspa-buckets", "64,32,128"], 2, "strictly ascending"),
+        (HOT + ["--hotspa-buckets", "64,128", "--hotspa-strategies", "dp2"], 2,
+         "gives 1 layouts for 2 buckets"),
+        (HOT + ["--hotspa-strategies", "dp4"], 2, "uses 4 processes but the job has 2"),
+        (HOT + ["--hotspa-strategies", "tp3"], 3, "attention heads (8) not divisible by TP (3)"),
+        (HOT + ["--hotspa-strategies", "dp2x"], 2, "not a product of dp<N>"),
+        (HOT + ["--hotspa-buckets", "64,128", "--hotspa-strategies", "dp4;cp2tp2", "--hotspa-mode",
+                "dynamic-cp"], 4, "other TP / PP than home"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "127",
           "--max-position-embeddings", "128"], 2, "divisible by TP = 2"),
     ],
@@ -75,6 +88,16 @@ def test_invalid_combinations_fail_with_one_sentence(extra, world_size, message)
         parse(*extra, world_size=world_size)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_hotspa_flags_reach_the_run_config():
+    run = parse(*HOT, "--hotspa-buckets", "32,64,128", "--hotspa-strategies", "dp4;dp2tp2;cp2tp2",
+                world_size=4)  # fmt: skip
+    hot = run.hotspa
+    assert hot.enabled and hot.buckets == [32, 64, 128] and hot.mode == "switch"
+    assert [layout.name for layout in hot.strategies] == ["dp4", "dp2tp2", "dp1tp2cp2"]
+    assert hot.home.tp == 2 and hot.home.cp == 2
+    assert parse(*HOT, world_size=2).hotspa.strategies is None  # auto: chosen at start
 
 
 def test_data_source_is_required_and_exclusive(tmp_path):
