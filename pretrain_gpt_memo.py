@@ -22,6 +22,8 @@ import warnings
 # local paths it falls back to are the ones this project uses on CPU
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
 warnings.filterwarnings("ignore", message=r".*tp_group is None, using default tp group")
+# the estimator's traced configs (HotSPa auto, preflight) trip a cosmetic megatron deprecation
+warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from memo_ext.arguments import ArgumentError, parse_args  # noqa: E402
 
@@ -43,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 2
     from memo_ext.estimate.preflight import PreflightError
+    from memo_ext.hotspa.auto import StrategyError
     from memo_ext.training.checkpointing import CheckpointError
     from memo_ext.training.loop import TrainingDiverged, train
 
     try:
         summary = train(run)
-    except PreflightError as err:
+    except (PreflightError, StrategyError) as err:
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged) as err:

@@ -120,6 +120,8 @@ class Estimate:
     compute_s: float
     exposed_comm_s: float
     exposed_host_copy_s: float
+    grad_sync_s: float
+    """The gradient all-reduce over DP × CP (part of ``exposed_comm_s``)."""
     layer_forward_s: float
     """One layer's forward (compute + TP communication): what MEMO's copy must hide under."""
     recompute_flops: float
@@ -475,6 +477,7 @@ def estimate(
         compute_s=slots * stage.compute_s,
         exposed_comm_s=slots * stage.comm_s + dp_s,
         exposed_host_copy_s=slots * stage.copy_s,
+        grad_sync_s=dp_s,
         layer_forward_s=plain_time.forward_s,
         recompute_flops=float(recompute * layout.num_microbatches),
         fits_device=peak <= usable,

@@ -50,10 +50,21 @@ class BucketChoice:
     """Expected rows per step."""
     layout: Layout
     compute_s: float
-    """Predicted time of the bucket's forward / backward and gradient reduction."""
+    """Predicted forward / backward time of the bucket's rows."""
+    sync_s: float
+    """Its own gradient all-reduce (0 on the home model, which reduces once for all)."""
     switch_s: float
-    """Predicted weight + gradient switch time (0 in the home layout)."""
+    """Predicted weight + gradient switch time (0 on the home model)."""
     peak_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.sync_s + self.switch_s
+
+
+def predicted_step_s(choices: Sequence[BucketChoice], *, home_sync_s: float) -> float:
+    """Predicted step: every bucket that has rows, plus one gradient reduction on home."""
+    return sum(c.total_s for c in choices if c.rows > 0) + home_sync_s
 
 
 def expected_rows(
@@ -142,8 +153,8 @@ def choose_strategies(
             except EstimateError:
                 continue
         if not options:
-            raise StrategyError(f"no DP × TP × PP layout of {world_size} processes can run the "
-                                f"{length}-token bucket of {model.name}")  # fmt: skip
+            raise StrategyError(f"no DP × TP × PP × CP layout of {world_size} processes can run "
+                                f"the {length}-token bucket of {model.name}")  # fmt: skip
         per_bucket.append(options)
     best: tuple[float, list[BucketChoice]] | None = None
     for home, home_est in per_bucket[-1]:
@@ -154,12 +165,43 @@ def choose_strategies(
                                       dynamic_cp_only=mode == "dynamic-cp")  # fmt: skip
         if choices is None:
             continue
-        total = sum(c.compute_s + c.switch_s for c in choices if c.rows > 0)
+        total = predicted_step_s(choices, home_sync_s=home_est.grad_sync_s)
         if best is None or total < best[0]:
             best = (total, choices)
     if best is None:
         raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
     return best[1]
+
+
+def evaluate_strategies(
+    *,
+    model: ModelShape,
+    device: DeviceSpec,
+    bounds: Sequence[int],
+    rows: Sequence[float],
+    layouts: Sequence[Layout],
+    efficiency: Efficiency | None = None,
+) -> list[BucketChoice]:
+    """Predicted cost of given layouts (the last is home); refuses a bucket that cannot fit."""
+    eff = efficiency or Efficiency()
+    usable = int(device.memory_bytes * (1 - eff.headroom))
+    per_bucket = []
+    for length, n, layout in zip(bounds, rows, layouts):
+        try:
+            per_bucket.append([(layout, _estimate(model, device, layout, length=length, rows=n,
+                                                  eff=eff))])  # fmt: skip
+        except EstimateError as err:
+            raise StrategyError(f"layout {layout.name}, {length}-token bucket: {err}") from None
+    home, home_est = per_bucket[-1][0]
+    world_size = home.world_size
+    choices = None
+    if home_est.device_peak_bytes <= usable:
+        choices = _choices_given_home(home, home_est, per_bucket, bounds, rows, usable=usable,
+                                      device=device, world_size=world_size,
+                                      dynamic_cp_only=False)  # fmt: skip
+    if choices is None:
+        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
+    return choices
 
 
 def _choices_given_home(
@@ -169,8 +211,8 @@ def _choices_given_home(
     last = len(per_bucket) - 1
     for b, options in enumerate(per_bucket):
         if b == last:  # the longest bucket defines home
-            peak = home_est.device_peak_bytes
-            choices.append(BucketChoice(bounds[b], rows[b], home, home_est.step_time_s, 0.0, peak))
+            choices.append(_choice(bounds[b], rows[b], home, home_est, home_est.device_peak_bytes,
+                                   on_home=True, switch_s=0.0))  # fmt: skip
             continue
         fitting = []
         for layout, est in options:
@@ -178,14 +220,15 @@ def _choices_given_home(
                 continue
             peak = est.device_peak_bytes
             switch = 0.0
-            if not shares_home(layout, home):
+            on_home = shares_home(layout, home)
+            if not on_home:
                 # home's model states stay; this layout adds its working copy and activations
                 peak += home_est.model_state_bytes - est.model_state_bytes
                 peak += est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM
                 switch = _switch_s(est, device, world_size)
             if peak <= usable:
-                choice = BucketChoice(bounds[b], rows[b], layout, est.step_time_s, switch, peak)
-                fitting.append(choice)
+                fitting.append(_choice(bounds[b], rows[b], layout, est, peak, on_home=on_home,
+                                       switch_s=switch))  # fmt: skip
         if not fitting:
             return None
         if rows[b] == 0:  # never seen: keep it at home, nothing to switch
@@ -193,9 +236,14 @@ def _choices_given_home(
             if home_choice:
                 choices.append(home_choice[0])
                 continue
-        choices.append(min(fitting, key=lambda c: (c.compute_s + c.switch_s, c.layout.tp,
-                                                    c.layout.pp)))  # fmt: skip
+        choices.append(min(fitting, key=lambda c: (c.total_s, c.layout.tp, c.layout.pp)))
     return choices
+
+
+def _choice(length, rows, layout, est: Estimate, peak, *, on_home: bool, switch_s: float):
+    compute = est.step_time_s - est.grad_sync_s
+    return BucketChoice(length, rows, layout, compute, 0.0 if on_home else est.grad_sync_s,
+                        switch_s, peak)  # fmt: skip
 
 
 def _nothing_fits(per_bucket, bounds, usable, device) -> str:
@@ -203,10 +251,11 @@ def _nothing_fits(per_bucket, bounds, usable, device) -> str:
     for b, options in enumerate(per_bucket):
         smallest = min(est.device_peak_bytes for _, est in options)
         if smallest > usable:
+            which = f"layout {options[0][0].name}" if len(options) == 1 else "any layout"
             return (
-                f"the {bounds[b]}-token bucket fits no layout on {device.name}: the smallest "
+                f"the {bounds[b]}-token bucket does not fit {which} on {device.name}: the "
                 f"estimated peak is {smallest / gib:.1f} GiB of {usable / gib:.1f} GiB usable; "
-                "use shorter buckets / --seq-length or more processes"
+                "use shorter buckets / --seq-length, more processes or other layouts"
             )
     return (f"no home layout leaves room for every bucket's working copy on {device.name}; "
             "give --hotspa-strategies by hand or shorten the buckets")  # fmt: skip
@@ -218,7 +267,8 @@ def describe(choices: Sequence[BucketChoice]) -> str:
     for c in choices:
         lines.append(
             f"≤{c.length} tokens: {c.rows:.1f} rows/step → {c.layout.name} "
-            f"(predicted {c.compute_s * 1e3:.3g} ms + switch {c.switch_s * 1e3:.3g} ms, "
+            f"(predicted {(c.compute_s + c.sync_s) * 1e3:.3g} ms + switch "
+            f"{c.switch_s * 1e3:.3g} ms, "
             f"peak {c.peak_bytes / 2**30:.3g} GiB)"
         )
     return "\n".join(lines)

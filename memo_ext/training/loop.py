@@ -128,28 +128,39 @@ def _choose_hotspa_layouts(run: RunConfig, tokenizer) -> None:
     Runs before any process group exists; every rank reaches the same choice from the same
     flags and data.
     """
+    from memo_ext.estimate.preflight import cuda_device_spec, run_model_shape
+    from memo_ext.estimate.presets import DEVICES, device_spec
     from memo_ext.hotspa import auto
 
     hot = run.hotspa
+    device = device_spec(hot.device) if hot.device else cuda_device_spec()
+    if device is None and hot.strategies is not None:
+        return _set_home(run)  # nothing to check the given layouts against
+    device = device or DEVICES["h100-80g"]
+    rows = auto.expected_rows(
+        _document_source(run, tokenizer), bounds=hot.buckets,
+        global_batch_size=run.train.global_batch_size, seed=run.train.seed,
+    )  # fmt: skip
+    run.model.vocab_size = tokenizer.vocab_size
+    shape = run_model_shape(run)
     if hot.strategies is None:
-        from memo_ext.estimate.preflight import cuda_device_spec, run_model_shape
-        from memo_ext.estimate.presets import DEVICES, device_spec
-
-        device = device_spec(hot.device) if hot.device else cuda_device_spec()
-        device = device or DEVICES["h100-80g"]
-        rows = auto.expected_rows(
-            _document_source(run, tokenizer), bounds=hot.buckets,
-            global_batch_size=run.train.global_batch_size, seed=run.train.seed,
-        )  # fmt: skip
-        run.model.vocab_size = tokenizer.vocab_size
         choices = auto.choose_strategies(
-            model=run_model_shape(run), device=device, bounds=hot.buckets, rows=rows,
+            model=shape, device=device, bounds=hot.buckets, rows=rows,
             world_size=run.world_size, mode=hot.mode,
         )  # fmt: skip
         hot.strategies = [c.layout for c in choices]
-        if _is_logging_process():
-            logger.info("HotSPa layouts chosen for %s:\n%s", device.name, auto.describe(choices))
-    home = hot.home
+    else:
+        choices = auto.evaluate_strategies(
+            model=shape, device=device, bounds=hot.buckets, rows=rows, layouts=hot.strategies
+        )
+    if _is_logging_process():
+        logger.info("HotSPa layouts, predicted for %s:\n%s", device.name, auto.describe(choices))
+    _set_home(run)
+
+
+def _set_home(run: RunConfig) -> None:
+    """The home layout (the longest bucket's) becomes megatron's global one."""
+    home = run.hotspa.home
     t = run.transformer
     t.tensor_model_parallel_size, t.pipeline_model_parallel_size = home.tp, home.pp
     t.context_parallel_size, t.sequence_parallel = home.cp, home.sp
