@@ -75,6 +75,9 @@ class Efficiency:
     """Fraction of device memory kept free."""
     host_share: float = DEFAULT_HOST_SHARE
     """Fraction of host memory MEMO may use."""
+    attention_fraction: float = 1.0
+    """Share of a row's causal ``s × s`` attention products really computed: 1 for one
+    sequence per row; ``Σ len_i² / s²`` for packed documents that attend only to themselves."""
     loss_chunks: int = 1
     """Sequence slices the output layer and loss run in (the trainer's ``--loss-chunks``): 1 is
     megatron's vocab-parallel cross entropy on the whole sequence; ``k`` divides that end's
@@ -263,7 +266,7 @@ def _seconds(flops_matmul, flops_attention, *, device, eff, cp) -> tuple[float, 
     peak = device.peak_tflops * 1e12
     # counted attention products are full s_q x s_k on the local s/cp tokens; under CP each local
     # query attends to cp times more keys (load-balanced), and a causal kernel does half
-    attention = flops_attention * cp * CAUSAL_FRACTION
+    attention = flops_attention * cp * CAUSAL_FRACTION * eff.attention_fraction
     return flops_matmul / (peak * eff.matmul), attention / (peak * eff.attention)
 
 

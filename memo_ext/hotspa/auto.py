@@ -18,15 +18,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memo_ext.estimate.model import Efficiency, Estimate, EstimateError, estimate
 from memo_ext.estimate.model import Layout as EstimatorLayout
 from memo_ext.estimate.presets import DeviceSpec, ModelShape
-from memo_ext.hotspa.buckets import assign_buckets
+from memo_ext.hotspa.buckets import bucket_rows
 from memo_ext.hotspa.documents import DocumentSource, global_batches
 from memo_ext.hotspa.layouts import Layout, LayoutError, check_layout
-from memo_ext.hotspa.packing import first_fit_decreasing
 
 logger = logging.getLogger(__name__)
 
@@ -67,26 +66,68 @@ def predicted_step_s(choices: Sequence[BucketChoice], *, home_sync_s: float) -> 
     return sum(c.total_s for c in choices if c.rows > 0) + home_sync_s
 
 
-def expected_rows(
+@dataclass(frozen=True)
+class StrategyPlan:
+    """One layout per bucket (the last is home) and the predicted cost of a step."""
+
+    choices: list[BucketChoice]
+    home_sync_s: float
+    """The home model's gradient reduction, once per step."""
+
+    @property
+    def layouts(self) -> list[Layout]:
+        return [c.layout for c in self.choices]
+
+    @property
+    def step_s(self) -> float:
+        return predicted_step_s(self.choices, home_sync_s=self.home_sync_s)
+
+    @property
+    def switch_s(self) -> float:
+        return sum(c.switch_s for c in self.choices if c.rows > 0)
+
+
+@dataclass(frozen=True)
+class BucketStats:
+    """What one bucket holds per step, on average over the sampled global batches."""
+
+    rows: float
+    """Packed rows per step."""
+    attention_fraction: float
+    """``Σ len² / length²`` over its rows' documents, per row: the share of a full causal
+    row's attention that packed documents compute (1 when a document fills the row)."""
+
+
+def bucket_statistics(
     source: DocumentSource,
     *,
     bounds: Sequence[int],
     global_batch_size: int,
     seed: int,
     steps: int = SAMPLED_STEPS,
-) -> list[float]:
-    """Mean packed rows per bucket over the first ``steps`` global batches of the run."""
-    totals = [0] * len(bounds)
+    backfill: bool = True,
+) -> list[BucketStats]:
+    """Rows and attention share per bucket over the first ``steps`` global batches of the run,
+    packed as the trainer packs them (``memo_ext.hotspa.buckets.bucket_rows``, CP = 1)."""
+    rows = [0] * len(bounds)
+    squares = [0.0] * len(bounds)
     batches = global_batches(
         source, global_batch_size=global_batch_size, seq_length=bounds[-1], seed=seed
     )
     for _, documents in zip(range(steps), batches):
         lengths = [len(d) for d in documents]
-        for b, members in enumerate(assign_buckets(lengths, bounds)):
-            if members:
-                rows = first_fit_decreasing([lengths[i] for i in members], row_tokens=bounds[b])
-                totals[b] += len(rows)
-    return [t / steps for t in totals]
+        for b, groups in enumerate(bucket_rows(lengths, bounds, backfill=backfill)):
+            rows[b] += len(groups)
+            squares[b] += sum(lengths[i] ** 2 for g in groups for i in g) / bounds[b] ** 2
+    return [
+        BucketStats(rows=r / steps, attention_fraction=(sq / r if r else 1.0))
+        for r, sq in zip(rows, squares)
+    ]
+
+
+def expected_rows(source: DocumentSource, **kwargs) -> list[float]:
+    """Mean packed rows per bucket and step (see :func:`bucket_statistics`)."""
+    return [stats.rows for stats in bucket_statistics(source, **kwargs)]
 
 
 def candidate_layouts(model: ModelShape, *, world_size: int, gpus_per_node: int, length: int):
@@ -134,15 +175,22 @@ def choose_strategies(
     rows: Sequence[float],
     world_size: int,
     mode: str = "switch",
+    attention_fractions: Sequence[float] | None = None,
     efficiency: Efficiency | None = None,
-) -> list[BucketChoice]:
-    """The fastest fitting layout per bucket (see the module docstring)."""
+) -> StrategyPlan:
+    """The fastest fitting layout per bucket (see the module docstring).
+
+    ``attention_fractions`` (per bucket, from :func:`bucket_statistics`) price packed rows'
+    attention by their documents; by default every row is priced as one full sequence.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    eff = efficiency or Efficiency()
-    usable = int(device.memory_bytes * (1 - eff.headroom))
+    base = efficiency or Efficiency()
+    usable = int(device.memory_bytes * (1 - base.headroom))
+    fractions = attention_fractions or [1.0] * len(bounds)
     per_bucket: list[list[tuple[Layout, Estimate]]] = []
-    for length, n in zip(bounds, rows):
+    for length, n, fraction in zip(bounds, rows, fractions):
+        eff = replace(base, attention_fraction=fraction)
         options = []
         for layout in candidate_layouts(
             model, world_size=world_size, gpus_per_node=device.gpus_per_node, length=length
@@ -156,7 +204,7 @@ def choose_strategies(
             raise StrategyError(f"no DP × TP × PP × CP layout of {world_size} processes can run "
                                 f"the {length}-token bucket of {model.name}")  # fmt: skip
         per_bucket.append(options)
-    best: tuple[float, list[BucketChoice]] | None = None
+    best: StrategyPlan | None = None
     for home, home_est in per_bucket[-1]:
         if home_est.device_peak_bytes > usable:
             continue
@@ -165,12 +213,12 @@ def choose_strategies(
                                       dynamic_cp_only=mode == "dynamic-cp")  # fmt: skip
         if choices is None:
             continue
-        total = predicted_step_s(choices, home_sync_s=home_est.grad_sync_s)
-        if best is None or total < best[0]:
-            best = (total, choices)
+        plan = StrategyPlan(choices, home_est.grad_sync_s)
+        if best is None or plan.step_s < best.step_s:
+            best = plan
     if best is None:
         raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
-    return best[1]
+    return best
 
 
 def evaluate_strategies(
@@ -180,13 +228,16 @@ def evaluate_strategies(
     bounds: Sequence[int],
     rows: Sequence[float],
     layouts: Sequence[Layout],
+    attention_fractions: Sequence[float] | None = None,
     efficiency: Efficiency | None = None,
-) -> list[BucketChoice]:
+) -> StrategyPlan:
     """Predicted cost of given layouts (the last is home); refuses a bucket that cannot fit."""
-    eff = efficiency or Efficiency()
-    usable = int(device.memory_bytes * (1 - eff.headroom))
+    base = efficiency or Efficiency()
+    usable = int(device.memory_bytes * (1 - base.headroom))
+    fractions = attention_fractions or [1.0] * len(bounds)
     per_bucket = []
-    for length, n, layout in zip(bounds, rows, layouts):
+    for length, n, layout, fraction in zip(bounds, rows, layouts, fractions):
+        eff = replace(base, attention_fraction=fraction)
         try:
             per_bucket.append([(layout, _estimate(model, device, layout, length=length, rows=n,
                                                   eff=eff))])  # fmt: skip
@@ -201,7 +252,7 @@ def evaluate_strategies(
                                       dynamic_cp_only=False)  # fmt: skip
     if choices is None:
         raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
-    return choices
+    return StrategyPlan(choices, home_est.grad_sync_s)
 
 
 def _choices_given_home(
@@ -261,14 +312,19 @@ def _nothing_fits(per_bucket, bounds, usable, device) -> str:
             "give --hotspa-strategies by hand or shorten the buckets")  # fmt: skip
 
 
-def describe(choices: Sequence[BucketChoice]) -> str:
-    """One line per bucket for the log."""
+def describe(plan: StrategyPlan) -> str:
+    """One line per bucket, and the step, for the log."""
     lines = []
-    for c in choices:
+    for c in plan.choices:
         lines.append(
             f"≤{c.length} tokens: {c.rows:.1f} rows/step → {c.layout.name} "
             f"(predicted {(c.compute_s + c.sync_s) * 1e3:.3g} ms + switch "
             f"{c.switch_s * 1e3:.3g} ms, "
             f"peak {c.peak_bytes / 2**30:.3g} GiB)"
         )
+    lines.append(
+        f"step: {plan.step_s * 1e3:.3g} ms predicted, of which switching "
+        f"{plan.switch_s * 1e3:.3g} ms and the home gradient reduction "
+        f"{plan.home_sync_s * 1e3:.3g} ms"
+    )
     return "\n".join(lines)

@@ -30,6 +30,8 @@ class HotSPaConfig:
     """Ascending upper bounds in tokens; the last is ``--seq-length``."""
     strategies: list[Layout] | None = None
     """One layout per bucket (shortest first); ``None`` until ``auto`` has chosen."""
+    backfill: bool = True
+    """Fill the room long documents leave in their rows with shorter documents."""
     mode: str = "switch"
     """``switch`` (any DP / TP / PP / CP per bucket) or ``dynamic-cp`` (only CP / DP vary)."""
     device: str | None = None
@@ -70,6 +72,13 @@ def add_hotspa_args(parser: argparse.ArgumentParser) -> None:
         "device, or h100-80g on a machine without one).",
     )
 
+    g.add_argument(
+        "--no-hotspa-backfill",
+        dest="hotspa_backfill",
+        action="store_false",
+        help="Keep every document in the smallest bucket that holds it, instead of first filling "
+        "the room long documents leave in longer buckets' rows with shorter documents.",
+    )
     g.add_argument(
         "--hotspa-mode",
         choices=("switch", "dynamic-cp"),
@@ -162,5 +171,6 @@ def hotspa_config_from_args(args: argparse.Namespace, world_size: int) -> HotSPa
         strategies = _strategies(args.hotspa_strategies, world_size)
     return HotSPaConfig(
         enabled=True, buckets=_buckets(args), strategies=strategies, mode=args.hotspa_mode,
+        backfill=args.hotspa_backfill,
         device=args.preflight_device,
     )  # fmt: skip

@@ -137,24 +137,28 @@ def _choose_hotspa_layouts(run: RunConfig, tokenizer) -> None:
     if device is None and hot.strategies is not None:
         return _set_home(run)  # nothing to check the given layouts against
     device = device or DEVICES["h100-80g"]
-    rows = auto.expected_rows(
+    stats = auto.bucket_statistics(
         _document_source(run, tokenizer), bounds=hot.buckets,
         global_batch_size=run.train.global_batch_size, seed=run.train.seed,
+        backfill=hot.backfill,
     )  # fmt: skip
+    rows = [b.rows for b in stats]
+    fractions = [b.attention_fraction for b in stats]
     run.model.vocab_size = tokenizer.vocab_size
     shape = run_model_shape(run)
     if hot.strategies is None:
-        choices = auto.choose_strategies(
+        plan = auto.choose_strategies(
             model=shape, device=device, bounds=hot.buckets, rows=rows,
-            world_size=run.world_size, mode=hot.mode,
+            world_size=run.world_size, mode=hot.mode, attention_fractions=fractions,
         )  # fmt: skip
-        hot.strategies = [c.layout for c in choices]
+        hot.strategies = plan.layouts
     else:
-        choices = auto.evaluate_strategies(
-            model=shape, device=device, bounds=hot.buckets, rows=rows, layouts=hot.strategies
-        )
+        plan = auto.evaluate_strategies(
+            model=shape, device=device, bounds=hot.buckets, rows=rows, layouts=hot.strategies,
+            attention_fractions=fractions,
+        )  # fmt: skip
     if _is_logging_process():
-        logger.info("HotSPa layouts, predicted for %s:\n%s", device.name, auto.describe(choices))
+        logger.info("HotSPa layouts, predicted for %s:\n%s", device.name, auto.describe(plan))
     _set_home(run)
 
 
@@ -343,7 +347,7 @@ def _packed_batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: T
         return hotspa_step_batches(
             source, bounds=run.hotspa.buckets, layouts=run.hotspa.strategies, rank=ctx.rank,
             global_batch_size=run.train.global_batch_size, seed=run.train.seed,
-            consumed_documents=progress.consumed_samples,
+            consumed_documents=progress.consumed_samples, backfill=run.hotspa.backfill,
         )  # fmt: skip
     from memo_ext.hotspa.batches import packed_step_batches
 

@@ -13,11 +13,12 @@ from memo_ext.estimate.presets import device_spec, model_shape
 from memo_ext.hotspa.auto import (
     StrategyError,
     _estimate,
+    bucket_statistics,
     candidate_layouts,
     choose_strategies,
     expected_rows,
 )
-from memo_ext.hotspa.buckets import assign_buckets, pack_buckets, parse_buckets
+from memo_ext.hotspa.buckets import bucket_rows, pack_buckets, parse_buckets
 from memo_ext.hotspa.documents import MockDocuments, global_batches
 from memo_ext.hotspa.layouts import (
     Layout,
@@ -128,12 +129,18 @@ def test_parse_buckets():
             parse_buckets(text, seq_length=8192)
 
 
-def test_assign_buckets():
+def test_bucket_rows_with_and_without_backfill():
     lengths = [3, 0, 8, 9, 16, 5, 9, 1]
-    assert assign_buckets(lengths, [8, 16]) == [[2, 5, 0, 7], [4, 3, 6]]
-    assert assign_buckets([0, 0], [8, 16]) == [[], []]
+    # every document in the smallest bucket that holds it, first-fit decreasing per bucket
+    assert bucket_rows(lengths, [8, 16], backfill=False) == [[[2], [5, 0], [7]],
+                                                              [[4], [3], [6]]]  # fmt: skip
+    # backfill: short documents fill the room long ones left before short rows open
+    assert bucket_rows(lengths, [8, 16]) == [[[2]], [[4], [3, 5, 7], [6, 0]]]
+    # slots round up to the row's pad multiple: 9 -> 12 leaves no room for 5 -> 8
+    assert bucket_rows([9, 5], [8, 16], pad_multiples=[1, 4]) == [[[1]], [[0]]]
+    assert bucket_rows([0, 0], [8, 16]) == [[], []]
     with pytest.raises(ValueError, match="17 tokens is longer than the last bucket"):
-        assign_buckets([4, 17], [8, 16])
+        bucket_rows([4, 17], [8, 16])
 
 
 def _documents(lengths):
@@ -154,7 +161,8 @@ def test_pack_buckets_across_layouts(strategies):
     layouts = parse_strategies(strategies, 4)
     lengths = [3, 7, 0, 20, 5, 8, 2, 31, 1, 17, 4, 6, 32]  # nothing falls in (8, 16]
     documents = _documents(lengths)
-    per_rank = [pack_buckets(documents, bounds=bounds, layouts=layouts, rank=r) for r in range(4)]
+    per_rank = [pack_buckets(documents, bounds=bounds, layouts=layouts, rank=r, backfill=False)
+                for r in range(4)]  # fmt: skip
     assert all([(bb.bucket, bb.length) for bb in bbs] == [(0, 8), (2, 32)] for bbs in per_rank)
     seen = []
     for k, b in enumerate([0, 2]):
@@ -316,10 +324,17 @@ class _Fixed(list):
 def test_expected_rows():
     # every global batch is one whole epoch: 4 × 4 tokens → 2 rows of 8; 2 × 10 → 2 rows of 16
     source = _Fixed([4, 10, 4, 4, 10, 4])
-    rows = expected_rows(source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3)
+    rows = expected_rows(source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3,
+                         backfill=False)  # fmt: skip
     assert rows == [2.0, 2.0]
+    # backfill: two 4-token documents fill the room each 10-token one leaves in its 16-row
+    assert expected_rows(source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3) == [1, 2]
+    stats = bucket_statistics(source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3)
+    assert stats[0].attention_fraction == pytest.approx((4**2 + 4**2) / 8**2)
+    assert stats[1].attention_fraction == pytest.approx((10**2 + 4**2) / 16**2)
     mock = MockDocuments(num_documents=200, seq_length=512, vocab_size=50, seed=1)
-    rows = expected_rows(mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4)
+    rows = expected_rows(mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4,
+                         backfill=False)  # fmt: skip
     batches = global_batches(mock, global_batch_size=32, seq_length=512, seed=1)
     sampled = [len(d) for _, batch in zip(range(4), batches) for d in batch]
     short, long = [n for n in sampled if n <= 64], [n for n in sampled if n > 64]
@@ -327,7 +342,8 @@ def test_expected_rows():
     # first-fit rows hold every token, and all but one row per step are more than half full
     for n, bound, lengths in ((rows[0], 64, short), (rows[1], 512, long)):
         assert sum(lengths) <= n * 4 * bound < 2 * sum(lengths) + 4 * bound
-    assert rows == expected_rows(mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4)
+    assert rows == expected_rows(mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4,
+                                 backfill=False)  # fmt: skip
 
 
 def test_candidate_layouts_pass_check_layout():
@@ -356,8 +372,12 @@ BOUNDS = [4096, 16384, 32768]
 def test_choose_strategies(mode, rows):
     model, device = model_shape("gpt-7b"), device_spec("h100-80g")
     usable = int(device.memory_bytes * (1 - Efficiency().headroom))
-    choices = choose_strategies(model=model, device=device, bounds=BOUNDS, rows=rows,
-                                world_size=8, mode=mode)  # fmt: skip
+    plan = choose_strategies(model=model, device=device, bounds=BOUNDS, rows=rows,
+                             world_size=8, mode=mode)  # fmt: skip
+    choices = plan.choices
+    assert plan.step_s == pytest.approx(
+        sum(c.compute_s + c.sync_s + c.switch_s for c in choices) + plan.home_sync_s
+    )
     assert [c.length for c in choices] == BOUNDS and [c.rows for c in choices] == rows
     for c in choices:
         assert c.layout.world_size == 8 and 0 < c.peak_bytes <= usable and c.compute_s > 0
@@ -374,7 +394,7 @@ def test_choose_strategies(mode, rows):
 
 def test_choose_strategies_refusals():
     model, device = model_shape("gpt-7b"), device_spec("h100-80g")
-    with pytest.raises(StrategyError, match="1048576-token bucket fits no layout"):
+    with pytest.raises(StrategyError, match="1048576-token bucket does not fit any layout"):
         choose_strategies(model=model, device=device, bounds=[4096, 1048576], rows=[16, 1],
                           world_size=8)  # fmt: skip
     with pytest.raises(ValueError, match="mode must be one of"):
