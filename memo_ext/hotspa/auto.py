@@ -150,14 +150,16 @@ def shares_home(layout: Layout, home: Layout) -> bool:
     return (layout.tp, layout.pp) == (home.tp, home.pp)
 
 
-def _estimate(model, device, layout: Layout, *, length: int, rows: float, eff) -> Estimate:
+def _estimate(
+    model, device, layout: Layout, *, length: int, rows: float, eff, method: str = "none"
+) -> Estimate:
     microbatches = max(1, math.ceil(rows / layout.dp))
     est_layout = EstimatorLayout(
         tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, sp=layout.sp, micro_batch_size=1,
         num_microbatches=microbatches, distributed_optimizer=False,
     )  # fmt: skip
     return estimate(
-        model=model, device=device, layout=est_layout, method="none", seq_length=length,
+        model=model, device=device, layout=est_layout, method=method, seq_length=length,
         host_memory_bytes=1 << 40, efficiency=eff,
     )  # fmt: skip
 
@@ -176,6 +178,7 @@ def choose_strategies(
     world_size: int,
     mode: str = "switch",
     attention_fractions: Sequence[float] | None = None,
+    method: str = "none",
     efficiency: Efficiency | None = None,
 ) -> StrategyPlan:
     """The fastest fitting layout per bucket (see the module docstring).
@@ -197,7 +200,7 @@ def choose_strategies(
         ):
             try:
                 options.append((layout, _estimate(model, device, layout, length=length, rows=n,
-                                                  eff=eff)))  # fmt: skip
+                                                  eff=eff, method=method)))  # fmt: skip
             except EstimateError:
                 continue
         if not options:
@@ -229,6 +232,7 @@ def evaluate_strategies(
     rows: Sequence[float],
     layouts: Sequence[Layout],
     attention_fractions: Sequence[float] | None = None,
+    method: str = "none",
     efficiency: Efficiency | None = None,
 ) -> StrategyPlan:
     """Predicted cost of given layouts (the last is home); refuses a bucket that cannot fit."""
@@ -240,7 +244,7 @@ def evaluate_strategies(
         eff = replace(base, attention_fraction=fraction)
         try:
             per_bucket.append([(layout, _estimate(model, device, layout, length=length, rows=n,
-                                                  eff=eff))])  # fmt: skip
+                                                  eff=eff, method=method))])  # fmt: skip
         except EstimateError as err:
             raise StrategyError(f"layout {layout.name}, {length}-token bucket: {err}") from None
     home, home_est = per_bucket[-1][0]

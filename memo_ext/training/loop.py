@@ -144,18 +144,19 @@ def _choose_hotspa_layouts(run: RunConfig, tokenizer) -> None:
     )  # fmt: skip
     rows = [b.rows for b in stats]
     fractions = [b.attention_fraction for b in stats]
+    method = run.transformer.recompute_granularity or "none"
     run.model.vocab_size = tokenizer.vocab_size
     shape = run_model_shape(run)
     if hot.strategies is None:
         plan = auto.choose_strategies(
             model=shape, device=device, bounds=hot.buckets, rows=rows,
-            world_size=run.world_size, mode=hot.mode, attention_fractions=fractions,
+            world_size=run.world_size, mode=hot.mode, attention_fractions=fractions, method=method,
         )  # fmt: skip
         hot.strategies = plan.layouts
     else:
         plan = auto.evaluate_strategies(
             model=shape, device=device, bounds=hot.buckets, rows=rows, layouts=hot.strategies,
-            attention_fractions=fractions,
+            attention_fractions=fractions, method=method,
         )  # fmt: skip
     if _is_logging_process():
         logger.info("HotSPa layouts, predicted for %s:\n%s", device.name, auto.describe(plan))
