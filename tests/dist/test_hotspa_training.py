@@ -146,3 +146,16 @@ def test_single_document_bucket_and_empty_bucket(tmp_path):
     for record in curves:
         assert record["hotspa_bucket_documents"] == [3, 0, 1]
         assert record["hotspa_bucket_rows"] == [2, 0, 1]
+
+
+def test_resume_from_a_checkpoint_continues_exactly(corpus, tmp_path):
+    """The home model and optimizer are the checkpoint; bucket layouts are rebuilt on load."""
+    args = train_args(corpus, iters=4) + BUCKETS + ["--hotspa-strategies", "dp2;tp2;pp2"]
+    whole = run_pretrain(args, nproc=2, workdir=tmp_path, name="whole")
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    run_pretrain(args + ["--save", str(save), "--exit-interval", "2"], nproc=2,
+                 workdir=tmp_path, name="first")  # fmt: skip
+    tail = run_pretrain(args + ["--load", str(save)], nproc=2, workdir=tmp_path, name="tail")
+    assert [r["iteration"] for r in tail] == [3, 4]
+    assert_same_curves(whole[2:], tail, rtol=1e-6)
