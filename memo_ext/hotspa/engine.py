@@ -98,6 +98,7 @@ class HotSPaEngine:
         home_model: torch.nn.Module,
         layouts: Sequence[Layout],
         build_model: Callable[..., torch.nn.Module],
+        share_home_model: bool = True,
     ) -> None:
         self.layouts = list(layouts)
         self.home = self.layouts[-1]
@@ -110,7 +111,7 @@ class HotSPaEngine:
             if layout == self.home:
                 continue
             pgs = build_process_groups(layout)
-            if (layout.tp, layout.pp) == (self.home.tp, self.home.pp):
+            if share_home_model and (layout.tp, layout.pp) == (self.home.tp, self.home.pp):
                 self.runtimes[layout] = LayoutRuntime(
                     layout=layout, config=run.transformer, pgs=pgs, model=home_model,
                     is_home=False, shares_home=True,

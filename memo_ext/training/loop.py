@@ -229,12 +229,19 @@ def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model) -> HotSPaEng
     def build_model(*, config, pg_collection):
         bare = build_gpt_model(run=run, device=ctx.device, config=config,
                                pg_collection=pg_collection)  # fmt: skip
+        # no optimizer here: gradients are all-reduced whole, then switched home
         return wrap_for_data_parallel(model=bare, run=run, config=config,
-                                      pg_collection=pg_collection)  # fmt: skip
+                                      pg_collection=pg_collection,
+                                      distributed_optimizer=False)  # fmt: skip
 
+    from memo_ext.mcore.specs import resolve_attention_backend
+
+    # transformer-engine's attention keeps CP state beyond its cp_group attribute: give
+    # CP-only layouts their own model there instead of swapping the home model's group
+    te = resolve_attention_backend(run.model.attention_backend) == "te"
     engine = HotSPaEngine(
         run=run, home_model=home_model, layouts=run.hotspa.strategies,
-        build_model=build_model,
+        build_model=build_model, share_home_model=not te,
     )  # fmt: skip
     logger.info(
         "HotSPa: buckets %s in layouts %s (home %s)",

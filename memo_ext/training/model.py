@@ -85,16 +85,28 @@ def build_gpt_model(
 
 
 def wrap_for_data_parallel(
-    *, model: torch.nn.Module, run: RunConfig, config=None, pg_collection=None
+    *,
+    model: torch.nn.Module,
+    run: RunConfig,
+    config=None,
+    pg_collection=None,
+    distributed_optimizer: bool | None = None,
 ) -> DistributedDataParallel:
-    """megatron-core DDP: contiguous fp32 gradient buffers reduced over DP × CP."""
+    """megatron-core DDP: contiguous fp32 gradient buffers reduced over DP × CP.
+
+    With the distributed optimizer the reduction is a reduce-scatter (each rank keeps its
+    shard); ``distributed_optimizer=False`` forces a full all-reduce (HotSPa's bucket layouts,
+    whose gradients every holder must have whole).
+    """
     config = config or run.transformer
+    if distributed_optimizer is None:
+        distributed_optimizer = run.train.use_distributed_optimizer
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=run.train.use_distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer,
     )
     # one bucket: gloo has no stream overlap to gain from bucketing
     return DistributedDataParallel(
