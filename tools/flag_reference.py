@@ -21,8 +21,11 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
-    if action.nargs == 0:
-        return "on" if action.default else "off"
+    if action.nargs == 0:  # a switch: is it given by default? (``--no-x`` stores False)
+        given = (
+            not action.default if isinstance(action, argparse._StoreFalseAction) else action.default
+        )
+        return "on" if given else "off"
     if action.default in (None, []):
         return "—"
     return f"`{action.default}`"
