@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.utils import unwrap_model
 
 from memo_ext.hotspa.buckets import BucketBatch
 from memo_ext.hotspa.layouts import (
@@ -47,7 +48,6 @@ from memo_ext.hotspa.switch import (
     local_tensors,
     merge_shards,
     ranks_per_node,
-    unwrap,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,6 @@ class LayoutRuntime:
     config: object
     pgs: object
     model: torch.nn.Module
-    is_home: bool
     shares_home: bool = False
     """Same TP and PP as home (only CP / DP differ): runs on the home model itself, with its
     CP group swapped for the bucket (dynamic CP), so nothing is switched."""
@@ -105,7 +104,7 @@ class HotSPaEngine:
         self.runtimes: dict[Layout, LayoutRuntime] = {}
         self.runtimes[self.home] = LayoutRuntime(
             layout=self.home, config=run.transformer, pgs=home_process_groups(),
-            model=home_model, is_home=True,
+            model=home_model,
         )  # fmt: skip
         for layout in dict.fromkeys(self.layouts):  # distinct, in bucket order, on every rank
             if layout == self.home:
@@ -114,13 +113,13 @@ class HotSPaEngine:
             if share_home_model and (layout.tp, layout.pp) == (self.home.tp, self.home.pp):
                 self.runtimes[layout] = LayoutRuntime(
                     layout=layout, config=run.transformer, pgs=pgs, model=home_model,
-                    is_home=False, shares_home=True,
+                    shares_home=True,
                 )  # fmt: skip
                 continue
             config = layout_config(run.transformer, layout)
             model = build_model(config=config, pg_collection=pgs)
             self.runtimes[layout] = LayoutRuntime(
-                layout=layout, config=config, pgs=pgs, model=model, is_home=False
+                layout=layout, config=config, pgs=pgs, model=model
             )
         rank = dist.get_rank()
         gated = bool(run.transformer.gated_linear_unit)
@@ -238,7 +237,7 @@ def cp_group_of(model: torch.nn.Module, group):
     collection's ``cp`` point at ``group`` inside the block (megatron-core's modules read them
     at call time; ours too)."""
     saved, seen = [], set()
-    for module in unwrap(model).modules():
+    for module in unwrap_model(model).modules():
         if hasattr(module, "cp_group"):
             saved.append((module, "cp_group", module.cp_group))
         pgs = getattr(module, "pg_collection", None)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from memo_ext.mcore.init import global_parameter_names, tp_segments
 
@@ -60,16 +61,9 @@ class Piece:
         return self.length * self.inner
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare GPT model inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def local_tensors(model: torch.nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Global name → this process's parameter (or its ``main_grad``)."""
-    bare = unwrap(model)
+    bare = unwrap_model(model)
     names = global_parameter_names(bare)
     out = {}
     for name, param in bare.named_parameters():
@@ -79,7 +73,7 @@ def local_tensors(model: torch.nn.Module, *, grads: bool = False) -> dict[str, t
 
 def describe_shards(model: torch.nn.Module, *, rank: int, tp: int, tp_rank: int, gated: bool):
     """``{global name: Shard}`` for this process's part of ``model``."""
-    bare = unwrap(model)
+    bare = unwrap_model(model)
     names = global_parameter_names(bare)
     out = {}
     for name, param in bare.named_parameters():

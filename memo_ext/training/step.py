@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
 
 from memo_ext.mcore.packed import build_packed_seq_params, cp_chunk_positions
 
@@ -78,9 +78,7 @@ def forward_step(
 
 def _cp_group(model: torch.nn.Module):
     """The model's own CP group (HotSPa builds models in several layouts)."""
-    while hasattr(model, "module"):
-        model = model.module
-    pgs = getattr(model, "pg_collection", None)
+    pgs = getattr(unwrap_model(model), "pg_collection", None)
     return getattr(pgs, "cp", None)
 
 
