@@ -155,9 +155,9 @@ class NullTokenizer(_LocalTokenizer):
         return " ".join(str(int(i)) for i in ids)
 
     @property
-    def vocab(self):
-        """Not available: the vocabulary is only a range of integers."""
-        raise NotImplementedError("NullTokenizer has no vocabulary mapping.")
+    def vocab(self) -> dict[str, int]:
+        """Each id's decimal text (what ``tokenize`` reads) → the id, end-of-document included."""
+        return {str(i): i for i in range(self.vocab_size)}
 
     @property
     def vocab_size(self) -> int:

@@ -53,6 +53,9 @@ def test_null_tokenizer_matches_megatron():
     assert ours.detokenize([5, 17, 999, 0]) == theirs.ids_to_text([5, 17, 999, 0]) == text
     assert ours.tokenize("") == []
     assert ours.tokenize(" 1\n2  3 ") == [1, 2, 3]
+    vocab = ours.vocab
+    assert len(vocab) == ours.vocab_size and vocab["999"] == 999 and vocab["1000"] == ours.eod
+    assert [vocab[field] for field in text.split()] == ours.tokenize(text)
 
 
 def test_null_tokenizer_rejects_bad_ids():
