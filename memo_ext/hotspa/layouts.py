@@ -198,11 +198,3 @@ def home_process_groups():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection.use_mpu_process_groups()
-
-
-def group_rank(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group) if group is not None else 1
