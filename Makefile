@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# the CPU wheel; an unpinned torch would pull GBs of CUDA wheels
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev,plots]"
+	# compile the planner's search loop once (numba caches it)
+	$(PY) -c "from memo_ext.planner.solvers.canonical import warm_up; warm_up()"
 	touch $(STAMP)
 
 install: $(STAMP)

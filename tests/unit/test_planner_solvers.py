@@ -11,6 +11,7 @@ from memo_ext.planner.packable import packable_instance
 from memo_ext.planner.problem import DsaProblem, find_conflicts, lower_bound, peak_of
 from memo_ext.planner.solvers import SOLVERS, SolveOptions, solve_dsa
 from memo_ext.planner.solvers.greedy import place_in_order
+from tests.unit.canonical_reference import ReferenceSearch
 
 EXACT = ["cpsat", "canonical", "highs"]
 HAS_GUROBI = importlib.util.find_spec("gurobipy") is not None
@@ -92,39 +93,94 @@ def test_unknown_solver_is_refused():
     assert set(SOLVERS) == {"cpsat", "canonical", "highs", "gurobi", "heuristic"}
 
 
-def _sections_fit_reference(search, unplaced, usable, capacity):
-    """Spatial inference by plain loops: in every section, each unplaced tensor's usable offset
-    plus the sizes of the section's tensors that can go no lower must fit the capacity."""
-    sections, sizes = search.sections, search.problem.sizes
-    for s in range(len(sections.total)):
-        here = [k for k, i in enumerate(unplaced) if sections.lo[i] <= s < sections.hi[i]]
-        for k in here:
-            above = sum(sizes[unplaced[j]] for j in here if usable[j] >= usable[k])
-            if usable[k] + above > capacity:
-                return False
-    return True
+def _random_state(rng, problem, sections, capacity):
+    """Random unplaced tensors with random usable offsets, and their section totals."""
+    unplaced = np.sort(rng.choice(problem.n, int(rng.integers(1, problem.n)), replace=False))
+    usable = rng.integers(0, 24, len(unplaced))
+    total = np.zeros(len(sections.total), dtype=np.int64)
+    for i in unplaced:
+        total[sections.lo[i] : sections.hi[i]] += problem.sizes[i]
+    return unplaced, usable, total
 
 
 def test_spatial_inference_matches_a_loop_reference():
-    from memo_ext.planner.solvers.canonical import CanonicalSearch
+    from memo_ext.planner.solvers.canonical import build_sections
+    from memo_ext.planner.solvers.canonical_kernel import sections_fit
 
     rng = np.random.default_rng(3)
     verdicts = set()
     for seed in range(40):
         problem, _ = packable_instance(num_buffers=25, seed=seed, duration=30, height=64)
-        search = CanonicalSearch(problem=problem, deadline=float("inf"))
-        search.capacity = 64 + int(rng.integers(0, 8))
-        unplaced = np.sort(rng.choice(problem.n, int(rng.integers(1, problem.n)), replace=False))
-        usable = rng.integers(0, 24, len(unplaced))
-        # The search keeps the total size of the unplaced tensors live in each section.
-        sections = search.sections
-        search.total = np.zeros(len(sections.total), dtype=np.int64)
-        for i in unplaced:
-            search.total[sections.lo[i] : sections.hi[i]] += problem.sizes[i]
-        fast = search._sections_fit(unplaced, usable, 0, len(search.total))
-        assert fast == _sections_fit_reference(search, unplaced, usable, search.capacity)
+        sections = build_sections(problem)
+        reference = ReferenceSearch(problem)
+        reference.capacity = 64 + int(rng.integers(0, 8))
+        unplaced, usable, reference.total = _random_state(
+            rng, problem, sections, reference.capacity
+        )
+        scratch = np.zeros(len(sections.total), dtype=np.int64)
+        fast = sections_fit(
+            unplaced, usable, 0, len(scratch), reference.capacity, problem.sizes,
+            sections.lo, sections.hi, reference.total, scratch,
+        )  # fmt: skip
+        assert fast == reference.sections_fit(unplaced, usable, 0, len(scratch))
+        assert not scratch.any()  # left zeroed for the next node
         verdicts.add(fast)
     assert verdicts == {True, False}  # both outcomes exercised
+
+
+def _instances():
+    """Small instances of every kind: cut rectangles and random lifetimes with slack."""
+    rng = np.random.default_rng(11)
+    for seed in range(6):
+        yield packable_instance(num_buffers=14, seed=seed, duration=24, height=96)[0]
+    for _ in range(6):
+        start = rng.integers(0, 12, 12)
+        yield DsaProblem(
+            sizes=rng.integers(1, 9, 12), start=start, end=start + rng.integers(1, 8, 12)
+        )
+
+
+def _compare_runs(problem, capacity, limits, *, seed=0, fixed=None):
+    """Runs the compiled search and the reference with the same preorders and budgets; returns
+    the reference's outcomes after checking that both agree node for node."""
+    from memo_ext.planner.solvers.canonical import CanonicalSearch, preorders
+
+    fast = CanonicalSearch(problem=problem, deadline=float("inf"))
+    slow = ReferenceSearch(problem)
+    ranks = preorders(problem, fast.sections, np.random.default_rng(seed))
+    outcomes = []
+    for limit in limits:
+        rank = next(ranks)
+        found = fast.run(capacity=capacity, rank=rank, node_limit=limit, fixed=fixed)
+        offsets, outcome, nodes = slow.run(
+            capacity=capacity, rank=rank, node_limit=limit, fixed=fixed
+        )
+        assert fast.run_nodes == nodes
+        assert (found is None) == (offsets is None)
+        if found is not None:
+            assert (found == offsets).all() and peak_of(problem, found) <= capacity
+            assert len(find_conflicts(problem, found)) == 0
+        assert fast.complete == (outcome == "failed" and fixed is None)
+        outcomes.append((outcome, nodes))
+    return outcomes
+
+
+def test_compiled_search_visits_the_reference_tree_node_for_node():
+    """Same outcome, placement and node count as the plain reference, with the failed-state
+    table carried across runs of one capacity: at, below and above the optimum, with node
+    limits, with fixed tensors, and on cut rectangles whose trees run to a thousand nodes."""
+    outcomes = []
+    for problem in _instances():
+        bound = lower_bound(problem)
+        for capacity in (bound - 1, bound, bound + 2, bound + 6):
+            outcomes += _compare_runs(problem, capacity, (10**6, 40, 10**6, 7), seed=capacity)
+    problem, offsets = packable_instance(num_buffers=14, seed=4, duration=24, height=96)
+    outcomes += _compare_runs(problem, 96, (10**6, 10**6), fixed=np.where(offsets == 0, 0, -1))
+    for num_buffers, seed in ((32, 47), (40, 23)):
+        problem, _ = packable_instance(num_buffers=num_buffers, seed=seed, duration=60, height=256)
+        outcomes += _compare_runs(problem, 256, (10**6, 500, 10**6))
+    assert {outcome for outcome, _ in outcomes} == {"found", "failed", "out of nodes"}
+    assert max(nodes for _, nodes in outcomes) > 1000
 
 
 def test_luby_sequence_matches_its_definition():

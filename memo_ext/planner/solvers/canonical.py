@@ -12,9 +12,11 @@ minimum offset, and
   tensor is skipped: that other tensor could always be slid under it (*dominance*);
 * the time axis is cut into sections (between consecutive event times); a node is cut off when,
   in some section, the floor (top of what is placed there, and at least the current offset) plus
-  the sizes of the unplaced tensors live there exceeds the capacity (*spatial inference*). A
-  ``[sections, most live]`` table of the tensors live in each section keeps this check to a few
-  small numpy operations per node.
+  the sizes of the unplaced tensors live there exceeds the capacity (*spatial inference*);
+* a residual state (tensors left, their minimum offsets, what the order still allows) that
+  failed once is remembered and never searched again at the same capacity.
+
+The search loop is compiled with numba (``canonical_kernel``); this module schedules its runs.
 
 Each run is a decision search for one capacity (the lower bound, or just below the incumbent).
 Depth-first search can lose itself in one subtree, so runs are restarted with Luby-sequence
@@ -28,7 +30,6 @@ better incumbent than the greedy one.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,17 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
+from memo_ext.planner.solvers import canonical_kernel as kernel
 from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.greedy import greedy_orders, place_in_order, solve_greedy
 
 logger = logging.getLogger(__name__)
-
-_NO_FLOOR = np.iinfo(np.int64).max
-"""Floor marker of a placed tensor or of padding (never the lowest usable offset)."""
-
-
-class _NodeLimit(Exception):
-    """The run used its node budget."""
 
 
 class _Deadline(Exception):
@@ -74,21 +69,6 @@ def build_sections(problem: DsaProblem) -> _Sections:
     np.add.at(diff, lo, problem.sizes)
     np.add.at(diff, hi, -problem.sizes)
     return _Sections(lo=lo, hi=hi, total=np.cumsum(diff)[:-1])
-
-
-def live_matrix(sections: _Sections, n: int) -> np.ndarray:
-    """``[S, K]`` the tensors live in each section, padded with ``n`` (K: most live at once)."""
-    num_sections = len(sections.total)
-    counts = np.zeros(num_sections + 1, dtype=np.int64)
-    np.add.at(counts, sections.lo, 1)
-    np.add.at(counts, sections.hi, -1)
-    live = np.full((num_sections, max(int(np.cumsum(counts).max()), 1)), n, dtype=np.int64)
-    fill = np.zeros(num_sections, dtype=np.int64)
-    for i in np.argsort(sections.lo, kind="stable"):
-        span = np.arange(sections.lo[i], sections.hi[i])
-        live[span, fill[span]] = i
-        fill[span] += 1
-    return live
 
 
 def _features(problem: DsaProblem, sections: _Sections) -> np.ndarray:
@@ -127,9 +107,18 @@ def preorders(problem: DsaProblem, sections: _Sections, rng: np.random.Generator
         ranks = [preorder(sections, (feats @ weights) * noise)]
 
 
+_TABLE_SLOTS = 1 << 21
+"""Slots of a failed-state table (32 MiB); it is emptied when half full."""
+
+
 @dataclass
 class CanonicalSearch:
-    """Depth-first search over canonical placements of one problem (see the module docstring)."""
+    """Depth-first search over canonical placements of one problem (see the module docstring).
+
+    The search itself is the compiled kernel of ``canonical_kernel``; this class holds its
+    arrays, keeps the failed-state tables of the two latest capacities (runs alternate between
+    the lower bound and the incumbent) and stops at the deadline.
+    """
 
     problem: DsaProblem
     """The tensors to place (sizes in any unit)."""
@@ -138,36 +127,57 @@ class CanonicalSearch:
     stop: threading.Event | None = None
     """Set by another thread to stop the search early."""
     sections: _Sections = field(init=False)
-    neighbours: list[np.ndarray] = field(init=False)
     nodes: int = 0
     """Nodes visited over all runs."""
-    failed: set = field(default_factory=set)
-    """Residual states known to have no placement within the current capacity."""
-    failed_by_capacity: dict = field(default_factory=dict)
-    """``failed`` of the latest capacities searched."""
+    run_nodes: int = 0
+    """Nodes visited by the last run."""
+    complete: bool = False
+    """The last run exhausted its tree (so its capacity is infeasible)."""
+    deepest: int = 0
+    """Tensors placed in the deepest partial placement of the last run."""
+    deepest_offsets: np.ndarray = field(init=False)
+    """That placement (``-1``: not placed)."""
 
     def __post_init__(self) -> None:
+        n = self.problem.n
         self.sections = build_sections(self.problem)
+        num_sections = len(self.sections.total)
         pairs = overlap_pairs(self.problem)
         both = np.concatenate([pairs, pairs[:, ::-1]])
         both = both[np.argsort(both[:, 0], kind="stable")]
-        splits = np.searchsorted(both[:, 0], np.arange(1, self.problem.n))
-        self.neighbours = np.split(both[:, 1], splits)
+        nb_ptr = np.searchsorted(both[:, 0], np.arange(n + 1)).astype(np.int64)
+        self._graph = (
+            self.problem.sizes.astype(np.int64),
+            self.sections.lo.astype(np.int64),
+            self.sections.hi.astype(np.int64),
+            nb_ptr,
+            np.ascontiguousarray(both[:, 1], dtype=np.int64),
+        )
         # crossings[s]: tensors live across the boundary between sections s and s + 1.
-        diff = np.zeros(len(self.sections.total) + 1, dtype=np.int64)
+        diff = np.zeros(num_sections + 1, dtype=np.int64)
         np.add.at(diff, self.sections.lo, 1)
         np.add.at(diff, self.sections.hi - 1, -1)
-        self.base_crossings = np.cumsum(diff)[:-1]
-        self.live = live_matrix(self.sections, self.problem.n)
-        n = self.problem.n
-        # Scratch arrays indexed by tensor, with entry n for the padding of ``live``: reset after
-        # every use so that a node allocates nothing of size n.
-        self._sizes_ext = np.append(self.problem.sizes, 0)
-        self._usable_ext = np.full(n + 1, -1, dtype=np.int64)
-        self._floor_ext = np.full(n + 1, _NO_FLOOR, dtype=np.int64)
-        self._rank_ext = np.full(n + 1, n + 1, dtype=np.int64)
-        self._order_ext = np.full(n + 2, n, dtype=np.int64)
-        sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * self.problem.n + 1000))
+        self._base_crossings = np.cumsum(diff)[:-1]
+        self._base_total = self.sections.total.astype(np.int64)
+        sizes = [n, n, n, num_sections, num_sections, n, n, len(both) + 1, len(both) + 1]
+        sizes += [kernel.RAISED_TOP + 1, n, num_sections, n, n]
+        self._state = tuple(np.zeros(size, dtype=np.int64) for size in sizes)
+        self._tables: dict[int, tuple] = {}
+        self._kernel_s = 0.0
+        self.deepest_offsets = np.full(n, -1, dtype=np.int64)
+
+    def _tables_for(self, capacity: int) -> tuple:
+        if capacity not in self._tables:
+            if len(self._tables) >= 2:
+                self._tables.pop(next(iter(self._tables)))
+            slots = min(_TABLE_SLOTS, max(1024, 1 << (64 * self.problem.n).bit_length()))
+            tables = (
+                np.zeros(slots, np.uint64),
+                np.zeros(slots, np.uint64),
+                np.zeros(1, np.uint64),
+            )
+            self._tables[capacity] = tables
+        return self._tables[capacity]
 
     def run(
         self,
@@ -186,40 +196,48 @@ class CanonicalSearch:
 
         Returns:
             The offsets found, or None when the tree holds none (``self.complete`` is then True
-            unless tensors were fixed)
-            or the node budget ran out (``self.complete`` False).
+            unless tensors were fixed) or the node budget ran out (``self.complete`` False).
 
         Raises:
-            _Deadline: when the wall-clock budget ran out.
+            _Deadline: when the wall-clock budget is spent (checked before the run; the run's
+                budget is cut to what the remaining time allows at the rate seen so far).
         """
-        n = self.problem.n
-        # Failed states are only failures for their capacity; keep the sets of the two latest
-        # capacities, since runs alternate between the lower bound and the incumbent.
-        if capacity not in self.failed_by_capacity:
-            if len(self.failed_by_capacity) >= 2:
-                self.failed_by_capacity.pop(next(iter(self.failed_by_capacity)))
-            self.failed_by_capacity[capacity] = set()
-        self.failed = self.failed_by_capacity[capacity]
-        if len(self.failed) > 2_000_000:
-            self.failed.clear()
-        self.capacity, self.rank, self.node_budget = capacity, rank, node_limit
-        self.min_off = np.zeros(n, dtype=np.int64)
-        self.offsets = np.full(n, -1, dtype=np.int64)
-        self.placed = np.zeros(n, dtype=bool)
-        self.total = self.sections.total.copy()
-        self.crossings = self.base_crossings.copy()
-        self.stack: list[tuple] = []
-        self.complete = False
-        self.deepest, self.deepest_offsets = 0, self.offsets.copy()
-        if fixed is not None:
-            for c in np.flatnonzero(fixed >= 0):
-                self._place(c, int(fixed[c]))
-        try:
-            found = self._search(np.arange(n), 0, len(self.total), -1, -1)
-        except _NodeLimit:
-            return None
-        self.complete = not found and fixed is None
-        return self.offsets.copy() if found else None
+        left = self.deadline - time.perf_counter()
+        if left <= 0 or (self.stop is not None and self.stop.is_set()):
+            raise _Deadline
+        if self._kernel_s > 0.05 and np.isfinite(left):
+            node_limit = min(node_limit, max(64, int(left * self.nodes / self._kernel_s)))
+        if fixed is None:
+            fixed = np.full(self.problem.n, -1, dtype=np.int64)
+        graph = (*self._graph, np.asarray(rank, dtype=np.int64))
+        t0 = time.perf_counter()
+        first_call = not kernel.run_kernel.signatures
+        outcome = kernel.run_kernel(
+            int(capacity),
+            int(node_limit),
+            np.asarray(fixed, dtype=np.int64),
+            self._base_total,
+            self._base_crossings,
+            graph,
+            self._state,
+            self._tables_for(int(capacity)),
+        )
+        elapsed = time.perf_counter() - t0
+        if first_call and elapsed > 1.0:
+            logger.info(
+                "compiled the canonical search loop in %.0f s (cached for later runs)", elapsed
+            )
+        else:
+            self._kernel_s += elapsed
+        counters = self._state[kernel.COUNTERS]
+        self.run_nodes = int(counters[kernel.NODES])
+        self.nodes += self.run_nodes
+        self.deepest = int(counters[kernel.DEEPEST])
+        self.deepest_offsets = self._state[kernel.DEEPEST_OFFSETS].copy()
+        self.complete = outcome == kernel.FAILED and not (fixed >= 0).any()
+        if outcome == kernel.FOUND:
+            return self._state[kernel.OFFSETS].copy()
+        return None
 
     def complete_deepest(self) -> np.ndarray:
         """The most complete placement of the last run, finished greedily above the rest.
@@ -240,132 +258,6 @@ class CanonicalSearch:
                 if best_peak is None or peak < best_peak:
                     best, best_peak = offsets, peak
         return best
-
-    def _search(
-        self, members: np.ndarray, s_lo: int, s_hi: int, last_off: int, last_rank: int
-    ) -> bool:
-        """Places the unplaced tensors of ``members`` (living in sections ``[s_lo, s_hi)``)."""
-        self.nodes += 1
-        self.node_budget -= 1
-        if self.node_budget < 0:
-            raise _NodeLimit
-        if self.nodes % 64 == 0 and (
-            time.perf_counter() > self.deadline or (self.stop is not None and self.stop.is_set())
-        ):
-            raise _Deadline
-        unplaced = members[~self.placed[members]]
-        if len(unplaced) == 0:
-            return True
-        sizes = self.problem.sizes
-        mo = self.min_off[unplaced]
-        # Tensors the canonical order forbids at their minimum offset go at least one unit up.
-        allowed = (mo > last_off) | ((mo == last_off) & (self.rank[unplaced] > last_rank))
-        # The residual problem depends only on what is left, where it can go and which tensors
-        # the order still allows at ``last_off``; a state that failed once fails again (the same
-        # partition is often revisited unchanged while the search backtracks elsewhere). Naming
-        # the allowed tensors rather than the last rank keeps the key valid across preorders.
-        key = (s_lo, last_off, unplaced.tobytes(), mo.tobytes(), allowed.tobytes())
-        if key in self.failed:
-            return False
-        usable = np.where(allowed, mo, last_off + 1)
-        if not self._sections_fit(unplaced, usable, s_lo, s_hi):
-            self.failed.add(key)
-            return False
-        min_height = (mo + sizes[unplaced]).min()
-        # Whatever is placed next sits at or below every later offset, so the fullest section
-        # must still fit above it: offset + total[s] <= capacity.
-        highest = self.capacity - self.total[s_lo:s_hi].max()
-        ok = allowed & (mo < min_height) & (mo <= highest)
-        cands = unplaced[ok]
-        for c in cands[np.lexsort((self.rank[cands], self.min_off[cands]))]:
-            off = int(self.min_off[c])
-            mark = len(self.stack)
-            self._place(c, off)
-            cuts = self._new_cuts(c, s_lo, s_hi)
-            if len(cuts) == 0:
-                found = self._search(unplaced, s_lo, s_hi, off, int(self.rank[c]))
-            else:
-                found = self._search_parts(unplaced, [s_lo, *cuts, s_hi])
-            if found:
-                return True
-            self._undo_to(mark)
-        self.failed.add(key)
-        return False
-
-    def _sections_fit(self, unplaced: np.ndarray, usable: np.ndarray, s_lo: int, s_hi: int) -> bool:
-        """Spatial inference, section by section.
-
-        A tensor that can go no lower than ``u`` shares the bytes above ``u`` with every tensor
-        of its section that can go no lower either: ``u`` plus their sizes must fit the capacity.
-        The lowest ``u`` of a section with everything left there (its floor plus its remaining
-        total) is checked first: it is cheap and cuts most nodes.
-        """
-        live = self.live[s_lo:s_hi]  # [S', K] tensors live in each section, n-padded
-        floor_ext = self._floor_ext
-        floor_ext[unplaced] = usable
-        floor = np.minimum(floor_ext[live].min(axis=1), self.capacity)
-        floor_ext[unplaced] = _NO_FLOOR
-        if (floor + self.total[s_lo:s_hi]).max() > self.capacity:
-            return False
-        # Rank the unplaced tensors by decreasing usable offset once; sorting each section's
-        # ranks then lists its tensors in that order (placed ones and padding last, size 0).
-        order = unplaced[np.argsort(-usable, kind="stable")]
-        rank_ext, order_ext, usable_ext = self._rank_ext, self._order_ext, self._usable_ext
-        rank_ext[order] = np.arange(len(order))
-        order_ext[: len(order)] = order
-        usable_ext[unplaced] = usable
-        by_usable = order_ext[np.sort(rank_ext[live], axis=1)]
-        need = usable_ext[by_usable] + np.cumsum(self._sizes_ext[by_usable], axis=1)
-        rank_ext[order] = len(rank_ext)
-        order_ext[: len(order)] = len(rank_ext) - 1
-        usable_ext[unplaced] = -1
-        return bool(need.max() <= self.capacity)
-
-    def _new_cuts(self, c: int, s_lo: int, s_hi: int) -> np.ndarray:
-        """Section boundaries inside ``[s_lo, s_hi)`` that no unplaced tensor crosses any more."""
-        lo, hi = self.sections.lo[c], self.sections.hi[c]
-        cuts = np.flatnonzero(self.crossings[lo : hi - 1] == 0) + lo + 1
-        return cuts[(cuts > s_lo) & (cuts < s_hi)]
-
-    def _search_parts(self, unplaced: np.ndarray, bounds: list[int]) -> bool:
-        """Solves independent time partitions one after another; all must succeed.
-
-        The partitions share no unplaced tensor and no section, so each restarts the canonical
-        order at offset 0. On failure the caller undoes every placement made here.
-        """
-        rest = unplaced[~self.placed[unplaced]]
-        lo, hi = self.sections.lo[rest], self.sections.hi[rest]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            part = rest[(lo < b) & (hi > a)]
-            if len(part) and not self._search(part, a, b, -1, -1):
-                return False
-        return True
-
-    def _place(self, c: int, off: int) -> None:
-        size = self.problem.sizes[c]
-        top = off + size
-        nb = self.neighbours[c]
-        raised = nb[(self.min_off[nb] < top) & ~self.placed[nb]]
-        self.stack.append((c, raised, self.min_off[raised]))
-        self.min_off[raised] = top
-        lo, hi = self.sections.lo[c], self.sections.hi[c]
-        self.total[lo:hi] -= size
-        self.crossings[lo : hi - 1] -= 1
-        self.placed[c] = True
-        self.offsets[c] = off
-        if len(self.stack) > self.deepest:
-            self.deepest, self.deepest_offsets = len(self.stack), self.offsets.copy()
-
-    def _undo_to(self, mark: int) -> None:
-        """Reverts placements, latest first, until ``mark`` remain."""
-        while len(self.stack) > mark:
-            c, raised, old_min = self.stack.pop()
-            lo, hi = self.sections.lo[c], self.sections.hi[c]
-            self.total[lo:hi] += self.problem.sizes[c]
-            self.crossings[lo : hi - 1] += 1
-            self.min_off[raised] = old_min
-            self.placed[c] = False
-            self.offsets[c] = -1
 
 
 def time_reversed(problem: DsaProblem) -> DsaProblem:
@@ -505,3 +397,13 @@ def solve_canonical(
         solver="canonical",
         details=details,
     )
+
+
+def warm_up() -> None:
+    """Compiles the search loop into numba's cache (``make install`` calls it), so that the
+    first plan does not spend its time limit compiling."""
+    problem = DsaProblem(
+        sizes=np.array([2, 1, 1]), start=np.array([0, 0, 1]), end=np.array([2, 1, 2])
+    )
+    search = CanonicalSearch(problem=problem, deadline=float("inf"))
+    search.run(capacity=3, rank=np.arange(problem.n), node_limit=100)
