@@ -7,7 +7,7 @@ and stacks nothing: groups never conflict, so each starts at offset 0.
 
 Backends:
     cpsat: canonical branch and bound, then OR-Tools CP-SAT from its incumbent (default).
-    canonical: canonical branch and bound alone (MiniMalloc-style, pure numpy).
+    canonical: canonical branch and bound alone (MiniMalloc-style, compiled with numba).
     highs: big-M MIP in HiGHS.
     gurobi: big-M MIP in Gurobi (needs gurobipy and a licence).
     heuristic: greedy best-fit over several orders (no dependencies, milliseconds).

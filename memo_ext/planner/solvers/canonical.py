@@ -83,28 +83,41 @@ def _features(problem: DsaProblem, sections: _Sections) -> np.ndarray:
     return feats / np.maximum(feats.max(axis=0), 1)
 
 
+def _rank_of(order: np.ndarray) -> np.ndarray:
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank
+
+
 def preorder(sections: _Sections, key: np.ndarray) -> np.ndarray:
-    """Rank of each tensor: by start section, then by decreasing ``key``.
+    """Rank of each tensor: by start section, then by decreasing ``key`` (a *sweep* order).
 
     Tensors at the same offset never share a time step, so their placement order is free; going
     left to right in time makes a skipped tensor leave a hole that spatial inference sees at once.
     """
-    order = np.lexsort((-key, sections.lo))
-    rank = np.empty(len(key), dtype=np.int64)
-    rank[order] = np.arange(len(key))
-    return rank
+    return _rank_of(np.lexsort((-key, sections.lo)))
 
 
 def preorders(problem: DsaProblem, sections: _Sections, rng: np.random.Generator) -> list:
-    """Fixed tie-breaking keys first (area, crowding, size, span), then random mixtures."""
+    """Tie-breaking orders to rotate through: fixed ones first, then random mixtures.
+
+    Two families, since each solves instances the other does not: *sweeps* (left to right in
+    time, see ``preorder``) and *crowded first*, MiniMalloc's static orders (by the largest
+    section total the tensor takes part in, its lifetime and its area, in three priorities).
+    """
     feats = _features(problem, sections)
-    keys = [feats[:, 4], feats[:, 3], feats[:, 0], feats[:, 2]]
-    ranks = [preorder(sections, key) for key in keys]
+    size, length, span, crowd, area = feats.T
+    sweeps = [preorder(sections, key) for key in (area, crowd, size, span)]
+    crowded = [
+        _rank_of(np.lexsort((-c, -b, -a)))
+        for a, b, c in ((crowd, area, length), (length, area, crowd), (crowd, length, area))
+    ]
+    ranks = [r for pair in zip(sweeps, crowded + [None]) for r in pair if r is not None]
     while True:
         yield from ranks
         weights = rng.dirichlet(np.ones(feats.shape[1]))
-        noise = 1 + 0.1 * rng.random(problem.n)
-        ranks = [preorder(sections, (feats @ weights) * noise)]
+        key = (feats @ weights) * (1 + 0.1 * rng.random(problem.n))
+        ranks = [preorder(sections, key), _rank_of(np.argsort(-key, kind="stable"))]
 
 
 _TABLE_SLOTS = 1 << 21
@@ -170,7 +183,8 @@ class CanonicalSearch:
         if capacity not in self._tables:
             if len(self._tables) >= 2:
                 self._tables.pop(next(iter(self._tables)))
-            slots = min(_TABLE_SLOTS, max(1024, 1 << (64 * self.problem.n).bit_length()))
+            # Small problems get a smaller table; no run of theirs comes near filling it.
+            slots = min(_TABLE_SLOTS, max(1 << 16, 1 << (4096 * self.problem.n).bit_length()))
             tables = (
                 np.zeros(slots, np.uint64),
                 np.zeros(slots, np.uint64),
