@@ -224,3 +224,14 @@ def test_canonical_run_with_fixed_tensors_places_the_rest_above_them():
     found = search.run(capacity=256, rank=rank, node_limit=100_000, fixed=fixed)
     assert found is not None and (found[offsets == 0] == 0).all()
     assert len(find_conflicts(problem, found)) == 0 and peak_of(problem, found) <= 256
+
+
+def test_a_long_canonical_search_reports_its_gap(monkeypatch, caplog):
+    import memo_ext.planner.solvers.canonical as canonical
+
+    monkeypatch.setattr(canonical, "_REPORT_EVERY_S", 0.0)
+    problem, _ = packable_instance(num_buffers=400, seed=9)  # not closed within a second
+    with caplog.at_level("INFO", logger=canonical.__name__):
+        canonical.solve_canonical(problem, SolveOptions(time_limit_s=1.0))
+    reports = [r.getMessage() for r in caplog.records if "above the lower bound" in r.getMessage()]
+    assert reports and all(r.startswith("canonical search: ") for r in reports)

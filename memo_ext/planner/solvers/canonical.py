@@ -120,6 +120,9 @@ def preorders(problem: DsaProblem, sections: _Sections, rng: np.random.Generator
         ranks = [preorder(sections, key), _rank_of(np.argsort(-key, kind="stable"))]
 
 
+_REPORT_EVERY_S = 10.0
+"""A long search logs its incumbent's gap this often."""
+
 _TABLE_SLOTS = 1 << 21
 """Slots of a failed-state table (32 MiB); it is emptied when half full."""
 
@@ -341,8 +344,17 @@ def _schedule(
     base_nodes, runs, rounds, record = 4 * problem.n + 64, 0, 0, 0
     node_limit = base_nodes
     search = searches[0]
+    started = last_report = time.perf_counter()
     try:
         while best_peak > bound:
+            if time.perf_counter() - last_report >= _REPORT_EVERY_S:
+                last_report = time.perf_counter()
+                logger.info(
+                    "canonical search: %.2f%% above the lower bound after %.0f s (%d nodes)",
+                    100 * (best_peak / bound - 1),
+                    last_report - started,
+                    sum(s.nodes for s in searches),
+                )
             k = rounds % len(searches)
             search = searches[k]
             # Just below the incumbent a placement is usually easy to find: steady progress.
