@@ -175,11 +175,10 @@ class CanonicalSearch:
         np.add.at(diff, self.sections.hi - 1, -1)
         self._base_crossings = np.cumsum(diff)[:-1]
         self._base_total = self.sections.total.astype(np.int64)
-        sizes = [n, n, n, num_sections, num_sections, n, n, len(both) + 1, len(both) + 1]
-        sizes += [kernel.RAISED_TOP + 1, n, num_sections, n, n]
-        self._state = tuple(np.zeros(size, dtype=np.int64) for size in sizes)
+        self._state = kernel.new_state(n, num_sections, len(both) + 1)
         self._tables: dict[int, tuple] = {}
-        self._kernel_s = 0.0
+        # Nodes and seconds of the timed runs (not the one that compiled): the node rate.
+        self._timed_nodes, self._timed_s = 0, 0.0
         self.deepest_offsets = np.full(n, -1, dtype=np.int64)
 
     def _tables_for(self, capacity: int) -> tuple:
@@ -222,8 +221,8 @@ class CanonicalSearch:
         left = self.deadline - time.perf_counter()
         if left <= 0 or (self.stop is not None and self.stop.is_set()):
             raise _Deadline
-        if self._kernel_s > 0.05 and np.isfinite(left):
-            node_limit = min(node_limit, max(64, int(left * self.nodes / self._kernel_s)))
+        if self._timed_s > 0.05 and np.isfinite(left):
+            node_limit = min(node_limit, max(64, int(left * self._timed_nodes / self._timed_s)))
         if fixed is None:
             fixed = np.full(self.problem.n, -1, dtype=np.int64)
         graph = (*self._graph, np.asarray(rank, dtype=np.int64))
@@ -240,15 +239,16 @@ class CanonicalSearch:
             self._tables_for(int(capacity)),
         )
         elapsed = time.perf_counter() - t0
+        counters = self._state[kernel.COUNTERS]
+        self.run_nodes = int(counters[kernel.NODES])
+        self.nodes += self.run_nodes
         if first_call and elapsed > 1.0:
             logger.info(
                 "compiled the canonical search loop in %.0f s (cached for later runs)", elapsed
             )
         else:
-            self._kernel_s += elapsed
-        counters = self._state[kernel.COUNTERS]
-        self.run_nodes = int(counters[kernel.NODES])
-        self.nodes += self.run_nodes
+            self._timed_nodes += self.run_nodes
+            self._timed_s += elapsed
         self.deepest = int(counters[kernel.DEEPEST])
         self.deepest_offsets = self._state[kernel.DEEPEST_OFFSETS].copy()
         self.complete = outcome == kernel.FAILED and not (fixed >= 0).any()
