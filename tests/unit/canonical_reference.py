@@ -25,6 +25,9 @@ class ReferenceSearch:
             self.neighbours[i].append(j)
             self.neighbours[j].append(i)
         self.failed: dict[int, set] = {}
+        self.cuts = {"stranded": 0, "lifted": 0}
+        """Over all runs: nodes cut because a forbidden tensor had no neighbour left to lift it,
+        and forbidden tensors whose usable offset a neighbour lifted above ``last_off + 1``."""
 
     def run(self, *, capacity: int, rank: np.ndarray, node_limit: int, fixed=None):
         """Returns ``(offsets or None, outcome, nodes)``; outcome: found, failed, out of nodes."""
@@ -76,7 +79,20 @@ class ReferenceSearch:
         key = (s_lo, last_off, unplaced.tobytes(), mo.tobytes(), allowed.tobytes())
         if key in self.seen:
             return False
-        usable = np.where(allowed, mo, last_off + 1)
+        usable = mo.copy()
+        for k in np.flatnonzero(~allowed):
+            # A forbidden tensor must rest on an unplaced neighbour placed at or above last_off.
+            lifts = [
+                max(self.min_off[j], last_off) + sizes[j]
+                for j in self.neighbours[unplaced[k]]
+                if not self.placed[j]
+            ]
+            if not lifts:
+                self.cuts["stranded"] += 1
+                self.seen.add(key)
+                return False
+            self.cuts["lifted"] += min(lifts) > last_off + 1
+            usable[k] = max(min(lifts), last_off + 1)
         if not self.sections_fit(unplaced, usable, s_lo, s_hi):
             self.seen.add(key)
             return False

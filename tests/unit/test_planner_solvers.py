@@ -1,6 +1,7 @@
 """Every backend reaches the optimum on instances whose optimum is known by construction."""
 
 import importlib.util
+from collections import Counter
 from itertools import permutations
 
 import numpy as np
@@ -140,9 +141,10 @@ def _instances():
         )
 
 
-def _compare_runs(problem, capacity, limits, *, seed=0, fixed=None):
+def _compare_runs(problem, capacity, limits, *, seed=0, fixed=None, cuts=None):
     """Runs the compiled search and the reference with the same preorders and budgets; returns
-    the reference's outcomes after checking that both agree node for node."""
+    the reference's outcomes after checking that both agree node for node (``cuts``: a Counter
+    the reference's cut counts are added to)."""
     from memo_ext.planner.solvers.canonical import CanonicalSearch, preorders
 
     fast = CanonicalSearch(problem=problem, deadline=float("inf"))
@@ -162,6 +164,8 @@ def _compare_runs(problem, capacity, limits, *, seed=0, fixed=None):
             assert len(find_conflicts(problem, found)) == 0
         assert fast.complete == (outcome == "failed" and fixed is None)
         outcomes.append((outcome, nodes))
+    if cuts is not None:
+        cuts.update(slow.cuts)
     return outcomes
 
 
@@ -169,11 +173,16 @@ def test_compiled_search_visits_the_reference_tree_node_for_node():
     """Same outcome, placement and node count as the plain reference, with the failed-state
     table carried across runs of one capacity: at, below and above the optimum, with node
     limits, with fixed tensors, and on cut rectangles whose trees run to a thousand nodes."""
-    outcomes = []
+    outcomes, cuts = [], Counter()
     for problem in _instances():
         bound = lower_bound(problem)
         for capacity in (bound - 1, bound, bound + 2, bound + 6):
-            outcomes += _compare_runs(problem, capacity, (10**6, 40, 10**6, 7), seed=capacity)
+            outcomes += _compare_runs(
+                problem, capacity, (10**6, 40, 10**6, 7), seed=capacity, cuts=cuts
+            )
+    # A forbidden tensor left with no neighbour to lift it (rare on small instances).
+    problem, _ = packable_instance(num_buffers=32, seed=14, duration=60, height=256)
+    outcomes += _compare_runs(problem, 262, (10**5,) * 9, cuts=cuts)
     problem, offsets = packable_instance(num_buffers=14, seed=4, duration=24, height=96)
     outcomes += _compare_runs(problem, 96, (10**6, 10**6), fixed=np.where(offsets == 0, 0, -1))
     for num_buffers, seed in ((32, 47), (40, 23)):
@@ -181,6 +190,7 @@ def test_compiled_search_visits_the_reference_tree_node_for_node():
         outcomes += _compare_runs(problem, 256, (10**6, 500, 10**6))
     assert {outcome for outcome, _ in outcomes} == {"found", "failed", "out of nodes"}
     assert max(nodes for _, nodes in outcomes) > 1000
+    assert cuts["stranded"] > 0 and cuts["lifted"] > 0  # both cuts of forbidden tensors run
 
 
 def test_luby_sequence_matches_its_definition():

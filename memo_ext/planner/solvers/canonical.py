@@ -10,6 +10,10 @@ minimum offset, and
   reached once (*canonical solutions*);
 * a tensor whose minimum offset is at or above the lowest possible top of another unplaced
   tensor is skipped: that other tensor could always be slid under it (*dominance*);
+* a tensor the order forbids at its minimum offset must be lifted onto a neighbour placed
+  later, so it can go no lower than the lowest top such a neighbour can reach; with no unplaced
+  neighbour left it can never be placed and the node fails (MiniMalloc's *hatless pruning*,
+  tightened);
 * the time axis is cut into sections (between consecutive event times); a node is cut off when,
   in some section, the floor (top of what is placed there, and at least the current offset) plus
   the sizes of the unplaced tensors live there exceeds the capacity (*spatial inference*);

@@ -217,6 +217,7 @@ def _search(capacity, pb, st, tables, pool, pool_top):
     Returns FOUND (the placement stays in ``st``), FAILED or OUT_OF_NODES.
     """
     sizes, lo, hi, rank = pb[SIZES], pb[LO], pb[HI], pb[RANK]
+    nb_ptr, nb_idx = pb[NB_PTR], pb[NB_IDX]
     min_off, placed, total, counters = st[MIN_OFF], st[PLACED], st[TOTAL], st[COUNTERS]
     usable_buf, allowed_buf = st[USABLE], st[ALLOWED]
     n = len(sizes)
@@ -247,7 +248,7 @@ def _search(capacity, pb, st, tables, pool, pool_top):
             # once fails again.
             key_a = _fold(_fold(uint64(0x9E3779B97F4A7C15), s_lo), last_off)
             key_b = _fold(_fold(uint64(0x2545F4914F6CDD1D), last_off), s_lo)
-            min_height, m = _NO_FLOOR, 0
+            min_height, m, stranded = _NO_FLOOR, 0, False
             for k in range(members, members + num_members):
                 i = pool[k]
                 if placed[i] != 0:
@@ -255,9 +256,17 @@ def _search(capacity, pb, st, tables, pool, pool_top):
                 mo = min_off[i]
                 ok = mo > last_off or (mo == last_off and rank[i] > last_rank)
                 unplaced[m], allowed_buf[m] = i, ok
-                # Tensors the canonical order forbids at their minimum offset go at least one
-                # unit up.
-                usable_buf[m] = mo if ok else last_off + 1
+                usable_buf[m] = mo
+                if not ok:
+                    # The canonical order forbids this tensor at its minimum offset: it must
+                    # rest on a neighbour still to be placed (at or above ``last_off``).
+                    lowest = _NO_FLOOR
+                    for q in range(nb_ptr[i], nb_ptr[i + 1]):
+                        j = nb_idx[q]
+                        if placed[j] == 0:
+                            lowest = min(lowest, max(min_off[j], last_off) + sizes[j])
+                    stranded = stranded or lowest == _NO_FLOOR
+                    usable_buf[m] = max(lowest, last_off + 1)
                 key_a = _fold(_fold(key_a, i), 2 * mo + ok)
                 key_b = _fold(_fold(key_b, 2 * i + ok), mo)
                 min_height = min(min_height, mo + sizes[i])
@@ -265,6 +274,11 @@ def _search(capacity, pb, st, tables, pool, pool_top):
             key_a |= uint64(1)  # 0 marks an empty slot
             slot = _table_slot(tables[0], tables[1], key_a, key_b)
             if tables[0][slot] != 0:
+                action, result = _RETURN, FAILED
+                continue
+            if stranded:
+                # A forbidden tensor with no neighbour left to lift it can never be placed.
+                _remember(key_a, key_b, tables)
                 action, result = _RETURN, FAILED
                 continue
             usable = usable_buf[:m]
