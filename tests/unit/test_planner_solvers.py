@@ -245,3 +245,67 @@ def test_a_long_canonical_search_reports_its_gap(monkeypatch, caplog):
         canonical.solve_canonical(problem, SolveOptions(time_limit_s=1.0))
     reports = [r.getMessage() for r in caplog.records if "above the lower bound" in r.getMessage()]
     assert reports and all(r.startswith("canonical search: ") for r in reports)
+
+
+def _full_instances():
+    """Small instances whose every section adds up to the same total: random lifetimes topped
+    up, section by section, with a filler tensor living in just that section."""
+    from memo_ext.planner.solvers.canonical import build_sections
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):  # about 1 in 70 of these has no exact cover
+        start = rng.integers(0, 5, 5)
+        problem = DsaProblem(
+            sizes=rng.integers(1, 6, 5), start=start, end=start + rng.integers(1, 4, 5)
+        )
+        times = np.unique(np.concatenate([problem.start, problem.end]))
+        total = build_sections(problem).total
+        slack = total.max() - total
+        fill = np.flatnonzero(slack > 0)
+        yield DsaProblem(
+            sizes=np.concatenate([problem.sizes, slack[fill]]),
+            start=np.concatenate([problem.start, times[fill]]),
+            end=np.concatenate([problem.end, times[fill + 1]]),
+        )
+
+
+def test_exact_cover_agrees_with_the_canonical_search():
+    """On problems whose sections are all full at the lower bound, the exact-cover search finds
+    a placement exactly when the (complete) canonical search does, and proves the rest."""
+    from memo_ext.planner.solvers.canonical import CanonicalSearch
+
+    outcomes = set()
+    for problem in _full_instances():
+        bound = lower_bound(problem)
+        search = CanonicalSearch(problem=problem, deadline=float("inf"))
+        assert search.full_at(bound) and not search.full_at(bound + 1)
+        canonical = search.run(capacity=bound, rank=np.arange(problem.n), node_limit=10**6)
+        assert canonical is not None or search.complete
+        for rank in (np.arange(problem.n), np.arange(problem.n)[::-1].copy()):
+            cover = search.cover(capacity=bound, rank=rank, node_limit=10**6)
+            assert (cover is None) == (canonical is None)
+            if cover is None:
+                assert search.complete
+            else:
+                assert len(find_conflicts(problem, cover)) == 0 and peak_of(problem, cover) == bound
+        outcomes.add(canonical is None)
+    assert outcomes == {True, False}  # both tileable and untileable problems were met
+
+
+def test_exact_cover_tiles_a_cut_rectangle_and_leaves_a_partial_when_stopped():
+    from memo_ext.planner.solvers.canonical import CanonicalSearch, cover_orders
+
+    problem, _ = packable_instance(num_buffers=200, seed=0)
+    search = CanonicalSearch(problem=problem, deadline=float("inf"))
+    rank = next(cover_orders(problem, np.random.default_rng(0)))
+    offsets = search.cover(capacity=1 << 20, rank=rank, node_limit=10**6)
+    assert len(find_conflicts(problem, offsets)) == 0 and peak_of(problem, offsets) == 1 << 20
+    assert search.cover(capacity=1 << 20, rank=rank, node_limit=50) is None
+    assert not search.complete and 0 < search.deepest < problem.n
+    partial = search.deepest_offsets
+    assert (partial >= 0).sum() == search.deepest
+    placed = np.flatnonzero(partial >= 0)
+    assert len(find_conflicts(problem.subproblem(placed), partial[placed])) == 0
+    completed = search.complete_deepest()
+    assert (completed[placed] == partial[placed]).all()
+    assert len(find_conflicts(problem, completed)) == 0

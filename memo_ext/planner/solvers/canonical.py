@@ -43,6 +43,7 @@ import numpy as np
 from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
 from memo_ext.planner.solvers import canonical_kernel as kernel
 from memo_ext.planner.solvers.base import Solution, SolveOptions
+from memo_ext.planner.solvers.cover_kernel import cover_kernel
 from memo_ext.planner.solvers.greedy import greedy_orders, place_in_order, solve_greedy
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,13 @@ def preorders(problem: DsaProblem, sections: _Sections, rng: np.random.Generator
         ranks = [preorder(sections, key), _rank_of(np.argsort(-key, kind="stable"))]
 
 
+def cover_orders(problem: DsaProblem, rng: np.random.Generator):
+    """Candidate orders for the exact-cover search: largest first, then noisy variants of it."""
+    yield _rank_of(np.argsort(-problem.sizes, kind="stable"))
+    while True:
+        yield _rank_of(np.argsort(-problem.sizes * (1 + 0.3 * rng.random(problem.n))))
+
+
 _REPORT_EVERY_S = 10.0
 """A long search logs its incumbent's gap this often."""
 
@@ -178,6 +186,17 @@ class CanonicalSearch:
         np.add.at(diff, self.sections.lo, 1)
         np.add.at(diff, self.sections.hi - 1, -1)
         self._base_crossings = np.cumsum(diff)[:-1]
+        # The tensors live in each section (CSR), for the exact-cover search.
+        spans = self.sections.hi - self.sections.lo
+        self._live_idx = np.repeat(np.arange(n, dtype=np.int64), spans)
+        live_sec = np.concatenate(
+            [np.arange(a, b) for a, b in zip(self.sections.lo, self.sections.hi)] or [[]]
+        ).astype(np.int64)
+        self._live_idx = self._live_idx[np.argsort(live_sec, kind="stable")]
+        self._live_ptr = np.searchsorted(np.sort(live_sec), np.arange(num_sections + 1)).astype(
+            np.int64
+        )
+        self._cover_nodes, self._cover_s = 0, 0.0
         self._base_total = self.sections.total.astype(np.int64)
         self._state = kernel.new_state(n, num_sections, len(both) + 1)
         self._tables: dict[int, tuple] = {}
@@ -259,6 +278,46 @@ class CanonicalSearch:
         if outcome == kernel.FOUND:
             return self._state[kernel.OFFSETS].copy()
         return None
+
+    def full_at(self, capacity: int) -> bool:
+        """Whether every section's tensors add up to exactly ``capacity`` (so a placement within
+        it is an exact cover, and ``cover`` applies)."""
+        return bool((self.sections.total == capacity).all())
+
+    def cover(self, *, capacity: int, rank: np.ndarray, node_limit: int) -> np.ndarray | None:
+        """Exact-cover search (``cover_kernel``) at ``capacity``; only for ``full_at(capacity)``.
+
+        Sets ``complete``, ``deepest`` and ``deepest_offsets`` like ``run``.
+
+        Raises:
+            _Deadline: as ``run``.
+        """
+        assert self.full_at(capacity)
+        left = self.deadline - time.perf_counter()
+        if left <= 0 or (self.stop is not None and self.stop.is_set()):
+            raise _Deadline
+        if self._cover_s > 0.05 and np.isfinite(left):
+            node_limit = min(node_limit, max(64, int(left * self._cover_nodes / self._cover_s)))
+        t0 = time.perf_counter()
+        outcome, nodes, offsets, depth = cover_kernel(
+            int(capacity), int(node_limit), *self._graph, self._live_ptr, self._live_idx,
+            np.asarray(rank, dtype=np.int64),
+        )  # fmt: skip
+        self._cover_nodes += nodes
+        self._cover_s += time.perf_counter() - t0
+        self.run_nodes = int(nodes)
+        self.nodes += self.run_nodes
+        self.complete = outcome == kernel.FAILED
+        if outcome == kernel.FOUND:
+            return offsets
+        self.deepest, self.deepest_offsets = int(depth), offsets
+        return None
+
+    def cover_node_ratio(self) -> float:
+        """Cover nodes per canonical node in the same time, as measured so far (0.1 before)."""
+        if self._cover_s < 0.05 or self._timed_s < 0.05:
+            return 0.1
+        return (self._cover_nodes / self._cover_s) / (self._timed_nodes / self._timed_s)
 
     def complete_deepest(self) -> np.ndarray:
         """The most complete placement of the last run, finished greedily above the rest.
@@ -344,6 +403,9 @@ def _schedule(
     """
     rng = np.random.default_rng(seed)
     ranks = [preorders(search.problem, search.sections, rng) for search in searches]
+    # Their own random stream, so that the canonical runs see the same preorders either way.
+    cover_rng = np.random.default_rng(seed + 1_000_003)
+    covers = [cover_orders(search.problem, cover_rng) for search in searches]
     best_peak = peak_of(problem, best)
     base_nodes, runs, rounds, record = 4 * problem.n + 64, 0, 0, 0
     node_limit = base_nodes
@@ -378,6 +440,22 @@ def _schedule(
                     logger.debug("canonical: peak %d after %d nodes", best_peak, search.nodes)
                 elif complete:
                     bound = target + 1
+            if search.full_at(bound) and best_peak > bound:
+                # Every section full at the bound: also try to cover it exactly. Its deepest
+                # partial covers, completed greedily, beat the canonical ones on such problems.
+                # The same time as the canonical run (a cover node costs more).
+                limit = max(64, int(node_limit * search.cover_node_ratio()))
+                offsets = search.cover(capacity=bound, rank=next(covers[k]), node_limit=limit)
+                runs += 1
+                if offsets is None and search.complete:
+                    bound += 1
+                else:
+                    if offsets is None:
+                        offsets, record = _finish_partial(
+                            search, ranks[k], best_peak, record, node_limit=base_nodes
+                        )
+                    if peak_of(problem, offsets) < best_peak:
+                        best, best_peak = offsets, peak_of(problem, offsets)
             rounds += 1
             node_limit = base_nodes * luby(rounds // len(searches) + 1)
     except _Deadline:
@@ -430,10 +508,11 @@ def solve_canonical(
 
 
 def warm_up() -> None:
-    """Compiles the search loop into numba's cache (``make install`` calls it), so that the
+    """Compiles the search loops into numba's cache (``make install`` calls it), so that the
     first plan does not spend its time limit compiling."""
     problem = DsaProblem(
         sizes=np.array([2, 1, 1]), start=np.array([0, 0, 1]), end=np.array([2, 1, 2])
     )
     search = CanonicalSearch(problem=problem, deadline=float("inf"))
     search.run(capacity=3, rank=np.arange(problem.n), node_limit=100)
+    search.cover(capacity=3, rank=np.arange(problem.n), node_limit=100)
