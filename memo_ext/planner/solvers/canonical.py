@@ -186,16 +186,16 @@ class CanonicalSearch:
         np.add.at(diff, self.sections.lo, 1)
         np.add.at(diff, self.sections.hi - 1, -1)
         self._base_crossings = np.cumsum(diff)[:-1]
-        # The tensors live in each section (CSR), for the exact-cover search.
+        # The tensors live in each section (CSR), for the exact-cover search: one (tensor,
+        # section) entry per section a tensor spans, sorted by section.
         spans = self.sections.hi - self.sections.lo
-        self._live_idx = np.repeat(np.arange(n, dtype=np.int64), spans)
-        live_sec = np.concatenate(
-            [np.arange(a, b) for a, b in zip(self.sections.lo, self.sections.hi)] or [[]]
-        ).astype(np.int64)
-        self._live_idx = self._live_idx[np.argsort(live_sec, kind="stable")]
-        self._live_ptr = np.searchsorted(np.sort(live_sec), np.arange(num_sections + 1)).astype(
-            np.int64
+        tensor = np.repeat(np.arange(n, dtype=np.int64), spans)
+        section = np.repeat(self.sections.lo - np.cumsum(spans) + spans, spans) + np.arange(
+            len(tensor)
         )
+        by_section = np.argsort(section, kind="stable")
+        self._live_idx = tensor[by_section]
+        self._live_ptr = np.searchsorted(section[by_section], np.arange(num_sections + 1))
         self._cover_nodes, self._cover_s = 0, 0.0
         self._base_total = self.sections.total.astype(np.int64)
         self._state = kernel.new_state(n, num_sections, len(both) + 1)
@@ -217,6 +217,16 @@ class CanonicalSearch:
             )
             self._tables[capacity] = tables
         return self._tables[capacity]
+
+    def _node_budget(self, node_limit: int, nodes: int, seconds: float) -> int:
+        """``node_limit`` cut to what the time left allows at ``nodes / seconds`` (the rate of
+        earlier runs of the same kind); raises ``_Deadline`` when no time is left."""
+        left = self.deadline - time.perf_counter()
+        if left <= 0 or (self.stop is not None and self.stop.is_set()):
+            raise _Deadline
+        if seconds > 0.05 and np.isfinite(left):
+            node_limit = min(node_limit, max(64, int(left * nodes / seconds)))
+        return node_limit
 
     def run(
         self,
@@ -241,11 +251,7 @@ class CanonicalSearch:
             _Deadline: when the wall-clock budget is spent (checked before the run; the run's
                 budget is cut to what the remaining time allows at the rate seen so far).
         """
-        left = self.deadline - time.perf_counter()
-        if left <= 0 or (self.stop is not None and self.stop.is_set()):
-            raise _Deadline
-        if self._timed_s > 0.05 and np.isfinite(left):
-            node_limit = min(node_limit, max(64, int(left * self._timed_nodes / self._timed_s)))
+        node_limit = self._node_budget(node_limit, self._timed_nodes, self._timed_s)
         if fixed is None:
             fixed = np.full(self.problem.n, -1, dtype=np.int64)
         graph = (*self._graph, np.asarray(rank, dtype=np.int64))
@@ -293,11 +299,7 @@ class CanonicalSearch:
             _Deadline: as ``run``.
         """
         assert self.full_at(capacity)
-        left = self.deadline - time.perf_counter()
-        if left <= 0 or (self.stop is not None and self.stop.is_set()):
-            raise _Deadline
-        if self._cover_s > 0.05 and np.isfinite(left):
-            node_limit = min(node_limit, max(64, int(left * self._cover_nodes / self._cover_s)))
+        node_limit = self._node_budget(node_limit, self._cover_nodes, self._cover_s)
         t0 = time.perf_counter()
         outcome, nodes, offsets, depth = cover_kernel(
             int(capacity), int(node_limit), *self._graph, self._live_ptr, self._live_idx,
@@ -441,9 +443,9 @@ def _schedule(
                 elif complete:
                     bound = target + 1
             if search.full_at(bound) and best_peak > bound:
-                # Every section full at the bound: also try to cover it exactly. Its deepest
-                # partial covers, completed greedily, beat the canonical ones on such problems.
-                # The same time as the canonical run (a cover node costs more).
+                # Every section full at the bound: also try to cover it exactly, for as long as
+                # the canonical run took (a cover node costs more). Its deepest partial covers
+                # reach far deeper than the canonical ones on such problems.
                 limit = max(64, int(node_limit * search.cover_node_ratio()))
                 offsets = search.cover(capacity=bound, rank=next(covers[k]), node_limit=limit)
                 runs += 1
