@@ -271,7 +271,9 @@ def _full_instances():
 
 def test_exact_cover_agrees_with_the_canonical_search():
     """On problems whose sections are all full at the lower bound, the exact-cover search finds
-    a placement exactly when the (complete) canonical search does, and proves the rest."""
+    a placement exactly when the (complete) canonical search does, and proves the rest. The
+    runs of one problem share the failed-state table, so a wrongly remembered state would show
+    up as a missed cover."""
     from memo_ext.planner.solvers.canonical import CanonicalSearch
 
     outcomes = set()
@@ -286,10 +288,30 @@ def test_exact_cover_agrees_with_the_canonical_search():
             assert (cover is None) == (canonical is None)
             if cover is None:
                 assert search.complete
+                # The root state failed, so a later run at this capacity stops there.
+                assert search.cover(capacity=bound, rank=rank, node_limit=10**6) is None
+                assert search.complete and search.run_nodes == 1
             else:
                 assert len(find_conflicts(problem, cover)) == 0 and peak_of(problem, cover) == bound
         outcomes.add(canonical is None)
     assert outcomes == {True, False}  # both tileable and untileable problems were met
+
+
+def test_exact_cover_restarts_share_their_failed_states():
+    """Restarts at one capacity skip the states earlier runs exhausted. This 100-piece rectangle
+    is tiled within a few short restarts; without the table the same runs miss it (the search
+    then spent 2 million nodes on it in vain)."""
+    from memo_ext.planner.solvers.canonical import CanonicalSearch, cover_orders, luby
+
+    problem, _ = packable_instance(num_buffers=100, seed=1)
+    search = CanonicalSearch(problem=problem, deadline=float("inf"))
+    orders = cover_orders(problem, np.random.default_rng(0))
+    for k in range(1, 21):
+        offsets = search.cover(capacity=1 << 20, rank=next(orders), node_limit=2000 * luby(k))
+        if offsets is not None:
+            break
+    assert offsets is not None
+    assert len(find_conflicts(problem, offsets)) == 0 and peak_of(problem, offsets) == 1 << 20
 
 
 def test_exact_cover_tiles_a_cut_rectangle_and_leaves_a_partial_when_stopped():

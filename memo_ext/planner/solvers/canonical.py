@@ -199,15 +199,17 @@ class CanonicalSearch:
         self._cover_nodes, self._cover_s = 0, 0.0
         self._base_total = self.sections.total.astype(np.int64)
         self._state = kernel.new_state(n, num_sections, len(both) + 1)
-        self._tables: dict[int, tuple] = {}
+        self._tables: dict[tuple[str, int], tuple] = {}
         # Nodes and seconds of the timed runs (not the one that compiled): the node rate.
         self._timed_nodes, self._timed_s = 0, 0.0
         self.deepest_offsets = np.full(n, -1, dtype=np.int64)
 
-    def _tables_for(self, capacity: int) -> tuple:
-        if capacity not in self._tables:
-            if len(self._tables) >= 2:
-                self._tables.pop(next(iter(self._tables)))
+    def _tables_for(self, capacity: int, kind: str = "canonical") -> tuple:
+        """The failed-state table of one search kind (``canonical`` or ``cover``, whose states
+        differ) at ``capacity``; tables of the two latest capacities of each kind are kept."""
+        if (kind, capacity) not in self._tables:
+            if sum(k == kind for k, _ in self._tables) >= 2:
+                self._tables.pop(next(key for key in self._tables if key[0] == kind))
             # Small problems get a smaller table; no run of theirs comes near filling it.
             slots = min(_TABLE_SLOTS, max(1 << 16, 1 << (4096 * self.problem.n).bit_length()))
             tables = (
@@ -215,8 +217,8 @@ class CanonicalSearch:
                 np.zeros(slots, np.uint64),
                 np.zeros(1, np.uint64),
             )
-            self._tables[capacity] = tables
-        return self._tables[capacity]
+            self._tables[kind, capacity] = tables
+        return self._tables[kind, capacity]
 
     def _node_budget(self, node_limit: int, nodes: int, seconds: float) -> int:
         """``node_limit`` cut to what the time left allows at ``nodes / seconds`` (the rate of
@@ -292,6 +294,7 @@ class CanonicalSearch:
 
     def cover(self, *, capacity: int, rank: np.ndarray, node_limit: int) -> np.ndarray | None:
         """Exact-cover search (``cover_kernel``) at ``capacity``; only for ``full_at(capacity)``.
+        States that failed in earlier cover runs at the same capacity are not searched again.
 
         Sets ``complete``, ``deepest`` and ``deepest_offsets`` like ``run``.
 
@@ -303,7 +306,7 @@ class CanonicalSearch:
         t0 = time.perf_counter()
         outcome, nodes, offsets, depth = cover_kernel(
             int(capacity), int(node_limit), *self._graph, self._live_ptr, self._live_idx,
-            np.asarray(rank, dtype=np.int64),
+            np.asarray(rank, dtype=np.int64), self._tables_for(int(capacity), "cover"),
         )  # fmt: skip
         self._cover_nodes += nodes
         self._cover_s += time.perf_counter() - t0

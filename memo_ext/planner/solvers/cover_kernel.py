@@ -10,15 +10,28 @@ and branches on which of them covers it. A section with no tensor that fits fail
 The canonical search couples all time through its increasing-offset order; this one works
 where the choice is tightest, so a bad decision shows up as a dead section a few levels down.
 
+What is left to do at a node depends only on the free region and on which tensors are placed,
+not on how they were arranged to get there: two arrangements of the same tensors below a flat
+level leave the same problem above it. A state whose subtree failed is remembered (in the table
+kind of ``canonical_kernel``, by a 128-bit fingerprint) and fails at once when met again, in
+the same run or a later one at the same capacity.
+
 The loop is compiled with numba and runs on an explicit frame stack, like ``canonical_kernel``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, uint64
 
-from memo_ext.planner.solvers.canonical_kernel import FAILED, FOUND, OUT_OF_NODES
+from memo_ext.planner.solvers.canonical_kernel import (
+    FAILED,
+    FOUND,
+    OUT_OF_NODES,
+    _fold,
+    _remember,
+    _table_slot,
+)
 
 
 @njit(cache=True, nogil=True)
@@ -35,11 +48,31 @@ def _fits(i, f, capacity, sizes, nb_ptr, nb_idx, offsets):
 
 
 @njit(cache=True, nogil=True)
-def cover_kernel(capacity, node_limit, sizes, lo, hi, nb_ptr, nb_idx, sec_ptr, sec_idx, rank):
+def _toggle(c, f, size, lo, hi, key):
+    """Adds tensor ``c`` at offset ``f`` to the state's fingerprint, or takes it out.
+
+    The fingerprint XORs a term per placed tensor (which tensors are left) and a term per
+    (section, byte) where the occupied region of the section starts or ends. Tensors that touch
+    share such a byte and its two terms cancel, so the boundary terms describe the free region
+    alone, whatever the tensors that cover the rest.
+    """
+    key[0] ^= _fold(uint64(0x9E3779B97F4A7C15), c)
+    key[1] ^= _fold(uint64(0x2545F4914F6CDD1D), c)
+    for s in range(lo, hi):
+        for y in (f, f + size):
+            key[0] ^= _fold(_fold(uint64(0xD6E8FEB86659FD93), s), y)
+            key[1] ^= _fold(_fold(uint64(0xA0761D6478BD642F), y), s)
+
+
+@njit(cache=True, nogil=True)
+def cover_kernel(
+    capacity, node_limit, sizes, lo, hi, nb_ptr, nb_idx, sec_ptr, sec_idx, rank, tables
+):
     """One depth-first run; candidates for a byte are tried by increasing ``rank``.
 
     Args:
         sec_ptr, sec_idx: CSR lists of the tensors live in each section.
+        tables: failed-state table for this capacity (``CanonicalSearch._tables_for``).
 
     Returns:
         ``(outcome, nodes, offsets, deepest)``: FOUND (``offsets`` is the cover), FAILED (there
@@ -63,6 +96,9 @@ def cover_kernel(capacity, node_limit, sizes, lo, hi, nb_ptr, nb_idx, sec_ptr, s
     f_sec, f_base = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
     f_num, f_next = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
     f_placed, f_log = np.full(n + 1, -1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
+    # The fingerprint of the current state (see ``_toggle``) and of each frame's node.
+    key = np.zeros(2, dtype=np.uint64)
+    f_key = np.zeros((n + 1, 2), dtype=np.uint64)
     depth, nodes, deepest, pool_top, log_top = 0, 0, 0, 0, 0
     entering = True
     while True:
@@ -75,9 +111,15 @@ def cover_kernel(capacity, node_limit, sizes, lo, hi, nb_ptr, nb_idx, sec_ptr, s
             if depth > deepest:
                 deepest = depth
                 deepest_offsets[:] = offsets
-            # The open section with the fewest tensors that fit its lowest free byte.
+            # A state that failed once (in this run or an earlier one at this capacity) fails
+            # again; otherwise, the open section with the fewest tensors that fit its lowest
+            # free byte.
+            f_key[depth, 0], f_key[depth, 1] = key[0] | uint64(1), key[1]
+            slot = _table_slot(tables[0], tables[1], f_key[depth, 0], f_key[depth, 1])
             best, best_count = -1, n + 1
-            for s in range(num_sections):
+            if tables[0][slot] != 0:
+                best_count = 0
+            for s in range(num_sections if best_count > 0 else 0):
                 f = low[s]
                 if f >= capacity:
                     continue
@@ -110,12 +152,14 @@ def cover_kernel(capacity, node_limit, sizes, lo, hi, nb_ptr, nb_idx, sec_ptr, s
             continue
         c = f_placed[depth]
         if c >= 0:  # take back the candidate tried last
+            _toggle(c, offsets[c], sizes[c], lo[c], hi[c], key)
             offsets[c] = -1
             while log_top > f_log[depth]:
                 log_top -= 1
                 low[log_s[log_top]] = log_v[log_top]
             f_placed[depth] = -1
-        if f_next[depth] == f_num[depth]:
+        if f_next[depth] == f_num[depth]:  # every candidate failed: so does this state
+            _remember(f_key[depth, 0], f_key[depth, 1], tables)
             pool_top = f_base[depth]
             if depth == 0:
                 return FAILED, nodes, deepest_offsets, deepest
@@ -125,6 +169,7 @@ def cover_kernel(capacity, node_limit, sizes, lo, hi, nb_ptr, nb_idx, sec_ptr, s
         f_next[depth] += 1
         f = low[f_sec[depth]]
         offsets[c], f_placed[depth], f_log[depth] = f, c, log_top
+        _toggle(c, f, sizes[c], lo[c], hi[c], key)
         # Sections whose lowest free byte it covers move up past it and past any tensor
         # already placed right above.
         for s in range(lo[c], hi[c]):
