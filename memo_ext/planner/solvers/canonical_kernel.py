@@ -61,13 +61,15 @@ def _mix(z):
 
 
 @njit(cache=True, nogil=True)
-def _fold(h, value):
+def fold(h, value):
+    """Mixes ``value`` into the hash ``h`` (the fingerprints of both searches are built of it)."""
     return _mix(h ^ uint64(value))
 
 
 @njit(cache=True, nogil=True)
 def _table_slot(table_a, table_b, key_a, key_b):
-    """Index of the key's slot, or of the empty slot where it would go (linear probing)."""
+    """Index of the key's slot, or of the empty slot where it would go (linear probing);
+    ``key_a`` must be odd, since 0 marks an empty slot."""
     mask = uint64(len(table_a) - 1)
     slot = key_a & mask
     while table_a[slot] != 0 and (table_a[slot] != key_a or table_b[slot] != key_b):
@@ -76,13 +78,21 @@ def _table_slot(table_a, table_b, key_a, key_b):
 
 
 @njit(cache=True, nogil=True)
-def _remember(key_a, key_b, tables):
+def seen_failed(key_a, key_b, tables):
+    """Whether the state with fingerprint ``(key_a, key_b)`` is recorded as failed."""
+    key_a |= uint64(1)
+    return tables[0][_table_slot(tables[0], tables[1], key_a, key_b)] != 0
+
+
+@njit(cache=True, nogil=True)
+def remember_failed(key_a, key_b, tables):
     """Records a failed state; a half-full table is emptied (it is only a cache)."""
     table_a, table_b, used = tables
     if uint64(2) * used[0] > uint64(len(table_a)):
         table_a[:] = 0
         table_b[:] = 0
         used[0] = 0
+    key_a |= uint64(1)
     slot = _table_slot(table_a, table_b, key_a, key_b)
     if table_a[slot] == 0:
         table_a[slot], table_b[slot] = key_a, key_b
@@ -246,8 +256,8 @@ def _search(capacity, pb, st, tables, pool, pool_top):
             # The residual state depends only on what is left, where it can go and which
             # tensors the canonical order still allows at ``last_off``; a state that failed
             # once fails again.
-            key_a = _fold(_fold(uint64(0x9E3779B97F4A7C15), s_lo), last_off)
-            key_b = _fold(_fold(uint64(0x2545F4914F6CDD1D), last_off), s_lo)
+            key_a = fold(fold(uint64(0x9E3779B97F4A7C15), s_lo), last_off)
+            key_b = fold(fold(uint64(0x2545F4914F6CDD1D), last_off), s_lo)
             min_height, m, stranded = _NO_FLOOR, 0, False
             for k in range(members, members + num_members):
                 i = pool[k]
@@ -267,25 +277,23 @@ def _search(capacity, pb, st, tables, pool, pool_top):
                             lowest = min(lowest, max(min_off[j], last_off) + sizes[j])
                     stranded = stranded or lowest == _NO_FLOOR
                     usable_buf[m] = max(lowest, last_off + 1)
-                key_a = _fold(_fold(key_a, i), 2 * mo + ok)
-                key_b = _fold(_fold(key_b, 2 * i + ok), mo)
+                key_a = fold(fold(key_a, i), 2 * mo + ok)
+                key_b = fold(fold(key_b, 2 * i + ok), mo)
                 min_height = min(min_height, mo + sizes[i])
                 m += 1
-            key_a |= uint64(1)  # 0 marks an empty slot
-            slot = _table_slot(tables[0], tables[1], key_a, key_b)
-            if tables[0][slot] != 0:
+            if seen_failed(key_a, key_b, tables):
                 action, result = _RETURN, FAILED
                 continue
             if stranded:
                 # A forbidden tensor with no neighbour left to lift it can never be placed.
-                _remember(key_a, key_b, tables)
+                remember_failed(key_a, key_b, tables)
                 action, result = _RETURN, FAILED
                 continue
             usable = usable_buf[:m]
             if not sections_fit(
                 unplaced, usable, s_lo, s_hi, capacity, sizes, lo, hi, total, st[SCRATCH]
             ):
-                _remember(key_a, key_b, tables)
+                remember_failed(key_a, key_b, tables)
                 action, result = _RETURN, FAILED
                 continue
             # Whatever is placed next sits at or below every later offset, so the fullest
@@ -315,7 +323,7 @@ def _search(capacity, pb, st, tables, pool, pool_top):
         elif action == _NEXT_CANDIDATE:
             f = frames[depth]
             if f[_F_NEXT] == f[_F_NUM_CANDS]:
-                _remember(keys[depth, 0], keys[depth, 1], tables)
+                remember_failed(keys[depth, 0], keys[depth, 1], tables)
                 pool_top = f[_F_BASE]
                 depth -= 1
                 action, result = _RETURN, FAILED

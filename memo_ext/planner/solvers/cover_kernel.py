@@ -28,9 +28,9 @@ from memo_ext.planner.solvers.canonical_kernel import (
     FAILED,
     FOUND,
     OUT_OF_NODES,
-    _fold,
-    _remember,
-    _table_slot,
+    fold,
+    remember_failed,
+    seen_failed,
 )
 
 
@@ -56,12 +56,12 @@ def _toggle(c, f, size, lo, hi, key):
     share such a byte and its two terms cancel, so the boundary terms describe the free region
     alone, whatever the tensors that cover the rest.
     """
-    key[0] ^= _fold(uint64(0x9E3779B97F4A7C15), c)
-    key[1] ^= _fold(uint64(0x2545F4914F6CDD1D), c)
+    key[0] ^= fold(uint64(0x9E3779B97F4A7C15), c)
+    key[1] ^= fold(uint64(0x2545F4914F6CDD1D), c)
     for s in range(lo, hi):
         for y in (f, f + size):
-            key[0] ^= _fold(_fold(uint64(0xD6E8FEB86659FD93), s), y)
-            key[1] ^= _fold(_fold(uint64(0xA0761D6478BD642F), y), s)
+            key[0] ^= fold(fold(uint64(0xD6E8FEB86659FD93), s), y)
+            key[1] ^= fold(fold(uint64(0xA0761D6478BD642F), y), s)
 
 
 @njit(cache=True, nogil=True)
@@ -114,24 +114,24 @@ def cover_kernel(
             # A state that failed once (in this run or an earlier one at this capacity) fails
             # again; otherwise, the open section with the fewest tensors that fit its lowest
             # free byte.
-            f_key[depth, 0], f_key[depth, 1] = key[0] | uint64(1), key[1]
-            slot = _table_slot(tables[0], tables[1], f_key[depth, 0], f_key[depth, 1])
+            f_key[depth, 0], f_key[depth, 1] = key[0], key[1]
             best, best_count = -1, n + 1
-            if tables[0][slot] != 0:
-                best_count = 0
-            for s in range(num_sections if best_count > 0 else 0):
-                f = low[s]
-                if f >= capacity:
-                    continue
-                count = 0
-                for k in range(sec_ptr[s], sec_ptr[s + 1]):
-                    i = sec_idx[k]
-                    if offsets[i] < 0 and _fits(i, f, capacity, sizes, nb_ptr, nb_idx, offsets):
-                        count += 1
-                if count < best_count:
-                    best, best_count = s, count
-                    if count <= 1:
-                        break
+            if seen_failed(key[0], key[1], tables):
+                best_count = 0  # no candidates: the node fails at once
+            else:
+                for s in range(num_sections):
+                    f = low[s]
+                    if f >= capacity:
+                        continue
+                    count = 0
+                    for k in range(sec_ptr[s], sec_ptr[s + 1]):
+                        i = sec_idx[k]
+                        if offsets[i] < 0 and _fits(i, f, capacity, sizes, nb_ptr, nb_idx, offsets):
+                            count += 1
+                    if count < best_count:
+                        best, best_count = s, count
+                        if count <= 1:
+                            break
             num = 0
             if best_count > 0:
                 f = low[best]
@@ -159,7 +159,7 @@ def cover_kernel(
                 low[log_s[log_top]] = log_v[log_top]
             f_placed[depth] = -1
         if f_next[depth] == f_num[depth]:  # every candidate failed: so does this state
-            _remember(f_key[depth, 0], f_key[depth, 1], tables)
+            remember_failed(f_key[depth, 0], f_key[depth, 1], tables)
             pool_top = f_base[depth]
             if depth == 0:
                 return FAILED, nodes, deepest_offsets, deepest
