@@ -25,11 +25,12 @@ from memo_ext.planner.problem import find_conflicts, lower_bound
 from memo_ext.planner.solvers import SolveOptions, solve_dsa
 
 
-def measure(*, solver: str, size: int, seed: int, time_limit_s: float) -> dict:
+def measure(*, solver: str, size: int, seed: int, time_limit_s: float, levels: bool = True) -> dict:
     """Solves one instance; returns its gap, time and whether the optimum was proven."""
     problem, _ = packable_instance(num_buffers=size, seed=seed)
     t0 = time.perf_counter()
-    solution = solve_dsa(problem, solver=solver, options=SolveOptions(time_limit_s=time_limit_s))
+    options = SolveOptions(time_limit_s=time_limit_s, levels=levels)
+    solution = solve_dsa(problem, solver=solver, options=options)
     elapsed = time.perf_counter() - t0
     assert len(find_conflicts(problem, solution.offsets)) == 0
     return {
@@ -39,6 +40,7 @@ def measure(*, solver: str, size: int, seed: int, time_limit_s: float) -> dict:
         "gap": solution.peak / lower_bound(problem) - 1,
         "time_s": round(elapsed, 2),
         "optimal": bool(solution.optimal),
+        "levels": levels,
     }
 
 
@@ -69,19 +71,30 @@ def main() -> None:
     if importlib.util.find_spec("gurobipy"):
         default.append("gurobi")
     parser.add_argument("--solvers", nargs="+", default=default)
+    parser.add_argument(
+        "--no-levels",
+        action="store_true",
+        help="Search every instance whole, without the level-by-level attempt first.",
+    )
     parser.add_argument("--json", default="planner_quality.json")
     args = parser.parse_args()
     rows = []
     for size in args.sizes:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for solver in args.solvers:
-                rows.append(
-                    measure(solver=solver, size=size, seed=seed, time_limit_s=args.time_limit)
+                row = measure(
+                    solver=solver,
+                    size=size,
+                    seed=seed,
+                    time_limit_s=args.time_limit,
+                    levels=not args.no_levels,
                 )
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
     print("\n".join(summarise(rows)))
     with open(args.json, "w") as handle:
-        json.dump({"time_limit_s": args.time_limit, "rows": rows}, handle, indent=1)
+        summary = {"time_limit_s": args.time_limit, "levels": not args.no_levels, "rows": rows}
+        json.dump(summary, handle, indent=1)
 
 
 if __name__ == "__main__":

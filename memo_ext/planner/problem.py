@@ -77,6 +77,22 @@ def lower_bound(problem: DsaProblem) -> int:
     return int(live_totals(problem)[1].max())
 
 
+def compress_times(problem: DsaProblem) -> DsaProblem:
+    """The same problem with each time replaced by the number of distinct start times before it.
+
+    Two tensors overlap afterwards exactly when they did before (``s_i < e_j`` holds exactly
+    when ``s_i`` is among the starts before ``e_j``), so a placement of one is a placement of
+    the other. What changes: an end and the next start with nothing between them (a trace's
+    free and the alloc after it) fall on one time, as do ends with no start between them.
+    """
+    starts = np.unique(problem.start)
+    return DsaProblem(
+        sizes=problem.sizes,
+        start=np.searchsorted(starts, problem.start),
+        end=np.searchsorted(starts, problem.end),
+    )
+
+
 def peak_of(problem: DsaProblem, offsets: np.ndarray) -> int:
     """Peak ``max(offset + size)`` of a placement (0 for an empty problem)."""
     if problem.n == 0:

@@ -3,7 +3,9 @@
 ``solve_dsa(problem, solver=..., options=...)`` works in the problem's units: it divides sizes
 by their common divisor, splits the tensors into groups that never meet in time, solves each
 group with the chosen backend (a group the greedy already packs at its lower bound is done),
-and stacks nothing: groups never conflict, so each starts at offset 0.
+and stacks nothing: groups never conflict, so each starts at offset 0. Before the backend
+searches a whole group, the group is cut along its flat levels (``levels``) and the pieces
+placed one by one; when that meets the lower bound the group is done.
 
 Backends:
     cpsat: canonical branch and bound, then OR-Tools CP-SAT from its incumbent (default).
@@ -15,6 +17,7 @@ Backends:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +31,7 @@ from memo_ext.planner.solvers.cpsat import solve_cpsat
 from memo_ext.planner.solvers.greedy import solve_greedy
 from memo_ext.planner.solvers.gurobi import import_gurobi, solve_gurobi
 from memo_ext.planner.solvers.highs import solve_highs
+from memo_ext.planner.solvers.levels import solve_by_levels
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ SOLVERS: dict[str, Callable[[DsaProblem, SolveOptions], Solution]] = {
 }
 
 __all__ = ["SOLVERS", "Solution", "SolveOptions", "solve_dsa"]
+
+LEVELS_SHARE = 0.25
+"""Fraction of a group's time the level-by-level attempt may spend before the backend."""
 
 
 def _scaled(problem: DsaProblem, unit: int) -> DsaProblem:
@@ -65,18 +72,48 @@ def _solve_groups(
         return offsets, proven or peak_of(problem, offsets) == target, details
     deadline = time.perf_counter() + options.time_limit_s
     proven = True
+    backend = SOLVERS[solver]
     for k, group in enumerate(sorted(hard, key=len)):
         share = (deadline - time.perf_counter()) / (len(hard) - k)
         sub = problem.subproblem(group)
+        if options.levels:
+            placed = _solve_levels(sub, backend, options, capacity=target, seconds=share)
+            details.setdefault("levels", []).append(placed is not None)
+            if placed is not None:
+                offsets[group] = placed
+                continue
+            share = (deadline - time.perf_counter()) / (len(hard) - k)
         hint = offsets[group] if options.hint is None else options.hint[group]
-        sub_options = SolveOptions(
-            time_limit_s=max(share, 0.01), workers=options.workers, seed=options.seed, hint=hint
-        )
-        result = SOLVERS[solver](sub, sub_options)
+        sub_options = dataclasses.replace(options, time_limit_s=max(share, 0.01), hint=hint)
+        result = backend(sub, sub_options)
         offsets[group] = result.offsets
         proven &= result.optimal or result.peak <= target
         details.setdefault("backend", []).append(result.details)
     return offsets, proven or peak_of(problem, offsets) == target, details
+
+
+def _solve_levels(
+    problem: DsaProblem,
+    backend: Callable[[DsaProblem, SolveOptions], Solution],
+    options: SolveOptions,
+    *,
+    capacity: int,
+    seconds: float,
+) -> np.ndarray | None:
+    """Level by level within ``capacity``; each leaf by greedy, then by the backend."""
+
+    def leaf(piece: DsaProblem, room: int, time_limit_s: float) -> np.ndarray:
+        first = solve_greedy(piece)
+        if first.peak <= room:
+            return first.offsets
+        piece_options = dataclasses.replace(
+            options, time_limit_s=time_limit_s, hint=first.offsets, levels=False
+        )
+        return backend(piece, piece_options).offsets
+
+    return solve_by_levels(
+        problem, leaf, capacity=capacity, time_limit_s=LEVELS_SHARE * seconds, seed=options.seed
+    )
 
 
 def solve_dsa(
@@ -106,7 +143,7 @@ def solve_dsa(
         hint = hint // unit
     else:
         hint = None  # A hint off the size grid cannot be expressed in the scaled units.
-    options = SolveOptions(options.time_limit_s, options.workers, options.seed, hint)
+    options = dataclasses.replace(options, hint=hint)
     offsets, proven, details = _solve_groups(scaled, time_components(scaled), solver, options)
     offsets = offsets * unit
     peak = peak_of(problem, offsets)

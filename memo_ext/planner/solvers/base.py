@@ -19,6 +19,9 @@ class SolveOptions:
     """Random seed for backends that randomise their search."""
     hint: np.ndarray | None = None
     """Optional known placement (offsets, problem units) to start from."""
+    levels: bool = True
+    """Cut a problem along its flat levels and place the pieces one by one before searching
+    it whole (``solve_dsa``; see ``levels``)."""
 
 
 @dataclass
