@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--flat", dest="bilevel", action="store_false", help="Plan every tensor in one problem."
     )
+    parser.add_argument(
+        "--no-levels",
+        dest="levels",
+        action="store_false",
+        help="Search each problem whole, without first cutting it along its flat levels.",
+    )
     parser.add_argument("--workers", type=int, default=2, help="Solver threads (default 2).")
     parser.add_argument("--seed", type=int, default=0)
     model = parser.add_argument_group("model (with --model)")
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> None:
         bilevel=args.bilevel,
         workers=args.workers,
         seed=args.seed,
+        levels=args.levels,
     )
     config.check()
     logger.info(

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from memo_ext.planner.solvers import SolveOptions
 
 
 @dataclass
@@ -22,6 +28,21 @@ class PlannerConfig:
     """Threads a backend may use."""
     seed: int = 0
     """Random seed for backends that randomise their search."""
+    levels: bool = True
+    """Cut each problem along its flat levels and place the pieces before searching it whole
+    (``memo_ext.planner.solvers.levels``)."""
+
+    def solve_options(self, time_limit_s: float, hint: np.ndarray | None = None) -> SolveOptions:
+        """The backend options of one solve with this configuration."""
+        from memo_ext.planner.solvers import SolveOptions
+
+        return SolveOptions(
+            time_limit_s=time_limit_s,
+            workers=self.workers,
+            seed=self.seed,
+            hint=hint,
+            levels=self.levels,
+        )
 
     def check(self) -> None:
         """Raises ValueError with an actionable message for a bad setting."""

@@ -22,7 +22,7 @@ import numpy as np
 from memo_ext.planner.config import PlannerConfig
 from memo_ext.planner.plan import Plan, validate
 from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of, problem_from_trace
-from memo_ext.planner.solvers import SolveOptions, solve_dsa
+from memo_ext.planner.solvers import solve_dsa
 from memo_ext.planner.trace import Alloc, Trace, trace_digest
 
 logger = logging.getLogger(__name__)
@@ -111,9 +111,7 @@ def plan_flat(trace: Trace, *, config: PlannerConfig) -> Plan:
     """Plans every tensor of the trace in one DSA problem, and validates the plan."""
     t0 = time.perf_counter()
     ids, problem = problem_from_trace(trace, alignment=config.alignment)
-    options = SolveOptions(
-        time_limit_s=config.time_limit_s, workers=config.workers, seed=config.seed
-    )
+    options = config.solve_options(config.time_limit_s)
     solution = solve_dsa(problem, solver=config.solver, options=options)
     return _make_plan(
         trace,
@@ -137,9 +135,7 @@ def _solve_level1(
     solved = {}
     for k, (signature, layer_pass) in enumerate(distinct.items()):
         sub = problem.subproblem(layer_pass.transient)
-        options = SolveOptions(
-            time_limit_s=budget_s / len(distinct), workers=config.workers, seed=config.seed
-        )
+        options = config.solve_options(budget_s / len(distinct))
         result = solve_dsa(sub, solver=config.solver, options=options)
         solved[signature] = (result.offsets, result.peak, result.optimal)
         logger.info(
@@ -174,11 +170,7 @@ def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
         start=np.concatenate([problem.start[rest], [p.first for p in passes]]).astype(np.int64),
         end=np.concatenate([problem.end[rest], [p.stop for p in passes]]).astype(np.int64),
     )
-    options = SolveOptions(
-        time_limit_s=max(config.time_limit_s - level1_s, 0.1),
-        workers=config.workers,
-        seed=config.seed,
-    )
+    options = config.solve_options(max(config.time_limit_s - level1_s, 0.1))
     outer = solve_dsa(level2, solver=config.solver, options=options)
     offsets = np.zeros(problem.n, dtype=np.int64)
     offsets[rest] = outer.offsets[: len(rest)]
@@ -215,9 +207,7 @@ def _refine_flat(
     problem: DsaProblem, offsets: np.ndarray, config: PlannerConfig, budget_s: float
 ) -> np.ndarray:
     """A flat solve started from the bi-level placement; keeps whichever peak is lower."""
-    options = SolveOptions(
-        time_limit_s=max(budget_s, 0.5), workers=config.workers, seed=config.seed, hint=offsets
-    )
+    options = config.solve_options(max(budget_s, 0.5), hint=offsets)
     flat = solve_dsa(problem, solver=config.solver, options=options)
     return flat.offsets if flat.peak < peak_of(problem, offsets) else offsets
 

@@ -78,19 +78,23 @@ def lower_bound(problem: DsaProblem) -> int:
 
 
 def compress_times(problem: DsaProblem) -> DsaProblem:
-    """The same problem with each time replaced by the number of distinct start times before it.
+    """The same problem on the fewest distinct times: every overlap kept, none added.
 
-    Two tensors overlap afterwards exactly when they did before (``s_i < e_j`` holds exactly
-    when ``s_i`` is among the starts before ``e_j``), so a placement of one is a placement of
-    the other. What changes: an end and the next start with nothing between them (a trace's
-    free and the alloc after it) fall on one time, as do ends with no start between them.
+    List every end and start by time, ends first on ties (lifetimes are half-open). Cut the
+    list before each end that follows a start: each piece, some ends then some starts, becomes
+    one time. A tensor's end comes after its start in the list, and within a piece ends come
+    first, so it still ends after it starts; and ``s_i < e_j`` holds exactly when ``i``'s start
+    is listed before ``j``'s end, which the pieces keep. So a placement of one problem is a
+    placement of the other. What changes: in a trace, where every event has its own time,
+    frees and the allocs that follow them fall on one time, as they do in the program.
     """
-    starts = np.unique(problem.start)
-    return DsaProblem(
-        sizes=problem.sizes,
-        start=np.searchsorted(starts, problem.start),
-        end=np.searchsorted(starts, problem.end),
-    )
+    times = np.concatenate([problem.end, problem.start])
+    is_start = np.concatenate([np.zeros(problem.n, dtype=bool), np.ones(problem.n, dtype=bool)])
+    order = np.lexsort((is_start, times))
+    listed = is_start[order]
+    piece = np.empty(2 * problem.n, dtype=np.int64)
+    piece[order] = np.cumsum(np.concatenate([[False], ~listed[1:] & listed[:-1]]))
+    return DsaProblem(sizes=problem.sizes, start=piece[problem.n :], end=piece[: problem.n])
 
 
 def peak_of(problem: DsaProblem, offsets: np.ndarray) -> int:
