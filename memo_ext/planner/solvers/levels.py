@@ -42,6 +42,48 @@ class _Miss(Exception):
     """A piece did not fit its share of the target, or time ran out."""
 
 
+MAX_TABLE_SIDE = 16
+"""Tensors starting (or ending) at one time up to which that time's balanced subsets are listed."""
+MAX_TABLE_ROWS = 4096
+"""Balanced subsets listed at one time at most (identical sizes multiply them)."""
+
+
+def _subset_sums(sizes: list[int]) -> np.ndarray:
+    """The sum of every subset of ``sizes``, at index ``m`` for the subset of the set bits of m."""
+    sums = np.zeros(1, dtype=np.int64)
+    for size in sizes:
+        sums = np.concatenate([sums, sums + size])
+    return sums
+
+
+def balanced_subsets(gained: list[int], lost: list[int], *, limit: int) -> np.ndarray | None:
+    """Every choice among tensors starting (``gained``) and ending (``lost``) at one time whose
+    chosen sizes balance, as 0/1 rows over ``gained + lost``; None if there are over ``limit``.
+
+    Each side's subset sums are listed (meet in the middle) and equal sums are paired.
+    """
+    if max(len(gained), len(lost)) > MAX_TABLE_SIDE:
+        return None
+    up, down = _subset_sums(gained), _subset_sums(lost)
+    up_order, down_order = np.argsort(up, kind="stable"), np.argsort(down, kind="stable")
+    up_sorted, down_sorted = up[up_order], down[down_order]
+    common = np.intersect1d(up_sorted, down_sorted)
+    up_lo, up_hi = (np.searchsorted(up_sorted, common, side=side) for side in ("left", "right"))
+    down_lo, down_hi = (
+        np.searchsorted(down_sorted, common, side=side) for side in ("left", "right")
+    )
+    if int(((up_hi - up_lo) * (down_hi - down_lo)).sum()) > limit:
+        return None
+    rows = [
+        np.stack(np.meshgrid(up_order[a:b], down_order[c:d])).reshape(2, -1).T
+        for a, b, c, d in zip(up_lo, up_hi, down_lo, down_hi)
+    ]
+    masks = np.concatenate(rows)
+    bits_up = (masks[:, :1] >> np.arange(len(gained))) & 1
+    bits_down = (masks[:, 1:] >> np.arange(len(lost))) & 1
+    return np.concatenate([bits_up, bits_down], axis=1)
+
+
 def find_level(
     problem: DsaProblem, *, time_limit_s: float = 1.0, seed: int = 0
 ) -> np.ndarray | None:
@@ -49,7 +91,11 @@ def find_level(
 
     The live total of a subset is constant exactly when, at every event time after the first,
     the sizes of its tensors that start there equal the sizes of those that end there: one
-    sparse equality per event time, over one boolean per tensor.
+    sparse equality per event time, over one boolean per tensor. Equalities over many large
+    sizes are subset-sum problems that CP-SAT's propagation barely prunes, so where few tensors
+    start and end, the balanced choices are also listed as a table constraint
+    (``balanced_subsets``); with them a level of a 400-tensor problem is found in a fraction
+    of a second where the equalities alone found none in 20 s.
 
     Args:
         problem: tensors forming one time component.
@@ -78,10 +124,16 @@ def find_level(
     for t in sorted(set(starting) | set(ending)):
         if t == last:
             continue
-        change = sum(sizes[i] * chosen[i] for i in starting.get(t, [])) - sum(
-            sizes[i] * chosen[i] for i in ending.get(t, [])
-        )
+        gained, lost = starting.get(t, []), ending.get(t, [])
+        change = sum(sizes[i] * chosen[i] for i in gained) - sum(sizes[i] * chosen[i] for i in lost)
         model.add(change == (height if t == first else 0))
+        if t == first:
+            continue
+        table = balanced_subsets(
+            [sizes[i] for i in gained], [sizes[i] for i in lost], limit=MAX_TABLE_ROWS
+        )
+        if table is not None:
+            model.add_allowed_assignments([chosen[i] for i in gained + lost], table.tolist())
     model.add(sum(chosen) <= n - 1)
     model.minimize(sum(chosen))
     solver = cp_model.CpSolver()
