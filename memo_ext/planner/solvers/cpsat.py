@@ -104,9 +104,9 @@ def solve_cpsat(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
 
     A short canonical run gives CP-SAT its hint and upper bound (and often closes the instance
     at once). Then CP-SAT runs in a thread (it releases the GIL) with one worker fewer than
-    asked, improving the incumbent, while the canonical search keeps restarting at the lower
-    bound in this thread; whichever proves
-    optimality stops the other, and the lower peak wins.
+    asked, improving the incumbent, while the canonical search keeps restarting in this thread,
+    aimed at the lower bound and just below its incumbent; whichever proves optimality stops
+    the other, and the lower peak wins.
     """
     from memo_ext.planner.solvers.canonical import solve_canonical
 
@@ -141,7 +141,7 @@ def solve_cpsat(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
         problem,
         SolveOptions(time_limit_s=left, seed=options.seed + 1, hint=first.offsets),
         stop=stop,
-        improve=False,
+        improve=True,
     )
     if second.optimal and running:
         running[0].stop_search()
