@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names for the model)."""
     parser = argparse.ArgumentParser(prog="plan_memory", description=__doc__.split("\n")[0])
     source = parser.add_argument_group("input (one of)")
-    source.add_argument("--trace", help="memo-trace/1 JSON file, or MiniMalloc CSV (*.csv).")
+    source.add_argument(
+        "--trace",
+        help="memo-trace/1 JSON file, MiniMalloc CSV (*.csv), or a PyTorch memory snapshot with "
+        "allocator history (*.pickle, *.pkl; CUDA device 0).",
+    )
     source.add_argument("--model", choices=sorted(MODEL_PRESETS), help="Trace this GPT preset.")
     parser.add_argument("--out", required=True, help="Where to write the memo-plan/1 JSON.")
     parser.add_argument("--solver", default="cpsat", choices=sorted(SOLVERS))

@@ -14,6 +14,7 @@ Modules:
     solvers: backends (cpsat, canonical, highs, gurobi, heuristic) behind ``solve_dsa``.
     planning: flat and bi-level planning of a trace.
     capture: traces of megatron-core layers under fake tensors (needs torch / megatron-core).
+    cuda_history: traces of a real CUDA step, from PyTorch's allocator history.
     caching_allocator: replay of a trace through a model of PyTorch's CUDA caching allocator.
     packable: perfectly packable instances with a known optimum.
 """

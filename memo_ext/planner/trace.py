@@ -13,7 +13,8 @@ memory. ``name``, ``phase`` and ``layer`` are optional annotations; bi-level pla
 and ``layer`` to find the passes of identical transformer layers.
 
 MiniMalloc-style CSV files (``id,lower,upper,size``; lifetimes as half-open ``[lower, upper)``
-intervals) are read by :func:`trace_from_minimalloc_csv`.
+intervals) are read by :func:`trace_from_minimalloc_csv`, and PyTorch's CUDA allocator history by
+``memo_ext.planner.cuda_history``.
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ def save_trace(trace: Trace, path: str | Path) -> None:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Reads a ``memo-trace/1`` JSON file, or a MiniMalloc CSV when the name ends in ``.csv``.
+    """Reads a ``memo-trace/1`` JSON file, a MiniMalloc CSV when the name ends in ``.csv``, or
+    a PyTorch memory snapshot with allocator history (device 0) when it ends in ``.pickle`` or
+    ``.pkl`` (``memo_ext.planner.cuda_history``).
 
     Raises:
         PlannerInputError: missing file, malformed JSON, unknown format or bad events.
@@ -223,6 +226,10 @@ def load_trace(path: str | Path) -> Trace:
         raise PlannerInputError(f"trace file {str(path)!r} does not exist")
     if path.suffix.lower() == ".csv":
         return trace_from_minimalloc_csv(path)
+    if path.suffix.lower() in (".pickle", ".pkl"):
+        from memo_ext.planner.cuda_history import load_cuda_snapshot
+
+        return load_cuda_snapshot(path)
     try:
         doc = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
