@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-size", type=int, default=None)
     model.add_argument("--ffn-hidden-size", type=int, default=None)
     model.add_argument("--num-attention-heads", type=int, default=None)
+    model.add_argument(
+        "--memo-alpha",
+        type=float,
+        default=None,
+        help="Trace the layers under MEMO with this alpha in [0, 1] (default: without MEMO).",
+    )
     model.add_argument("--save-trace", help="Also write the captured trace here.")
     report = parser.add_argument_group("fragmentation report")
     report.add_argument(
@@ -105,6 +111,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--model needs --seq-length (tokens per sequence)")
     if args.time_limit <= 0:
         raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.memo_alpha is not None and (args.model is None or not 0 <= args.memo_alpha <= 1):
+        raise ValueError("--memo-alpha needs --model and a value in [0, 1]")
 
 
 def _trace_model(args: argparse.Namespace):
@@ -134,6 +142,7 @@ def _trace_model(args: argparse.Namespace):
             micro_batch_size=args.micro_batch_size,
             num_layers=config.num_layers,
             vocab_size=preset.vocab_size,
+            memo_alpha=args.memo_alpha,
         )
     except RuntimeError as err:
         raise ValueError(f"tracing the model failed ({str(err).splitlines()[0]})") from None

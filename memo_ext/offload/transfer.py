@@ -54,6 +54,8 @@ class HostPool:
         self.pin_memory = pin_memory
         self.allocated_bytes = 0
         self.in_use_bytes = 0
+        self.buffers: list[HostBuffer] = []
+        """Every buffer the pool allocated, in order."""
         self._free: dict[int, list[HostBuffer]] = defaultdict(list)
 
     def acquire(self, nbytes: int) -> HostBuffer:
@@ -74,6 +76,7 @@ class HostPool:
                 )
             data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             buf = HostBuffer(data)
+            self.buffers.append(buf)
             self.allocated_bytes += nbytes
         self.in_use_bytes += nbytes
         return buf

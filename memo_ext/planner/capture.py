@@ -80,6 +80,11 @@ class AllocationRecorder(TorchDispatchMode):
         """Stops recording; storages still alive count as never freed."""
         self.recording = False
 
+    def forget(self, storages: set[int]) -> None:
+        """Drops the events of these live storages (memory that is not the device's)."""
+        ids = {self.live.pop(key) for key in storages if key in self.live}
+        self.events = [event for event in self.events if event.id not in ids]
+
 
 def _is_tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor)
@@ -187,6 +192,7 @@ def trace_transformer_layer(
     vocab_size: int | None = None,
     layer_spec=None,
     context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    memo_alpha: float | None = None,
 ) -> Trace:
     """Traces one iteration: embedding, ``num_layers`` layers forward, loss, and backward.
 
@@ -206,6 +212,11 @@ def trace_transformer_layer(
         vocab_size: include the embedding and loss ends with this vocabulary.
         layer_spec: megatron ``ModuleSpec`` of the layer.
         context: optional context-manager factory wrapped around the traced program.
+        memo_alpha: run the layer under MEMO with this α (the share of each offloaded
+            activation's tokens copied to host memory; the rest is recomputed). One layer
+            object runs every pass, so every pass offloads (MEMO's ``keep_last_layers`` is 0
+            here). MEMO's host buffers are host memory and are left out of the trace; its
+            device buffers, fetches and recomputation are in it.
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -214,13 +225,23 @@ def trace_transformer_layer(
     if seq_length % (cp * (tp if sp else 1)):
         raise ValueError(f"--seq-length {seq_length} must divide by CP x (TP under SP)")
     spec = layer_spec if layer_spec is not None else _default_layer_spec(config)
+    if memo_alpha is not None:
+        from memo_ext.offload.config import MemoConfig
+        from memo_ext.offload.policy import apply_memo
+
+        # No host budget here: the trace states what MEMO would use.
+        memo = MemoConfig(enabled=True, alpha=memo_alpha, keep_last_layers=0, host_memory_gb=2**40)
+        spec = apply_memo(spec, memo, config)
     dtype = config.params_dtype
     s_local, h = seq_length // cp, config.hidden_size
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     from memo_ext.mcore.compat import tracing_environment
 
     with fake_process_groups(tp=tp, cp=cp) as groups, tracing_environment(), fake:
-        layer = TransformerLayer(config, spec.submodules, layer_number=1, pg_collection=groups)
+        module = spec.module if isinstance(spec.module, type) else TransformerLayer
+        layer = module(
+            config, spec.submodules, layer_number=1, pg_collection=groups, **(spec.params or {})
+        )
         for param in layer.parameters():
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         ends = _build_ends(vocab_size, tp=tp, h=h, s=s_local, dtype=dtype)
@@ -251,6 +272,9 @@ def trace_transformer_layer(
             else:
                 recorder.tag = ("bwd", num_layers - 1)
                 x.backward(torch.ones_like(x))
+            pool = getattr(getattr(layer, "memo_runtime", None), "pool", None)
+            if pool is not None:  # MEMO's pinned host buffers are host memory
+                recorder.forget({buf.data.untyped_storage()._cdata for buf in pool.buffers})
 
         meta = {
             "model": {
@@ -266,6 +290,7 @@ def trace_transformer_layer(
             "sequence_parallel": sp,
             "context_parallel_size": cp,
             "dtype": str(dtype).replace("torch.", ""),
+            "memo_alpha": memo_alpha,
         }
         return trace_module(run, context=context, meta=meta)
 

@@ -70,3 +70,33 @@ def test_a_saved_tensor_policy_shows_in_the_trace(tp2_config):
     assert len(hooked.allocs) > len(plain.allocs)
     assert isinstance(hooked.events[0], Alloc)
     assert contextlib  # the context argument takes any context-manager factory
+
+
+def test_memo_policy_traces_hold_less_than_plain_layers(tp2_config):
+    kwargs = dict(config=tp2_config, seq_length=256, micro_batch_size=1, num_layers=4)
+    plain = trace_transformer_layer(**kwargs, vocab_size=1000)
+    _, plain_problem = problem_from_trace(plain)
+    for alpha in (0.0, 1.0):
+        memo = trace_transformer_layer(**kwargs, vocab_size=1000, memo_alpha=alpha)
+        assert memo.meta["memo_alpha"] == alpha
+        # Fetches and recomputation show as allocations of their own ...
+        assert len(memo.allocs) > len(plain.allocs)
+        # ... and four layers' activations are no longer held at once.
+        _, problem = problem_from_trace(memo)
+        assert lower_bound(problem) < lower_bound(plain_problem)
+        plan = plan_bilevel(memo, config=PlannerConfig(time_limit_s=20, alignment=512))
+        validate(memo, plan)
+
+
+def test_forgotten_storages_leave_no_events():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memo_ext.planner.capture import AllocationRecorder
+
+    with FakeTensorMode(), AllocationRecorder() as recorder:
+        device = torch.ones(4)
+        host = torch.ones(8)
+        del device
+        recorder.forget({host.untyped_storage()._cdata})
+    assert [type(event) for event in recorder.events] == [Alloc, Free]
+    assert recorder.events[0].size == 16

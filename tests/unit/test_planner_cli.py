@@ -91,3 +91,16 @@ def test_plans_a_hard_cut_rectangle_at_its_optimum(tmp_path):
     )
     assert whole.returncode == 0, whole.stderr
     assert load_plan(plan_path).peak_bytes > optimum
+
+
+def test_memo_alpha_needs_a_model_and_a_value_in_range(tmp_path):
+    out = str(tmp_path / "p.json")
+    model = ("--model", "gpt-7b", "--seq-length", "1024", "--out", out)
+    result = _run(*model, "--memo-alpha", "1.5")
+    assert result.returncode == 2 and "--memo-alpha needs --model and a value in [0, 1]" in (
+        result.stderr
+    )
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("id,lower,upper,size\nb1,0,3,4\n")
+    result = _run("--trace", str(csv_path), "--out", out, "--memo-alpha", "0.5")
+    assert result.returncode == 2 and "--memo-alpha needs --model" in result.stderr
