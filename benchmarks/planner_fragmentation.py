@@ -7,6 +7,9 @@ the caching-allocator model. Run from the repository root:
 
     python -m benchmarks.planner_fragmentation --tensor-model-parallel-size 8 \\
         --sequence-parallel --json planner_fragmentation.json --plot-dir .
+
+``--memo-alpha A [B ...]`` adds rows with the layers under MEMO at each α (host buffers are
+host memory and not in the traces; fetches and recomputation are).
 """
 
 from __future__ import annotations
@@ -24,13 +27,27 @@ from memo_ext.planner.models import MODEL_PRESETS, gpt_config
 GIB = float(1 << 30)
 
 
-def measure(*, config, tokens: int, scope: str, time_limit_s: float, plot_dir: str | None) -> dict:
+def measure(
+    *,
+    config,
+    tokens: int,
+    scope: str,
+    time_limit_s: float,
+    plot_dir: str | None,
+    memo_alpha: float | None = None,
+) -> dict:
     """Traces, plans and replays one case; returns its row."""
     preset = MODEL_PRESETS["gpt-7b"]
     layers, vocab = (1, None) if scope == "layer" else (preset.num_layers, preset.vocab_size)
     trace = trace_transformer_layer(
-        config=config, seq_length=tokens, micro_batch_size=1, num_layers=layers, vocab_size=vocab
+        config=config,
+        seq_length=tokens,
+        micro_batch_size=1,
+        num_layers=layers,
+        vocab_size=vocab,
+        memo_alpha=memo_alpha,
     )
+    method = "plain" if memo_alpha is None else f"memo-{memo_alpha:g}"
     t0 = time.perf_counter()
     plan = plan_trace(trace, config=PlannerConfig(time_limit_s=time_limit_s, alignment=512))
     plan_s = time.perf_counter() - t0
@@ -42,11 +59,12 @@ def measure(*, config, tokens: int, scope: str, time_limit_s: float, plot_dir: s
             trace=trace,
             plan=plan,
             replay=replay,
-            path=f"{plot_dir}/planner_fragmentation_{scope}_{tokens // 1024}k.png",
+            path=f"{plot_dir}/planner_fragmentation_{method}_{scope}_{tokens // 1024}k.png",
         )
     return {
         "tokens": tokens,
         "scope": scope,
+        "method": method,
         "tensors": len(trace.allocs),
         "lower_bound_gib": plan.lower_bound_bytes / GIB,
         "plan_gib": plan.peak_bytes / GIB,
@@ -62,16 +80,16 @@ def measure(*, config, tokens: int, scope: str, time_limit_s: float, plot_dir: s
 def table(rows: list[dict]) -> str:
     """Markdown table of the rows."""
     lines = [
-        "| tokens | scope | tensors | lower bound GiB | plan GiB | gap | caching allocated GiB "
-        "| caching reserved GiB | reserved / plan | plan s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | scope | method | tensors | lower bound GiB | plan GiB | gap "
+        "| caching allocated GiB | caching reserved GiB | reserved / plan | plan s |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tokens'] // 1024}K | {r['scope']} | {r['tensors']} | "
+            f"| {r['tokens'] // 1024}K | {r['scope']} | {r['method']} | {r['tensors']} | "
             f"{r['lower_bound_gib']:.2f} | {r['plan_gib']:.2f} | {r['plan_gap']:.2%} | "
             f"{r['allocated_peak_gib']:.2f} | {r['reserved_peak_gib']:.2f} | "
-            f"+{r['reserved_over_plan']:.1%} | {r['plan_s']:.1f} |"
+            f"{r['reserved_over_plan']:+.1%} | {r['plan_s']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -86,6 +104,13 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--json", default="planner_fragmentation.json")
     parser.add_argument("--plot-dir", default=None, help="Write PNG pictures here (matplotlib).")
+    parser.add_argument(
+        "--memo-alpha",
+        type=float,
+        nargs="*",
+        default=[],
+        help="Also trace the layers under MEMO at each of these alphas.",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = gpt_config(
@@ -95,17 +120,18 @@ def main() -> None:
     )
     rows = []
     for tokens in args.tokens:
-        for scope in ("layer", "iteration"):
-            rows.append(
-                measure(
+        for memo_alpha in [None, *args.memo_alpha]:
+            for scope in ("layer", "iteration"):
+                row = measure(
                     config=config,
                     tokens=tokens,
                     scope=scope,
                     time_limit_s=args.time_limit,
                     plot_dir=args.plot_dir,
+                    memo_alpha=memo_alpha,
                 )
-            )
-            print(json.dumps(rows[-1]), flush=True)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     print(table(rows))
     with open(args.json, "w") as handle:
         json.dump(

@@ -28,9 +28,11 @@ from memo_ext.planner.trace import Alloc, Trace, trace_digest
 logger = logging.getLogger(__name__)
 
 LAYER_PHASES = ("fwd", "bwd")
-FLAT_REFINE_MAX_TENSORS = 600
+FLAT_REFINE_MAX_TENSORS = 5000
 """Bi-level plans of traces up to this size are refined by a flat solve from the bi-level
-placement (blocks are conservative: a pass's block is reserved for the whole pass)."""
+placement when they are above the lower bound (blocks are conservative: a pass's block is
+reserved for the whole pass). A 32-layer MEMO iteration (2,804 tensors) is planned flat at its
+lower bound in about a second, where its bi-level plan is 1% above."""
 
 
 @dataclass
