@@ -16,6 +16,7 @@ Example (a 7B layer at 1M tokens, TP 8 + SP, forward and backward in about a sec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import weakref
@@ -224,6 +225,11 @@ def trace_transformer_layer(
     sp = bool(config.sequence_parallel)
     if seq_length % (cp * (tp if sp else 1)):
         raise ValueError(f"--seq-length {seq_length} must divide by CP x (TP under SP)")
+    if cp > 1:
+        # The rank's s / cp tokens on a CP-free layer: ring attention's footprint (each rank
+        # keeps its own q, k, v, output and log-sum-exp). Our CPU CP path's causal bias object
+        # cannot be faked, and its all-gathered K / V is not what the GPU path holds.
+        config = dataclasses.replace(config, context_parallel_size=1)
     spec = layer_spec if layer_spec is not None else _default_layer_spec(config)
     if memo_alpha is not None:
         from memo_ext.offload.config import MemoConfig
@@ -237,7 +243,7 @@ def trace_transformer_layer(
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     from memo_ext.mcore.compat import tracing_environment
 
-    with fake_process_groups(tp=tp, cp=cp) as groups, tracing_environment(), fake:
+    with fake_process_groups(tp=tp, cp=1) as groups, tracing_environment(), fake:
         module = spec.module if isinstance(spec.module, type) else TransformerLayer
         layer = module(
             config, spec.submodules, layer_number=1, pg_collection=groups, **(spec.params or {})

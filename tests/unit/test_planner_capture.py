@@ -100,3 +100,21 @@ def test_forgotten_storages_leave_no_events():
         recorder.forget({host.untyped_storage()._cdata})
     assert [type(event) for event in recorder.events] == [Alloc, Free]
     assert recorder.events[0].size == 16
+
+
+def test_context_parallel_traces_the_ranks_share_of_the_tokens():
+    def trace(cp, seq_length):
+        config = gpt_config(
+            "gpt-7b",
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            context_parallel_size=cp,
+            **SMALL,
+        )
+        return trace_transformer_layer(
+            config=config, seq_length=seq_length, micro_batch_size=1, vocab_size=1000
+        )
+
+    sharded, local = trace(2, 512), trace(1, 256)
+    assert sharded.meta["context_parallel_size"] == 2
+    assert [event.size for event in sharded.allocs] == [event.size for event in local.allocs]
