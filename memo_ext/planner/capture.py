@@ -219,7 +219,7 @@ def trace_transformer_layer(
             here). MEMO's host buffers are host memory and are left out of the trace; its
             device buffers, fetches and recomputation are in it.
     """
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.spec_utils import build_module
 
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     sp = bool(config.sequence_parallel)
@@ -244,10 +244,7 @@ def trace_transformer_layer(
     from memo_ext.mcore.compat import tracing_environment
 
     with fake_process_groups(tp=tp, cp=1) as groups, tracing_environment(), fake:
-        module = spec.module if isinstance(spec.module, type) else TransformerLayer
-        layer = module(
-            config, spec.submodules, layer_number=1, pg_collection=groups, **(spec.params or {})
-        )
+        layer = build_module(spec, config, layer_number=1, pg_collection=groups)
         for param in layer.parameters():
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         ends = _build_ends(vocab_size, tp=tp, h=h, s=s_local, dtype=dtype)

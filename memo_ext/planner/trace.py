@@ -282,6 +282,21 @@ def trace_from_minimalloc_csv(path: str | Path) -> Trace:
         PlannerInputError: unreadable rows, duplicate ids, non-positive sizes.
     """
     buffers = _read_csv_rows(Path(path))
+    return trace_from_intervals(buffers, meta={"source": str(path), "kind": "minimalloc-csv"})
+
+
+def trace_from_intervals(
+    buffers: list[tuple[str, int, int, int]], *, meta: dict | None = None
+) -> Trace:
+    """The trace of buffers ``(id, lower, upper, size)`` live over ``[lower, upper)``.
+
+    Events go time point by time point, the frees of buffers ending at ``t`` before the allocs of
+    buffers starting at ``t``, so two buffers conflict in the trace exactly when their intervals
+    intersect. A zero-length buffer is allocated and freed at ``t`` after the other allocs there.
+
+    Raises:
+        PlannerInputError: duplicate ids, non-positive sizes.
+    """
     frees_at: dict[int, list[str]] = {}
     allocs_at: dict[int, list[tuple[str, int, bool]]] = {}
     for buffer_id, lower, upper, size in buffers:
@@ -294,4 +309,4 @@ def trace_from_minimalloc_csv(path: str | Path) -> Trace:
         starting = allocs_at.get(t, [])
         events.extend(Alloc(id=buffer_id, size=size) for buffer_id, size, _ in starting)
         events.extend(Free(id=buffer_id) for buffer_id, _, empty in starting if empty)
-    return Trace(events=events, meta={"source": str(path), "kind": "minimalloc-csv"})
+    return Trace(events=events, meta=dict(meta or {}))

@@ -5,9 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memo_ext.planner import load_plan, load_trace, validate
+from memo_ext.planner import load_plan, load_trace, save_trace, validate
 from memo_ext.planner.packable import packable_instance
 from memo_ext.planner.problem import lower_bound
+from memo_ext.planner.trace import trace_from_intervals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,20 +59,10 @@ def test_bad_file_gives_one_clear_sentence(tmp_path):
 
 
 def _write_cut_rectangle(path, *, num_buffers, seed):
-    """A packable instance as a trace: at each time, frees before allocs."""
+    """A packable instance as a memo-trace/1 file (at each time, frees before allocs)."""
     problem, _ = packable_instance(num_buffers=num_buffers, seed=seed)
-    events = []
-    for i in range(problem.n):
-        events.append(
-            (
-                int(problem.start[i]),
-                1,
-                {"op": "alloc", "id": f"t{i}", "size": int(problem.sizes[i])},
-            )
-        )
-        events.append((int(problem.end[i]), 0, {"op": "free", "id": f"t{i}"}))
-    events.sort(key=lambda e: e[:2])
-    path.write_text(json.dumps({"format": "memo-trace/1", "events": [e[2] for e in events]}))
+    rows = zip(problem.start.tolist(), problem.end.tolist(), problem.sizes.tolist())
+    save_trace(trace_from_intervals([(f"t{i}", *row) for i, row in enumerate(rows)]), path)
     return lower_bound(problem)
 
 
