@@ -25,14 +25,17 @@ warnings.filterwarnings("ignore", message=r".*tp_group is None, using default tp
 # the estimator's traced configs (HotSPa auto, preflight) trip a cosmetic megatron deprecation
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from memo_ext.arguments import ArgumentError, parse_args  # noqa: E402
+from memo_ext.arguments import parse_args  # noqa: E402
+from memo_ext.errors import ReportedError  # noqa: E402
+from memo_ext.training.loop import train  # noqa: E402
 
 
 def _configure_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank {rank}] %(asctime)s %(message)s",
-                        datefmt="%H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=level, format=f"[rank {rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
     # megatron-core logs every dataset config and index build at INFO
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
@@ -40,29 +43,18 @@ def _configure_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     try:
-        run = parse_args(argv)
-    except ArgumentError as err:
+        summary = train(parse_args(argv))
+    except ReportedError as err:  # bad input (exit 2) or a failure the message explains (1)
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
-        return 2
-    from memo_ext.estimate.preflight import PreflightError
-    from memo_ext.hotspa.auto import StrategyError
-    from memo_ext.training.checkpointing import CheckpointError
-    from memo_ext.training.loop import TrainingDiverged, train
-
-    try:
-        summary = train(run)
-    except (PreflightError, StrategyError) as err:
-        print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
-        return 2
-    except (CheckpointError, TrainingDiverged) as err:
-        print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
-        return 1
+        return err.exit_status
     if int(os.environ.get("RANK", "0")) == 0 and summary.losses:
         logging.getLogger("pretrain_gpt_memo").info(
             "done: %d iterations, loss %.4f -> %.4f, %.0f tokens/s (median)",
-            summary.iterations, summary.first_loss, summary.last_loss,
+            summary.iterations,
+            summary.first_loss,
+            summary.last_loss,
             sorted(summary.tokens_per_s)[len(summary.tokens_per_s) // 2],
-        )  # fmt: skip
+        )
     return 0
 
 

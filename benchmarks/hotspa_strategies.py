@@ -24,9 +24,11 @@ import math
 
 import numpy as np
 
-from memo_ext.estimate.presets import DEVICES, MODELS, device_spec, model_shape
+from memo_ext.config import parse_buckets
+from memo_ext.data.demo_corpus import select_stdlib_files
+from memo_ext.hardware import DEVICES, device_spec
 from memo_ext.hotspa.auto import StrategyError, bucket_statistics, choose_strategies
-from memo_ext.hotspa.buckets import parse_buckets
+from memo_ext.shapes import MODELS, model_shape
 
 
 class LengthSource:
@@ -44,8 +46,6 @@ class LengthSource:
 
 def demo_corpus_lengths() -> list[int]:
     """The demo corpus's documents: the standard library's sources, in bytes plus end-of-doc."""
-    from memo_ext.training.demo_corpus import select_stdlib_files
-
     return [path.stat().st_size + 1 for path in select_stdlib_files()]
 
 
@@ -71,26 +71,38 @@ def compare(*, model, device, gpus: int, lengths, buckets, seq_length, gbs, seed
     static = bucket_statistics(source, bounds=[seq_length], global_batch_size=gbs, seed=seed)
     stats = bucket_statistics(source, bounds=buckets, global_batch_size=gbs, seed=seed)
     out = []
-    cases = [("static", [seq_length], static, "switch"), ("hotspa", buckets, stats, "switch"),
-             ("dynamic-cp", buckets, stats, "dynamic-cp")]  # fmt: skip
+    cases = [
+        ("static", [seq_length], static, "switch"),
+        ("hotspa", buckets, stats, "switch"),
+        ("dynamic-cp", buckets, stats, "dynamic-cp"),
+    ]
     for name, bounds, bucket_stats, mode in cases:
         r = [b.rows for b in bucket_stats]
         try:
             plan = choose_strategies(
-                model=model, device=device, bounds=bounds, rows=r, world_size=gpus, mode=mode,
+                model=model,
+                device=device,
+                bounds=bounds,
+                rows=r,
+                world_size=gpus,
+                mode=mode,
                 attention_fractions=[b.attention_fraction for b in bucket_stats],
-            )  # fmt: skip
+            )
         except StrategyError as err:
             out.append({"strategy": name, "gpus": gpus, "error": str(err)})
             continue
-        out.append({
-            "strategy": name, "gpus": gpus,
-            "layouts": ";".join(layout.name for layout in plan.layouts),
-            "rows_per_step": [round(x, 2) for x in r],
-            "step_s": plan.step_s, "switch_s": plan.switch_s,
-            "switch_share": plan.switch_s / plan.step_s,
-            "peak_gib": max(c.peak_bytes for c in plan.choices) / 2**30,
-        })  # fmt: skip
+        out.append(
+            {
+                "strategy": name,
+                "gpus": gpus,
+                "layouts": ";".join(layout.name for layout in plan.layouts),
+                "rows_per_step": [round(x, 2) for x in r],
+                "step_s": plan.step_s,
+                "switch_s": plan.switch_s,
+                "switch_share": plan.switch_s / plan.step_s,
+                "peak_gib": max(c.peak_bytes for c in plan.choices) / 2**30,
+            }
+        )
     static = out[0].get("step_s")
     for row in out:
         if static and "step_s" in row:
@@ -117,15 +129,28 @@ def main(argv: list[str] | None = None) -> int:
         "demo-corpus": demo_corpus_lengths(),
         "pareto": pareto_lengths(args.pareto_documents, seed=args.seed),
     }
-    results = {"model": args.model, "device": args.device, "seq_length": args.seq_length,
-               "buckets": buckets, "global_batch_size": args.global_batch_size,
-               "distributions": {}, "rows": []}  # fmt: skip
+    results = {
+        "model": args.model,
+        "device": args.device,
+        "seq_length": args.seq_length,
+        "buckets": list(buckets),
+        "global_batch_size": args.global_batch_size,
+        "distributions": {},
+        "rows": [],
+    }
     for name, lengths in distributions.items():
         results["distributions"][name] = summarize(lengths, args.seq_length)
         for gpus in args.gpus:
-            for row in compare(model=model, device=device, gpus=gpus, lengths=lengths,
-                               buckets=buckets, seq_length=args.seq_length,
-                               gbs=args.global_batch_size, seed=args.seed):  # fmt: skip
+            for row in compare(
+                model=model,
+                device=device,
+                gpus=gpus,
+                lengths=lengths,
+                buckets=buckets,
+                seq_length=args.seq_length,
+                gbs=args.global_batch_size,
+                seed=args.seed,
+            ):
                 results["rows"].append({"distribution": name, **row})
     print_table(results)
     if args.json:
@@ -135,23 +160,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: dict) -> None:
-    print(f"{results['model']} on {results['device']}, {results['seq_length']} tokens, "
-          f"{results['global_batch_size']} documents per step, buckets "
-          f"{','.join(map(str, results['buckets']))}")  # fmt: skip
+    print(
+        f"{results['model']} on {results['device']}, {results['seq_length']} tokens, "
+        f"{results['global_batch_size']} documents per step, buckets "
+        f"{','.join(map(str, results['buckets']))}"
+    )
     for name, d in results["distributions"].items():
-        print(f"  {name}: {d['documents']} documents, median {d['median_tokens']} tokens, "
-              f"p99 {d['p99_tokens']}, {d['at_cap']:.1%} cut at the context")  # fmt: skip
-    header = ("| distribution | GPUs | strategy | layouts (short → home) | step (s) | "
-              "vs static | switch share |")  # fmt: skip
+        print(
+            f"  {name}: {d['documents']} documents, median {d['median_tokens']} tokens, "
+            f"p99 {d['p99_tokens']}, {d['at_cap']:.1%} cut at the context"
+        )
+    header = (
+        "| distribution | GPUs | strategy | layouts (short → home) | step (s) | "
+        "vs static | switch share |"
+    )
     print(header)
     print("|" + "---|" * 7)
     for r in results["rows"]:
         if "error" in r:
             print(f"| {r['distribution']} | {r['gpus']} | {r['strategy']} | {r['error']} |")
             continue
-        print(f"| {r['distribution']} | {r['gpus']} | {r['strategy']} | {r['layouts']} | "
-              f"{r['step_s']:.2f} | {r.get('speedup_vs_static', math.nan):.2f}× | "
-              f"{r['switch_share']:.1%} |")  # fmt: skip
+        print(
+            f"| {r['distribution']} | {r['gpus']} | {r['strategy']} | {r['layouts']} | "
+            f"{r['step_s']:.2f} | {r.get('speedup_vs_static', math.nan):.2f}× | "
+            f"{r['switch_share']:.1%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -19,10 +19,14 @@ import json
 import logging
 import time
 
+from memo_ext.mcore.config import traced_transformer_config
+from memo_ext.mcore.specs import build_layer_spec
+from memo_ext.offload.policy import memo_trace_options
+from memo_ext.parallel import ParallelLayout
 from memo_ext.planner import PlannerConfig, plan_trace
 from memo_ext.planner.caching_allocator import replay_caching_allocator
 from memo_ext.planner.capture import trace_transformer_layer
-from memo_ext.planner.models import MODEL_PRESETS, gpt_config
+from memo_ext.shapes import MODELS
 
 GIB = float(1 << 30)
 
@@ -37,15 +41,19 @@ def measure(
     memo_alpha: float | None = None,
 ) -> dict:
     """Traces, plans and replays one case; returns its row."""
-    preset = MODEL_PRESETS["gpt-7b"]
-    layers, vocab = (1, None) if scope == "layer" else (preset.num_layers, preset.vocab_size)
+    model = MODELS["gpt-7b"]
+    layers, vocab = (1, None) if scope == "layer" else (model.num_layers, model.vocab_size)
+    options = {}
+    if memo_alpha is not None:
+        spec = build_layer_spec(config=config, attention_backend="sdpa")
+        options = memo_trace_options(config, spec, alpha=memo_alpha)
     trace = trace_transformer_layer(
         config=config,
         seq_length=tokens,
         micro_batch_size=1,
         num_layers=layers,
         vocab_size=vocab,
-        memo_alpha=memo_alpha,
+        **options,
     )
     method = "plain" if memo_alpha is None else f"memo-{memo_alpha:g}"
     t0 = time.perf_counter()
@@ -113,11 +121,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    config = gpt_config(
-        "gpt-7b",
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-    )
+    layout = ParallelLayout(tp=args.tensor_model_parallel_size, sp=args.sequence_parallel)
+    config = traced_transformer_config(MODELS["gpt-7b"], layout=layout)
     rows = []
     for tokens in args.tokens:
         for memo_alpha in [None, *args.memo_alpha]:

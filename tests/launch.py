@@ -5,14 +5,28 @@ Shared by the distributed tests: one call = one training job of ``nproc`` gloo p
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from memo_ext.training.metrics import curve_differences, read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(**flags: object) -> list[str]:
+    """Command-line arguments from keywords, in order: ``cli(num_layers=4, mock_data=True)`` is
+    ``["--num-layers", "4", "--mock-data"]`` (``True``: a bare switch; a list: several values)."""
+    argv: list[str] = []
+    for name, value in flags.items():
+        argv.append("--" + name.replace("_", "-"))
+        if isinstance(value, (list, tuple)):
+            argv += [str(v) for v in value]
+        elif value is not True:
+            argv.append(str(value))
+    return argv
 
 
 def free_port() -> int:
@@ -31,23 +45,30 @@ def run_pretrain(
     """
     metrics = workdir / f"{name}.jsonl"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(ROOT / "pretrain_gpt_memo.py"), *args,
-        "--metrics-file", str(metrics), "--log-interval", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "pretrain_gpt_memo.py"),
+        *args,
+        "--metrics-file",
+        str(metrics),
+        "--log-interval",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_metrics(metrics)
 
 
 def assert_same_curves(reference: list[dict], other: list[dict], *, rtol: float) -> None:
-    """Loss and gradient norm agree at every logged iteration to ``rtol``."""
-    assert [r["iteration"] for r in reference] == [o["iteration"] for o in other]
-    for ref, got in zip(reference, other):
-        for key in ("loss", "grad_norm"):
-            assert abs(got[key] - ref[key]) <= rtol * abs(ref[key]), (
-                f"iteration {ref['iteration']}: {key} {got[key]!r} vs reference {ref[key]!r}"
-            )
+    """Loss and gradient norm agree at every logged iteration to ``rtol``
+    (``tools/compare_metrics.py``'s rule)."""
+    differences = curve_differences(reference, other, rtol=rtol)
+    assert not differences, "\n".join(differences)

@@ -4,7 +4,7 @@
     # prints: data/demo/stdlib_text_document
 
 The corpus is the running Python's standard-library sources, one document per file, tokenized
-with ByteTokenizer (see ``memo_ext.training.demo_corpus``).
+with ByteTokenizer (see ``memo_ext.data.demo_corpus``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from memo_ext.training.demo_corpus import build_demo_corpus
+from memo_ext.data.demo_corpus import build_demo_corpus
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,15 @@ and how fast?" on a laptop: per-layer bytes and FLOPs are measured on fake tenso
     python -m tools.estimate --model gpt-7b --gpus 8 --gpu a800-80g --host-memory-gb 2048 \\
         --method full --find-max-seq-length --json
 
-With ``--json`` the last line printed is one JSON object. Bad input exits with status 2.
+Model, layout, MEMO and device flags are the trainer's and the presets' own fields (unset:
+the preset's value, or searched for the layout). With ``--json`` the last line printed is one
+JSON object. Bad input exits with status 2 and one sentence.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +25,35 @@ import sys
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# megatron-core warns at import about optional kernels this tool does not run
+warnings.filterwarnings("ignore")
+
+from memo_ext.config import DataConfig, MemoConfig, ModelConfig, TrainConfig  # noqa: E402
+from memo_ext.errors import UsageError  # noqa: E402
+from memo_ext.estimate.model import METHODS, Batch, Efficiency, Estimate  # noqa: E402
+from memo_ext.estimate.search import (  # noqa: E402
+    DEFAULT_GRANULARITY,
+    SearchSpace,
+    best_at_length,
+    find_max_seq_length,
+)
+from memo_ext.flags import add_flags, cli_fields, overrides_from_flags  # noqa: E402
+from memo_ext.hardware import DEVICES, GIB, DeviceSpec, device_spec  # noqa: E402
+from memo_ext.parallel import ParallelLayout  # noqa: E402
+from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
+
+# the flag sections of this tool: (namespace, dataclass, only these fields)
+MODEL_FIELDS = tuple(f.name for f in cli_fields(ModelShape)) + ("vocab_size",)
+SECTIONS = (
+    ("shape", ModelShape, MODEL_FIELDS),
+    ("layout", ParallelLayout, None),
+    ("train", TrainConfig, ("micro_batch_size", "use_distributed_optimizer")),
+    ("batch", Batch, ("num_microbatches",)),
+    ("memo", MemoConfig, ("alpha", "keep_last_layers")),
+    ("device", DeviceSpec, None),
+    ("efficiency", Efficiency, None),
+    ("model", ModelConfig, ("loss_chunks",)),
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,9 +63,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memo_ext.estimate.model import METHODS
-    from memo_ext.estimate.presets import DEVICES, MODELS
-
     p = _Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt-7b", help=f"Preset: {', '.join(MODELS)}.")
     p.add_argument("--gpus", type=int, default=8, help="GPUs in the job.")
@@ -41,236 +70,119 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory-gb", type=float, default=2048, help="Host memory per node, GiB.")
     p.add_argument("--method", choices=METHODS, default="memo", help="Memory method.")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--seq-length", type=int, help="Estimate this sequence length.")
+    add_flags(what, DataConfig, section="data", overrides=True, only=("seq_length",))
     what.add_argument("--find-max-seq-length", action="store_true", help="Search the longest.")
-    p.add_argument("--granularity", type=int, default=4096, help="Search step / (2·CP), tokens.")
+    p.add_argument(
+        "--granularity", type=int, default=DEFAULT_GRANULARITY, help="Search step / (2·CP), tokens."
+    )
     p.add_argument("--json", action="store_true", help="End with one JSON line.")
-    _add_model_overrides(p)
-    _add_parallel_flags(p)
-    _add_device_overrides(p)
+    titles = {
+        "shape": "model (default: the preset's)",
+        "layout": "parallelism (unset: searched)",
+        "device": "device (default: the preset's)",
+        "efficiency": "efficiency",
+    }
+    groups = {}
+    for section, cls, only in SECTIONS:
+        title = titles.get(section, "batch and MEMO (unset: the defaults, or searched)")
+        group = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
+        add_flags(group, cls, section=section, overrides=True, only=only)
     return p
 
 
-def _add_model_overrides(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model overrides (Megatron flags)")
-    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-                 "--num-query-groups", "--vocab-size"):  # fmt: skip
-        g.add_argument(flag, type=int, default=None)
-    g.add_argument("--swiglu", action="store_true", default=None)
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
-    g.add_argument("--disable-bias-linear", action="store_true", default=None)
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default=None)
-
-
-def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism and batch (Megatron flags; unset = searched)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    g.add_argument("--context-parallel-size", type=int, default=None)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true", default=None)
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--num-microbatches", type=int, default=1, help="Per step and DP rank.")
-    g.add_argument(
-        "--use-distributed-optimizer",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Shard optimizer state over DP.",
-    )
-    g.add_argument("--memo-alpha", default="auto", help="MEMO α in [0, 1], or auto (the rule).")
-    g.add_argument("--memo-keep-last-layers", type=int, default=None, help="Default 2 (searched).")
-
-
-def _add_device_overrides(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("device and efficiency overrides")
-    g.add_argument("--device-peak-tflops", type=float, default=None)
-    g.add_argument("--device-memory-gb", type=float, default=None, help="GiB.")
-    g.add_argument("--host-link-gbps", type=float, default=None, help="Device<->host, GB/s.")
-    g.add_argument("--nvlink-gbps", type=float, default=None, help="Collective bus bw, GB/s.")
-    g.add_argument("--internode-gbps", type=float, default=None, help="Per GPU, GB/s.")
-    g.add_argument("--gpus-per-node", type=int, default=None)
-    g.add_argument("--matmul-efficiency", type=float, default=None)
-    g.add_argument("--attention-efficiency", type=float, default=None)
-    g.add_argument("--memory-headroom", type=float, default=None, help="Fraction kept free.")
-    g.add_argument("--memo-host-share", type=float, default=None, help="Host share for MEMO.")
-    g.add_argument(
-        "--loss-chunks", type=int, default=None, help="The trainer's --loss-chunks (default 1)."
-    )
+def _given(args: argparse.Namespace) -> dict[str, dict]:
+    """Per section, the flags given on the command line."""
+    return {
+        section: overrides_from_flags(cls, args, section=section, only=only)
+        for section, cls, only in SECTIONS
+    }
 
 
 def _inputs(args: argparse.Namespace):
-    """(model, device, base layout, search space, efficiency) from validated flags."""
-    from memo_ext.estimate.model import Efficiency, EstimateError, Layout
-    from memo_ext.estimate.presets import GIB, device_spec, model_shape
-    from memo_ext.estimate.search import SearchSpace
-
-    model = model_shape(
-        args.model,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        vocab_size=args.vocab_size,
-        swiglu=args.swiglu,
-        normalization=args.normalization,
-        add_bias_linear=False if args.disable_bias_linear else None,
-        position_embedding_type=args.position_embedding_type,
+    """(model, device, batch, search space, efficiency) from the flags."""
+    given = _given(args)
+    model = model_shape(args.model, **given["shape"])
+    model.check()
+    device = device_spec(args.gpu, **given["device"])
+    efficiency = Efficiency(**given["efficiency"], **given["model"])
+    efficiency.check()
+    train = given["train"]
+    batch = dataclasses.replace(
+        Batch(**given["batch"]),
+        micro_batch_size=train.get("micro_batch_size", 1),
+        distributed_optimizer=train.get("use_distributed_optimizer", True),
     )
-    mem = args.device_memory_gb
-    device = device_spec(
-        args.gpu,
-        peak_tflops=args.device_peak_tflops,
-        memory_bytes=int(mem * GIB) if mem is not None else None,
-        host_link_gbps=args.host_link_gbps,
-        nvlink_gbps=args.nvlink_gbps,
-        internode_gbps=args.internode_gbps,
-        gpus_per_node=args.gpus_per_node,
-    )
-    _check_positive(args)
-    alpha = None if args.memo_alpha == "auto" else _alpha(args.memo_alpha)
-    defaults = Efficiency()
-    efficiency = Efficiency(
-        matmul=_pick(args.matmul_efficiency, defaults.matmul),
-        attention=_pick(args.attention_efficiency, defaults.attention),
-        headroom=_pick(args.memory_headroom, defaults.headroom),
-        host_share=_pick(args.memo_host_share, defaults.host_share),
-        loss_chunks=_pick(args.loss_chunks, defaults.loss_chunks),
-    )
-    base = Layout(
-        micro_batch_size=args.micro_batch_size,
-        num_microbatches=args.num_microbatches,
-        distributed_optimizer=args.use_distributed_optimizer,
-    )
+    layout, memo = given["layout"], MemoConfig(enabled=True, **given["memo"])
+    memo.check()
     space = SearchSpace(
-        tp=args.tensor_model_parallel_size,
-        cp=args.context_parallel_size,
-        pp=args.pipeline_model_parallel_size,
-        sp=args.sequence_parallel,
-        keep_last_layers=args.memo_keep_last_layers,
-        alpha=alpha,
+        tp=layout.get("tp"),
+        cp=layout.get("cp"),
+        pp=layout.get("pp", 1),
+        sp=layout.get("sp"),
+        keep_last_layers=given["memo"].get("keep_last_layers"),
+        alpha=memo.alpha,
     )
-    if args.gpus % (space.pp * (space.tp or 1) * (space.cp or 1)):
-        raise EstimateError(
-            f"--gpus {args.gpus} must be a multiple of TP × CP × PP = "
-            f"{space.pp * (space.tp or 1) * (space.cp or 1)}"
+    _check_positive(args, batch, space)
+    return model, device, batch, space, efficiency
+
+
+def _check_positive(args: argparse.Namespace, batch: Batch, space: SearchSpace) -> None:
+    values = {
+        "--gpus": args.gpus,
+        "--granularity": args.granularity,
+        "--host-memory-gb": args.host_memory_gb,
+        "--micro-batch-size": batch.micro_batch_size,
+        "--num-microbatches": batch.num_microbatches,
+        "--pipeline-model-parallel-size": space.pp,
+    }
+    for flag, value in values.items():
+        if value <= 0:
+            raise UsageError(f"{flag} must be positive, got {value}")
+    model_parallel = space.pp * (space.tp or 1) * (space.cp or 1)
+    if args.gpus % model_parallel:
+        raise UsageError(
+            f"--gpus {args.gpus} must be a multiple of TP × CP × PP = {model_parallel}"
         )
-    return model, device, base, space, efficiency
 
 
-def _pick(value, default):
-    return default if value is None else value
-
-
-def _alpha(text: str) -> float:
-    from memo_ext.estimate.model import EstimateError
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise EstimateError(f"--memo-alpha must be in [0, 1] or 'auto', got {text}")
-    return value
-
-
-def _check_positive(args: argparse.Namespace) -> None:
-    from memo_ext.estimate.model import EstimateError
-
-    for flag in ("gpus", "micro_batch_size", "num_microbatches", "pipeline_model_parallel_size",
-                 "granularity", "host_memory_gb"):  # fmt: skip
-        if getattr(args, flag) <= 0:
-            name = "--" + flag.replace("_", "-")
-            raise EstimateError(f"{name} must be positive, got {getattr(args, flag)}")
-    fractions = ("matmul_efficiency", "attention_efficiency", "memory_headroom", "memo_host_share")
-    for flag in fractions:
-        value = getattr(args, flag)
-        if value is not None and not 0.0 < value <= 1.0 and flag != "memory_headroom":
-            raise EstimateError(f"--{flag.replace('_', '-')} must be in (0, 1], got {value}")
-        if flag == "memory_headroom" and value is not None and not 0.0 <= value < 1.0:
-            raise EstimateError(f"--memory-headroom must be in [0, 1), got {value}")
-    if args.loss_chunks is not None and args.loss_chunks < 1:
-        raise EstimateError(f"--loss-chunks must be at least 1, got {args.loss_chunks}")
-
-
-def best_at_length(*, model, device, gpus, method, seq_length, host_memory_bytes, space, base,
-                   efficiency):  # fmt: skip
-    """The fastest fitting configuration at ``seq_length`` (else the one with the least memory)."""
-    from memo_ext.estimate.model import EstimateError, estimate
-    from memo_ext.estimate.search import _memo_options, candidate_layouts
-
-    results = []
-    for layout in candidate_layouts(model, device, gpus=gpus, space=space, base=base):
-        for memo in _memo_options(space, method):
-            try:
-                results.append(
-                    estimate(
-                        model=model,
-                        device=device,
-                        layout=layout,
-                        method=method,
-                        seq_length=seq_length,
-                        host_memory_bytes=host_memory_bytes,
-                        memo=memo,
-                        efficiency=efficiency,
-                    )  # fmt: skip
-                )
-            except EstimateError:
-                continue
-    if not results:
-        # no candidate accepts this length: let the user's own layout explain why
-        from memo_ext.estimate.model import Layout, check_layout
-
-        check_layout(model, Layout(tp=space.tp or 1, cp=space.cp or 1, pp=space.pp,
-                                   sp=bool(space.sp)), seq_length=seq_length)  # fmt: skip
-        raise EstimateError(f"no parallel layout of {gpus} GPUs accepts --seq-length {seq_length}")
-    fitting = [r for r in results if r.fits]
-    if fitting:
-        return max(fitting, key=lambda r: r.mfu)
-    return min(results, key=lambda r: r.device_peak_bytes)
-
-
-def format_estimate(est) -> str:
-    gib = 2**30
+def format_estimate(est: Estimate) -> str:
+    gib = GIB
     lay = est.layout
+    memo = (
+        f" (α = {est.alpha:.3f}, keep last {est.keep_last_layers})" if est.method == "memo" else ""
+    )
+    device_fit = "fits" if est.fits_device else "does NOT fit"
+    host_fit = "fits" if est.fits_host else "does NOT fit"
     rows = [
         (
             "model / GPU",
             f"{est.model} on {lay['tp'] * lay['cp'] * lay['pp'] * lay['dp']} × {est.gpu}",
         ),
-        (
-            "method",
-            est.method
-            + (
-                f" (α = {est.alpha:.3f}, keep last {est.keep_last_layers})"
-                if est.method == "memo"
-                else ""
-            ),
-        ),  # fmt: skip
+        ("method", est.method + memo),
         ("sequence length", f"{est.seq_length:,} tokens"),
         (
             "layout",
-            f"TP {lay['tp']}{' + SP' if lay['sp'] else ''}, CP {lay['cp']}, "
-            f"PP {lay['pp']}, DP {lay['dp']}, micro-batch {lay['micro_batch_size']} × "
-            f"{lay['num_microbatches']}",
-        ),  # fmt: skip
+            f"TP {lay['tp']}{' + SP' if lay['sp'] else ''}, CP {lay['cp']}, PP {lay['pp']}, DP "
+            f"{lay['dp']}, micro-batch {lay['micro_batch_size']} × {lay['num_microbatches']}",
+        ),
         ("model states", f"{est.model_state_bytes / gib:.2f} GiB"),
         ("stored activations", f"{est.activation_bytes / gib:.2f} GiB"),
         ("transient at peak", f"{est.transient_bytes / gib:.2f} GiB"),
         (
             "device peak",
-            f"{est.device_peak_bytes / gib:.2f} GiB of {est.device_usable_bytes / gib:.2f}"
-            f" usable ({'fits' if est.fits_device else 'does NOT fit'})",
-        ),  # fmt: skip
+            f"{est.device_peak_bytes / gib:.2f} GiB of {est.device_usable_bytes / gib:.2f} usable "
+            f"({device_fit})",
+        ),
         (
             "host (MEMO)",
-            f"{est.host_bytes / gib:.2f} GiB of {est.host_budget_bytes / gib:.2f} "
-            f"per GPU ({'fits' if est.fits_host else 'does NOT fit'})",
-        ),  # fmt: skip
+            f"{est.host_bytes / gib:.2f} GiB of {est.host_budget_bytes / gib:.2f} per GPU "
+            f"({host_fit})",
+        ),
         (
             "step time",
             f"{est.step_time_s:.2f} s (compute {est.compute_s:.2f}, exposed comm "
             f"{est.exposed_comm_s:.2f}, exposed host copies {est.exposed_host_copy_s:.2f})",
-        ),  # fmt: skip
+        ),
         ("throughput", f"{est.tokens_per_s:,.0f} tokens/s"),
         ("MFU", f"{100 * est.mfu:.1f}%"),
     ]
@@ -279,7 +191,7 @@ def format_estimate(est) -> str:
     return "\n".join(lines)
 
 
-def json_record(est, *, searched: bool) -> dict:
+def json_record(est: Estimate, *, searched: bool) -> dict:
     record = est.to_json()
     record.update(record.pop("layout"))
     if searched:
@@ -289,28 +201,33 @@ def json_record(est, *, searched: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
-    warnings.filterwarnings("ignore")
     args = build_parser().parse_args(argv)
-    from memo_ext.estimate.model import EstimateError
-    from memo_ext.estimate.presets import GIB
-    from memo_ext.estimate.search import find_max_seq_length
-
+    seq_length = getattr(args, "data.seq_length")
     try:
-        model, device, base, space, efficiency = _inputs(args)
-        common = dict(model=model, device=device, gpus=args.gpus, method=args.method,
-                      host_memory_bytes=int(args.host_memory_gb * GIB), space=space, base=base,
-                      efficiency=efficiency)  # fmt: skip
-        if args.seq_length is not None:
-            est = best_at_length(seq_length=args.seq_length, **common)
+        model, device, batch, space, efficiency = _inputs(args)
+        common = dict(
+            model=model,
+            device=device,
+            gpus=args.gpus,
+            method=args.method,
+            host_memory_bytes=int(args.host_memory_gb * GIB),
+            space=space,
+            batch=batch,
+            efficiency=efficiency,
+        )
+        if seq_length is not None:
+            est = best_at_length(seq_length=seq_length, **common)
         else:
             est = find_max_seq_length(granularity=args.granularity, **common)
-    except (EstimateError, ValueError) as err:
+    except UsageError as err:
         print(f"estimate: error: {err}", file=sys.stderr)
         return 2
-    searched = args.seq_length is None
+    searched = seq_length is None
     if est is None:
-        print(f"no layout of {args.gpus} × {device.name} fits {model.name} with --method "
-              f"{args.method} even at {2 * args.granularity} tokens")  # fmt: skip
+        print(
+            f"no layout of {args.gpus} × {device.name} fits {model.name} with --method "
+            f"{args.method} even at {2 * args.granularity} tokens"
+        )
         if args.json:
             print(json.dumps({"method": args.method, "max_seq_length": None, "fits": False}))
         return 0

@@ -42,7 +42,8 @@ def flag_tables(parser: argparse.ArgumentParser) -> str:
         for a in actions:
             choices = f" One of {', '.join(f'`{c}`' for c in a.choices)}." if a.choices else ""
             names = " / ".join(f"`{name}`" for name in a.option_strings)
-            out.append(f"| {names} | {_default(a)} | {a.help}{choices} |")
+            help_text = a.help.replace("%%", "%")  # argparse's escape
+            out.append(f"| {names} | {_default(a)} | {help_text}{choices} |")
         out.append("")
     return "\n".join(out)
 

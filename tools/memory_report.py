@@ -31,10 +31,22 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass
 
+from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.estimate.measure import LayerFigures, trace_layer
-from memo_ext.estimate.presets import ModelShape
+from memo_ext.flags import add_flags, flag_values
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import ModelShape
 
 METHODS = ("none", "full", "selective", "memo-0", "memo-0.5", "memo-1")
+
+# the trainer's flags this report takes: (namespace, dataclass, only these fields, optional)
+SECTIONS = (
+    ("shape", ModelShape, None, False),
+    ("data", DataConfig, ("seq_length",), False),
+    ("train", TrainConfig, ("micro_batch_size", "bf16", "fp16"), True),
+    ("layout", ParallelLayout, ("tp", "sp", "cp", "pp"), False),
+    ("memo", MemoConfig, ("keep_last_layers",), False),
+)
 
 
 @dataclass
@@ -51,80 +63,69 @@ def build_parser() -> argparse.ArgumentParser:
         description="Activation memory and recompute FLOPs per method (fake tensors).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--num-layers", type=int, required=True)
-    p.add_argument("--hidden-size", type=int, required=True)
-    p.add_argument("--ffn-hidden-size", type=int, default=None, help="4h if unset.")
-    p.add_argument("--num-attention-heads", type=int, required=True)
-    p.add_argument("--num-query-groups", type=int, default=None)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    for section, cls, only, optional in SECTIONS:
+        add_flags(p, cls, section=section, only=only, overrides=optional)
     p.add_argument("--num-micro-batches", type=int, default=1, help="Per iteration and process.")
-    p.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    p.add_argument("--swiglu", action="store_true")
-    p.add_argument("--disable-bias-linear", action="store_true")
-    p.add_argument(
-        "--position-embedding-type",
-        choices=("learned_absolute", "rope"),
-        default="learned_absolute",
-    )
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--fp16", action="store_true")
-    p.add_argument("--memo-keep-last-layers", type=int, default=2)
     p.add_argument("--json", action="store_true", help="End with one JSON line of the figures.")
     return p
 
 
-def model_shape(args: argparse.Namespace) -> ModelShape:
-    """The traced model's shape from the flags (the vocabulary does not enter a layer)."""
-    return ModelShape(
-        name="custom",
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        vocab_size=0,
-        num_query_groups=args.num_query_groups,
-        swiglu=args.swiglu,
-        normalization=args.normalization,
-        add_bias_linear=not args.disable_bias_linear,
-        position_embedding_type=args.position_embedding_type,
-    )
+@dataclass(frozen=True)
+class Setup:
+    """What the report traces and scales: one process of one iteration."""
+
+    shape: ModelShape
+    layout: ParallelLayout
+    seq_length: int
+    micro_batch_size: int
+    micro_batches: int
+    fp32: bool
+    keep_last_layers: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Setup:
+        values = {
+            section: flag_values(dataclass_, args, section=section, only=only)
+            for section, dataclass_, only, _ in SECTIONS
+        }
+        train = values["train"]
+        return cls(
+            shape=ModelShape(**values["shape"]),
+            layout=ParallelLayout(**values["layout"]),
+            seq_length=values["data"]["seq_length"],
+            micro_batch_size=train["micro_batch_size"] or 1,
+            micro_batches=args.num_micro_batches,
+            fp32=not (train["bf16"] or train["fp16"]),
+            keep_last_layers=values["memo"]["keep_last_layers"],
+        )
 
 
-def trace_methods(args: argparse.Namespace) -> dict[str, LayerFigures]:
+def trace_methods(setup: Setup) -> dict[str, LayerFigures]:
     """One layer of each method on fake tensors (``memo_ext.estimate.measure``)."""
-    model = model_shape(args)
     return {
         method: trace_layer(
-            model,
-            tp=args.tensor_model_parallel_size,
-            sp=args.sequence_parallel,
-            tokens=args.seq_length // args.context_parallel_size,
-            micro_batch_size=args.micro_batch_size,
+            setup.shape,
+            tp=setup.layout.tp,
+            sp=setup.layout.sp,
+            tokens=setup.seq_length // setup.layout.cp,
+            micro_batch_size=setup.micro_batch_size,
             method=method,
-            fp32=not (args.bf16 or args.fp16),
+            fp32=setup.fp32,
         )
         for method in METHODS
     }
 
 
-def method_figures(
-    args: argparse.Namespace, layer: dict[str, LayerFigures]
-) -> dict[str, MethodFigures]:
+def method_figures(setup: Setup, layer: dict[str, LayerFigures]) -> dict[str, MethodFigures]:
     """Scale the traced layers to the stage, the micro-batches in flight and the iteration."""
-    stage_layers = args.num_layers // args.pipeline_model_parallel_size
-    in_flight = min(args.pipeline_model_parallel_size, args.num_micro_batches)
-    micro_batches = args.num_micro_batches
+    stage_layers = setup.shape.num_layers // setup.layout.pp
+    in_flight = min(setup.layout.pp, setup.micro_batches)
     base = _backward_flops(layer["none"])
     out = {}
     for method, fig in layer.items():
-        recompute = (_backward_flops(fig) - base) * micro_batches
+        recompute = (_backward_flops(fig) - base) * setup.micro_batches
         if method.startswith("memo-"):
-            kept = min(args.memo_keep_last_layers, stage_layers)
+            kept = min(setup.keep_last_layers, stage_layers)
             offloaded = stage_layers - kept
             pingpong = min(2, offloaded) * fig.slot_bytes
             device = in_flight * (kept * layer["none"].saved_bytes + offloaded * fig.saved_bytes)
@@ -160,20 +161,21 @@ def format_table(figures: dict[str, MethodFigures]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.context_parallel_size > 1:
+    setup = Setup.from_args(args)
+    if setup.layout.cp > 1:
         # SDPAttention's CP path builds torch's CausalBias, a tensor subclass FakeTensorMode
         # cannot wrap; trace the same tokens per rank with TP / SP instead
         parser.error("--context-parallel-size > 1 cannot be traced on fake tensors yet")
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    figures = method_figures(args, trace_methods(args))
+    figures = method_figures(setup, trace_methods(setup))
+    layout, shape = setup.layout, setup.shape
     print(
-        f"per process, per iteration: {args.num_layers} layers / PP "
-        f"{args.pipeline_model_parallel_size}, TP {args.tensor_model_parallel_size}"
-        f"{' + SP' if args.sequence_parallel else ''}, CP {args.context_parallel_size}, "
-        f"{args.seq_length} tokens × {args.micro_batch_size} sequence(s), "
-        f"MEMO keeps the last {args.memo_keep_last_layers} layers (one layer traced per method)"
+        f"per process, per iteration: {shape.num_layers} layers / PP {layout.pp}, TP "
+        f"{layout.tp}{' + SP' if layout.sp else ''}, CP {layout.cp}, {setup.seq_length} tokens × "
+        f"{setup.micro_batch_size} sequence(s), MEMO keeps the last {setup.keep_last_layers} "
+        "layers (one layer traced per method)"
     )
     print(format_table(figures))
     if args.json:

@@ -22,21 +22,21 @@ import logging
 import sys
 import time
 
-from memo_ext.planner import (
-    PlannerConfig,
-    PlannerInputError,
-    PlanValidationError,
-    SolverUnavailableError,
-    load_trace,
-    plan_trace,
-    save_plan,
-    save_trace,
-)
-from memo_ext.planner.models import MODEL_PRESETS
+from memo_ext.config import DataConfig, TrainConfig
+from memo_ext.errors import UsageError
+from memo_ext.flags import add_flags, flag_values, overrides_from_flags
+from memo_ext.mcore.config import traced_transformer_config
+from memo_ext.mcore.specs import build_layer_spec
+from memo_ext.offload.policy import memo_trace_options
+from memo_ext.parallel import ParallelLayout
+from memo_ext.planner import PlannerConfig, load_trace, plan_trace, save_plan, save_trace
+from memo_ext.planner.capture import trace_transformer_layer
 from memo_ext.planner.solvers import SOLVERS
+from memo_ext.shapes import MODELS, ModelShape, model_shape
 
 logger = logging.getLogger("plan_memory")
 GIB = float(1 << 30)
+LAYOUT_FIELDS = ("tp", "sp", "cp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memo-trace/1 JSON file, MiniMalloc CSV (*.csv), or a PyTorch memory snapshot with "
         "allocator history (*.pickle, *.pkl; CUDA device 0).",
     )
-    source.add_argument("--model", choices=sorted(MODEL_PRESETS), help="Trace this GPT preset.")
+    source.add_argument("--model", choices=sorted(MODELS), help="Trace this model preset.")
     parser.add_argument("--out", required=True, help="Where to write the memo-plan/1 JSON.")
     parser.add_argument("--solver", default="cpsat", choices=sorted(SOLVERS))
     parser.add_argument("--time-limit", type=float, default=60.0, help="Seconds (default 60).")
@@ -77,16 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=2, help="Solver threads (default 2).")
     parser.add_argument("--seed", type=int, default=0)
-    model = parser.add_argument_group("model (with --model)")
-    model.add_argument("--seq-length", type=int, default=None)
-    model.add_argument("--micro-batch-size", type=int, default=1)
-    model.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    model.add_argument("--sequence-parallel", action="store_true")
-    model.add_argument("--context-parallel-size", type=int, default=1)
-    model.add_argument("--num-layers", type=int, default=None)
-    model.add_argument("--hidden-size", type=int, default=None)
-    model.add_argument("--ffn-hidden-size", type=int, default=None)
-    model.add_argument("--num-attention-heads", type=int, default=None)
+    model = parser.add_argument_group("model (with --model; unset: the preset's)")
+    add_flags(model, DataConfig, section="data", only=("seq_length",), overrides=True)
+    add_flags(model, TrainConfig, section="train", only=("micro_batch_size",), overrides=True)
+    add_flags(model, ParallelLayout, section="layout", only=LAYOUT_FIELDS)
+    add_flags(model, ModelShape, section="shape", overrides=True)
     model.add_argument(
         "--memo-alpha",
         type=float,
@@ -104,48 +99,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seq_length(args: argparse.Namespace) -> int | None:
+    return getattr(args, "data.seq_length")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if (args.trace is None) == (args.model is None):
-        raise ValueError("give exactly one of --trace FILE or --model NAME")
-    if args.model is not None and not args.seq_length:
-        raise ValueError("--model needs --seq-length (tokens per sequence)")
+        raise UsageError("give exactly one of --trace FILE or --model NAME")
+    if args.model is not None and not _seq_length(args):
+        raise UsageError("--model needs --seq-length (tokens per sequence)")
     if args.time_limit <= 0:
-        raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+        raise UsageError(f"--time-limit must be positive, got {args.time_limit}")
     if args.memo_alpha is not None and (args.model is None or not 0 <= args.memo_alpha <= 1):
-        raise ValueError("--memo-alpha needs --model and a value in [0, 1]")
+        raise UsageError("--memo-alpha needs --model and a value in [0, 1]")
 
 
 def _trace_model(args: argparse.Namespace):
-    from memo_ext.planner.capture import trace_transformer_layer
-    from memo_ext.planner.models import gpt_config
-
-    preset = MODEL_PRESETS[args.model]
-    overrides = {
-        key: getattr(args, key)
-        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
-        if getattr(args, key) is not None
-    }
-    config = gpt_config(
-        preset,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        context_parallel_size=args.context_parallel_size,
-        **overrides,
+    shape = model_shape(args.model, **overrides_from_flags(ModelShape, args, section="shape"))
+    shape.check()
+    layout = ParallelLayout(
+        **flag_values(ParallelLayout, args, section="layout", only=LAYOUT_FIELDS)
     )
-    logger.info(
-        "tracing %s (%d layers) at %d tokens", args.model, config.num_layers, args.seq_length
-    )
+    config = traced_transformer_config(shape, layout=layout)
+    seq_length = _seq_length(args)
+    micro_batch_size = getattr(args, "train.micro_batch_size") or 1
+    logger.info("tracing %s (%d layers) at %d tokens", args.model, shape.num_layers, seq_length)
+    options = {}
+    if args.memo_alpha is not None:
+        spec = build_layer_spec(config=config, attention_backend="sdpa")
+        options = memo_trace_options(config, spec, alpha=args.memo_alpha)
     try:
         return trace_transformer_layer(
             config=config,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            num_layers=config.num_layers,
-            vocab_size=preset.vocab_size,
-            memo_alpha=args.memo_alpha,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            num_layers=shape.num_layers,
+            vocab_size=shape.vocab_size,
+            **options,
         )
     except RuntimeError as err:
-        raise ValueError(f"tracing the model failed ({str(err).splitlines()[0]})") from None
+        raise UsageError(f"tracing the model failed ({str(err).splitlines()[0]})") from None
 
 
 def _report_allocator(trace, plan, args: argparse.Namespace) -> None:
@@ -211,13 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (
-        PlannerInputError,
-        PlanValidationError,
-        SolverUnavailableError,
-        ValueError,
-        OSError,
-    ) as err:
+    except (UsageError, OSError) as err:
         print(f"plan_memory: error: {err}", file=sys.stderr)
         return 2
     return 0

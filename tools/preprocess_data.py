@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memo_ext.training.data import preprocess_jsonl
-from memo_ext.training.tokenizers import TOKENIZER_TYPES
+from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.data.tokenizers import TOKENIZER_TYPES
 
 
 def build_parser() -> argparse.ArgumentParser:

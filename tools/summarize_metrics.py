@@ -9,20 +9,12 @@ Prints the first and last logged loss, the median throughput and step time; with
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics file, in order; a clear error for a missing or empty file."""
-    if not path.is_file():
-        raise SystemExit(f"summarize_metrics: {path} does not exist; did the run start?")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not records:
-        raise SystemExit(f"summarize_metrics: {path} has no records; did the run log a step?")
-    return records
+from memo_ext.errors import UsageError
+from memo_ext.training.metrics import read_metrics
 
 
 def summarize(records: list[dict]) -> dict:
@@ -44,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("metrics_file", type=Path)
     parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS")
     args = parser.parse_args(argv)
-    s = summarize(read_metrics(args.metrics_file))
+    try:
+        s = summarize(read_metrics(args.metrics_file))
+    except UsageError as err:
+        print(f"summarize_metrics: error: {err}", file=sys.stderr)
+        return 2
     print(
         f"{s['iterations']} iterations | loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} "
         f"(-{s['loss_drop']:.3f} nats) | {s['median_tokens_per_s']:,.0f} tokens/s | "

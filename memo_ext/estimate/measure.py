@@ -31,8 +31,29 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memo_ext.estimate.presets import ModelShape, transformer_config
+from memo_ext.config import MemoConfig
+from memo_ext.mcore.config import traced_transformer_config
+from memo_ext.mcore.flop_count import flop_counter_mode
+from memo_ext.mcore.specs import build_layer_spec
+from memo_ext.mcore.tracing import (
+    fake_parallel_state,
+    fake_process_groups,
+    frozen_rng,
+    tracing_environment,
+)
+from memo_ext.offload.policy import apply_memo, memo_runtime_of, memo_step_metrics
+from memo_ext.parallel import ParallelLayout
+from memo_ext.planner.capture import trace_module, trace_transformer_layer
+from memo_ext.planner.problem import lower_bound, problem_from_trace
+from memo_ext.shapes import ModelShape, padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -66,39 +87,6 @@ class LayerFigures:
     """Parameters of the layer on this process."""
 
 
-@contextlib.contextmanager
-def frozen_rng() -> Iterator[None]:
-    """Random-state save / restore and tracker forks made no-ops while tracing.
-
-    Under fake tensors a saved generator state is fake too and cannot be restored; the traced
-    layers draw no random numbers (dropout 0), so megatron's checkpoint has nothing to restore.
-    """
-    from megatron.core.tensor_parallel import random as mrandom
-
-    class _NoForkTracker:
-        def fork(self, name: str = ""):
-            return contextlib.nullcontext()
-
-        def get_states(self):
-            return {}
-
-        def set_states(self, states):
-            pass
-
-        def is_initialized(self):
-            return True
-
-    state = torch.get_rng_state()
-    saved = (torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER)
-    torch.get_rng_state = lambda: state
-    torch.set_rng_state = lambda new_state: None
-    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
-    try:
-        yield
-    finally:
-        torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER = saved
-
-
 def method_overrides(method: str) -> dict:
     """``TransformerConfig`` fields of a Megatron recomputation method."""
     if method == "full":
@@ -112,15 +100,6 @@ def method_overrides(method: str) -> dict:
 
 def _build_block(config, groups, *, memo_alpha: float | None):
     """A one-layer ``TransformerBlock`` of the method (MEMO: an offloaded layer)."""
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlock,
-        TransformerBlockSubmodules,
-    )
-
-    from memo_ext.mcore.specs import build_layer_spec
-    from memo_ext.offload.config import MemoConfig
-    from memo_ext.offload.policy import apply_memo
-
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     if memo_alpha is not None:
         # a huge budget: the estimator states what is needed; the α rule applies the budget
@@ -144,8 +123,6 @@ def _split_flops(counter) -> tuple[int, int]:
 def _rope_table(model: ModelShape, config, tokens: int):
     if model.position_embedding_type != "rope":
         return None
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
     return RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(tokens)
 
 
@@ -182,20 +159,16 @@ def trace_layer(
         method: one of :data:`METHODS`.
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memo_ext.mcore.compat import tracing_environment
-    from memo_ext.mcore.flop_count import flop_counter_mode
-    from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
-    from memo_ext.planner.capture import fake_process_groups
-
     if method not in METHODS and not method.startswith("memo-"):
         raise ValueError(f"method must be one of {METHODS} or memo-ALPHA, got {method!r}")
     alpha = float(method.split("-")[1]) if method.startswith("memo-") else None
     sp = sp and tp > 1
-    dtype = dict(params_dtype=torch.float32, bf16=False) if fp32 else {}
-    config = transformer_config(
-        model, tp=tp, sp=sp, num_layers=1, **dtype, **method_overrides(method)
+    config = traced_transformer_config(
+        model,
+        layout=ParallelLayout(tp=tp, sp=sp),
+        fp32=fp32,
+        num_layers=1,
+        **method_overrides(method),
     )
     local = tokens // tp if sp else tokens
     with (
@@ -259,10 +232,7 @@ def layer_max_live_bytes(
     From the planner's fake-tensor trace and its lower bound (no plan can peak below it); the
     layer input is pre-existing and not counted, its saved tensors are.
     """
-    from memo_ext.planner.capture import trace_transformer_layer
-
-    sp = sp and tp > 1
-    config = transformer_config(model, tp=tp, sp=sp, num_layers=1)
+    config = traced_transformer_config(model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trace = trace_transformer_layer(
@@ -272,37 +242,8 @@ def layer_max_live_bytes(
 
 
 def _max_live(trace) -> int:
-    from memo_ext.planner.problem import lower_bound, problem_from_trace
-
     _, problem = problem_from_trace(trace)
     return int(lower_bound(problem))
-
-
-@contextlib.contextmanager
-def _fake_parallel_state(tp: int) -> Iterator[None]:
-    """megatron's global parallel state on a fake ``tp``-rank world (its loss reads it)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from memo_ext.mcore.compat import cpu_compat
-
-    if dist.is_initialized():
-        raise RuntimeError("estimating traces on a fake process group; call it before init")
-    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
-    parallel_state._GLOBAL_MEMORY_BUFFER = None
-    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-    compat = cpu_compat() if not torch.cuda.is_available() else contextlib.nullcontext()
-    try:
-        with compat:
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp, create_gloo_process_groups=False
-            )
-            yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        parallel_state._GLOBAL_MEMORY_BUFFER = buffer
 
 
 @functools.lru_cache(maxsize=256)
@@ -316,15 +257,10 @@ def loss_max_live_bytes(
     sequences this end outweighs a layer (7B, 1M tokens, TP 8: 12 GiB of bf16 logits and 25 GiB
     of fp32 softmax per process). The final hidden state is pre-existing, not counted.
     """
-    from megatron.core import tensor_parallel
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memo_ext.planner.capture import trace_module
-
     sp = sp and tp > 1
     h, b = model.hidden_size, micro_batch_size
-    padded = -(-model.vocab_size // (128 * tp)) * 128 * tp
-    with warnings.catch_warnings(), _fake_parallel_state(tp):
+    padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=tp)
+    with warnings.catch_warnings(), fake_parallel_state(tp):
         warnings.simplefilter("ignore")
         with FakeTensorMode(allow_non_fake_inputs=True):
             x = torch.empty(tokens // tp if sp else tokens, b, h, dtype=torch.bfloat16)

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
+from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, layer_fit, transient_fit
-from memo_ext.estimate.presets import DeviceSpec, ModelShape, transformer_config
+from memo_ext.hardware import DeviceSpec
+from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.parallel import LayoutError, ParallelLayout
+from memo_ext.shapes import ModelShape, padded_vocab_size, train_flops
 
 METHODS = ("none", "full", "selective", "memo")
 
@@ -30,68 +35,61 @@ DEFAULT_ATTENTION_EFFICIENCY = 0.60
 # 7.8 GB of 73.5 reserved at 7B / 512K with PyTorch's caching allocator; MEMO's planner removes
 # most of it). One fraction for every method so that comparisons stay fair.
 DEFAULT_HEADROOM = 0.06
-# Share of the node's host memory MEMO may use, split equally between the node's processes: the
-# trainer's default for --memo-host-memory-gb (memo_ext.offload.config.DEFAULT_HOST_SHARE).
-DEFAULT_HOST_SHARE = 0.8
 CAUSAL_FRACTION = 0.5
 """A causal kernel computes half of the ``s × s`` products the counter sees."""
+MEMO_DEFAULTS = MemoConfig(enabled=True)
+"""MEMO as ``--memo`` alone runs it: α by the rule, the last two layers kept."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How the GPUs are split (megatron-core's vocabulary)."""
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """How one step's sequences reach a process, and how its optimizer state is kept."""
 
-    tp: int = 1
-    """Tensor parallelism (within a node)."""
-    cp: int = 1
-    """Context parallelism: each sequence cut over ``cp`` ranks (2·cp load-balanced chunks)."""
-    pp: int = 1
-    """Pipeline stages (1F1B)."""
-    dp: int = 1
-    """Data parallelism: the rest of the GPUs."""
-    sp: bool = False
-    """Sequence parallelism over the TP ranks (only with ``tp > 1``)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
-    num_microbatches: int = 1
-    """Micro-batches per step and data-parallel rank."""
+    num_microbatches: int = field(default=1, metadata={"flag": "--num-microbatches"})
+    """Micro-batches per step and DP rank."""
     distributed_optimizer: bool = True
-    """Shard the 12 optimizer bytes per parameter over DP (megatron's distributed optimizer)."""
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+    """Shard the 12 optimizer bytes per parameter over DP (megatron's distributed optimizer; what
+    runs at this scale use, hence the default)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Efficiency:
     """Achieved fractions of the hardware's peaks (see the defaults' comments)."""
 
-    matmul: float = DEFAULT_MATMUL_EFFICIENCY
-    """Non-attention FLOPs (matrix products; element-wise ops are counted as free)."""
-    attention: float = DEFAULT_ATTENTION_EFFICIENCY
-    """Attention FLOPs (causal, flash-style kernel)."""
-    headroom: float = DEFAULT_HEADROOM
+    matmul: float = field(
+        default=DEFAULT_MATMUL_EFFICIENCY, metadata={"flag": "--matmul-efficiency"}
+    )
+    """Achieved fraction of the peak on non-attention FLOPs (matrix products; element-wise ops
+    are counted as free)."""
+    attention: float = field(
+        default=DEFAULT_ATTENTION_EFFICIENCY, metadata={"flag": "--attention-efficiency"}
+    )
+    """Achieved fraction of the peak on attention FLOPs (causal, flash-style kernel)."""
+    headroom: float = field(default=DEFAULT_HEADROOM, metadata={"flag": "--memory-headroom"})
     """Fraction of device memory kept free."""
-    host_share: float = DEFAULT_HOST_SHARE
-    """Fraction of host memory MEMO may use."""
-    attention_fraction: float = 1.0
+    host_share: float = field(default=DEFAULT_HOST_SHARE, metadata={"flag": "--memo-host-share"})
+    """Fraction of host memory MEMO may use (the trainer's default budget share)."""
+    attention_fraction: float = field(default=1.0, metadata={"cli": False})
     """Share of a row's causal ``s × s`` attention products really computed: 1 for one
     sequence per row; ``Σ len_i² / s²`` for packed documents that attend only to themselves."""
-    loss_chunks: int = 1
+    loss_chunks: int = field(default=1, metadata={"cli": False})
     """Sequence slices the output layer and loss run in (the trainer's ``--loss-chunks``): 1 is
     megatron's vocab-parallel cross entropy on the whole sequence; ``k`` divides that end's
     working set by ``k``."""
 
-
-@dataclass(frozen=True)
-class MemoSettings:
-    """MEMO's knobs for the estimate."""
-
-    alpha: float | None = None
-    """Fraction of token-wise activations kept in host memory; ``None`` = the α rule."""
-    keep_last_layers: int = 2
-    """Last layers of each stage that keep their activations on the device."""
+    def check(self) -> None:
+        """Raises EstimateError for a fraction out of range."""
+        for name in ("matmul", "attention", "host_share"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                flag = Efficiency.__dataclass_fields__[name].metadata["flag"]
+                raise EstimateError(f"{flag} must be in (0, 1], got {value}")
+        if not 0.0 <= self.headroom < 1.0:
+            raise EstimateError(f"--memory-headroom must be in [0, 1), got {self.headroom}")
+        if self.loss_chunks < 1:
+            raise EstimateError(f"--loss-chunks must be at least 1, got {self.loss_chunks}")
 
 
 @dataclass
@@ -142,27 +140,31 @@ class Estimate:
         return out
 
 
-def layer_figures(model: ModelShape, layout: Layout, *, tokens: int, method: str) -> LayerFigures:
+def layer_figures(
+    model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, method: str
+) -> LayerFigures:
     """Measured figures of one layer at ``tokens`` tokens per sequence on this process."""
     fit = layer_fit(
-        model, tp=layout.tp, sp=layout.sp, micro_batch_size=layout.micro_batch_size, method=method
+        model, tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size, method=method
     )
     return fit.at(tokens)
 
 
-def params_per_gpu(model: ModelShape, layout: Layout, layer: LayerFigures, seq_length: int) -> int:
+def params_per_gpu(
+    model: ModelShape, layout: ParallelLayout, layer: LayerFigures, seq_length: int
+) -> int:
     """Parameters on the busiest stage: its layers plus one end (embedding or output layer,
-    TP-sharded; tied when PP is 1) and the final norm."""
-    padded = -(-model.vocab_size // (128 * layout.tp)) * 128 * layout.tp
+    TP-sharded as Megatron-LM pads it; tied when PP is 1) and the final norm."""
+    padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=layout.tp)
     ends = padded // layout.tp * model.hidden_size + 2 * model.hidden_size
     if model.position_embedding_type == "learned_absolute":
         ends += seq_length * model.hidden_size
     return model.num_layers // layout.pp * layer.param_count + ends
 
 
-def model_state_bytes(params: int, layout: Layout) -> int:
+def model_state_bytes(params: int, layout: ParallelLayout, batch: Batch) -> int:
     """bf16 weights (2) + fp32 main grads (4) + fp32 master weights and Adam moments (12)."""
-    optimizer = 12 * params / (layout.dp if layout.distributed_optimizer else 1)
+    optimizer = 12 * params / (layout.dp if batch.distributed_optimizer else 1)
     return int(6 * params + optimizer)
 
 
@@ -176,11 +178,13 @@ class _Memo:
     backward: LayerFigures
 
 
-def memo_at(model: ModelShape, layout: Layout, *, tokens: int, alpha: float) -> _Memo:
+def memo_at(
+    model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, alpha: float
+) -> _Memo:
     """MEMO at α, interpolated between the α = 0 and α = 1 traces (host bytes and recompute
     FLOPs are linear in α; a ping-pong slot pins whole storages as soon as α > 0)."""
-    zero = layer_figures(model, layout, tokens=tokens, method="memo-0")
-    one = layer_figures(model, layout, tokens=tokens, method="memo-1")
+    zero = layer_figures(model, layout, batch, tokens=tokens, method="memo-0")
+    one = layer_figures(model, layout, batch, tokens=tokens, method="memo-1")
     mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
     backward = LayerFigures(
         **{
@@ -196,69 +200,52 @@ def memo_at(model: ModelShape, layout: Layout, *, tokens: int, alpha: float) -> 
     )
 
 
-def _links(device: DeviceSpec, layout: Layout) -> tuple[float, float, float]:
+def _links(device: DeviceSpec, layout: ParallelLayout) -> tuple[float, float, float]:
     """Bandwidths (GB/s) of the TP, CP and DP groups: NVLink while a group fits in a node."""
-    inside = lambda ranks: (
-        device.nvlink_gbps if ranks <= device.gpus_per_node else device.internode_gbps
-    )  # noqa: E731,E501
-    return inside(layout.tp), inside(layout.tp * layout.cp), inside(layout.gpus)
+
+    def link(ranks: int) -> float:
+        return device.nvlink_gbps if ranks <= device.gpus_per_node else device.internode_gbps
+
+    return link(layout.tp), link(layout.tp * layout.cp), link(layout.world_size)
 
 
-def tp_comm_bytes(model: ModelShape, layout: Layout, *, tokens: int) -> float:
+def tp_comm_bytes(model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int) -> float:
     """Bytes one rank sends per layer forward for TP: two all-gathers and two reduce-scatters of
     ``[s/cp, b, h]`` bf16 with SP (or two all-reduces, the same volume, without)."""
     if layout.tp == 1:
         return 0.0
-    full = tokens * layout.micro_batch_size * model.hidden_size * 2
+    full = tokens * batch.micro_batch_size * model.hidden_size * 2
     return 4 * full * (layout.tp - 1) / layout.tp
 
 
-def cp_comm_bytes(model: ModelShape, layout: Layout, *, tokens: int) -> float:
+def cp_comm_bytes(model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int) -> float:
     """Bytes one rank sends per layer forward for CP: its k and v chunk to each other rank."""
     if layout.cp == 1:
         return 0.0
-    groups = model.num_query_groups or model.num_attention_heads
-    d = model.hidden_size // model.num_attention_heads
-    kv = 2 * tokens * layout.micro_batch_size * groups // layout.tp * d * 2
-    return kv * (layout.cp - 1)
+    kv = 2 * tokens * batch.micro_batch_size * model.query_groups // layout.tp
+    return kv * model.head_dim * 2 * (layout.cp - 1)
 
 
-class EstimateError(ValueError):
+class EstimateError(UsageError):
     """A configuration the estimator (and the trainer) cannot run; one sentence."""
 
 
-def check_layout(model: ModelShape, layout: Layout, *, seq_length: int) -> None:
-    """Refuses layouts megatron-core would refuse, with the flag to change.
+def check_layout(model: ModelShape, layout: ParallelLayout, batch: Batch, *, seq_length: int):
+    """Refuses layouts megatron-core would refuse (``ParallelLayout.check_fits``).
 
     Raises:
-        EstimateError: naming the offending flag.
+        EstimateError: naming the offending flag or rule.
     """
-    groups = model.num_query_groups or model.num_attention_heads
     for flag, value in (
-        ("--tensor-model-parallel-size", layout.tp),
-        ("--context-parallel-size", layout.cp),
-        ("--pipeline-model-parallel-size", layout.pp),
-        ("--micro-batch-size", layout.micro_batch_size),
+        ("--micro-batch-size", batch.micro_batch_size),
         ("--seq-length", seq_length),
     ):
         if value < 1:
             raise EstimateError(f"{flag} must be a positive integer, got {value}")
-    if model.num_attention_heads % layout.tp or groups % layout.tp:
-        raise EstimateError(
-            f"--tensor-model-parallel-size {layout.tp} must divide the {model.num_attention_heads}"
-            f" attention heads and {groups} query groups"
-        )
-    if model.num_layers % layout.pp:
-        raise EstimateError(
-            f"--pipeline-model-parallel-size {layout.pp} must divide the {model.num_layers} layers"
-        )
-    chunk = 2 * layout.cp if layout.cp > 1 else 1
-    sp_split = layout.tp if layout.sp else 1
-    if seq_length % (chunk * sp_split):
-        raise EstimateError(
-            f"--seq-length {seq_length} must be divisible by {chunk * sp_split} (2·CP chunks, "
-            "each split over TP under sequence parallelism)"
-        )
+    try:
+        layout.check_fits(model, seq_length)
+    except LayoutError as err:
+        raise EstimateError(str(err)) from None
 
 
 def _seconds(flops_matmul, flops_attention, *, device, eff, cp) -> tuple[float, float]:
@@ -283,21 +270,16 @@ class _LayerTime:
         self.copy_s += times * other.copy_s
 
 
-def _layer_time(fig: LayerFigures, *, model, layout, device, eff, tokens, method, copy_bytes=0):
+def _layer_time(
+    fig: LayerFigures, *, model, layout, batch, device, eff, tokens, method, copy_bytes=0
+) -> _LayerTime:
     """One layer's forward + backward for one micro-batch: compute, exposed comm and copies."""
     tp_link, cp_link, _ = _links(device, layout)
-    f_mm, f_att = _seconds(
-        fig.forward_matmul_flops, fig.forward_attention_flops, device=device, eff=eff, cp=layout.cp
-    )
-    b_mm, b_att = _seconds(
-        fig.backward_matmul_flops,
-        fig.backward_attention_flops,
-        device=device,
-        eff=eff,
-        cp=layout.cp,
-    )
-    tp_s = tp_comm_bytes(model, layout, tokens=tokens) / (tp_link * 1e9)
-    cp_s = cp_comm_bytes(model, layout, tokens=tokens) / (cp_link * 1e9)
+    seconds = dict(device=device, eff=eff, cp=layout.cp)
+    f_mm, f_att = _seconds(fig.forward_matmul_flops, fig.forward_attention_flops, **seconds)
+    b_mm, b_att = _seconds(fig.backward_matmul_flops, fig.backward_attention_flops, **seconds)
+    tp_s = tp_comm_bytes(model, layout, batch, tokens=tokens) / (tp_link * 1e9)
+    cp_s = cp_comm_bytes(model, layout, batch, tokens=tokens) / (cp_link * 1e9)
     forward_passes = 2 if method == "full" else 1  # full recompute re-runs the forward's comm
     # TP collectives sit on the critical path (no comm overlap); ring attention's k / v passes
     # overlap the attention kernels, only the excess shows. Backward moves k, v and their grads.
@@ -328,8 +310,6 @@ def solve_memo_alpha(
     Raises:
         HostMemoryError: when even α = 0 does not fit the host budget.
     """
-    from memo_ext.offload.alpha import LayerCost, solve_alpha
-
     cost = LayerCost(
         full_bytes=zero.host_bytes,
         tokenwise_bytes=one.host_bytes - zero.host_bytes,
@@ -339,15 +319,114 @@ def solve_memo_alpha(
     return solve_alpha(cost, budget_bytes=host_budget_bytes, resident_layers=resident_layers)
 
 
+@dataclass
+class _Stage:
+    """The busiest pipeline stage's activations and time, one method (see :func:`estimate`)."""
+
+    stored: float
+    """Activations stored when the forward ends."""
+    peak_activations: float
+    time: _LayerTime
+    recompute_flops: float
+    """Per micro-batch."""
+    alpha: float | None = None
+    keep: int | None = None
+    host_bytes: int = 0
+    fits_host: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def _backward_flops(fig: LayerFigures) -> int:
+    return fig.backward_matmul_flops + fig.backward_attention_flops
+
+
+def _megatron_stage(ctx: dict, *, method: str, none: LayerFigures, transients) -> _Stage:
+    """No recomputation, or Megatron's full / selective recomputation."""
+    layer_t, loss_t, in_flight, stage_layers = transients
+    fig = layer_figures(
+        ctx["model"], ctx["layout"], ctx["batch"], tokens=ctx["tokens"], method=method
+    )
+    stored = in_flight * stage_layers * fig.saved_bytes
+    # full recompute: the layer being recomputed holds its whole saved set again
+    again = none.saved_bytes if method == "full" else 0
+    time = _LayerTime()
+    time.add(_layer_time(fig, method=method, **ctx), stage_layers)
+    return _Stage(
+        stored=stored,
+        peak_activations=max(stored + loss_t, stored + again + layer_t),
+        time=time,
+        recompute_flops=stage_layers * (_backward_flops(fig) - _backward_flops(none)),
+    )
+
+
+def _memo_stage(
+    ctx: dict,
+    *,
+    memo: MemoConfig,
+    none: LayerFigures,
+    transients,
+    plain: _LayerTime,
+    host_budget: int,
+) -> _Stage:
+    """MEMO: the first layers of the stage offload, the last ``keep_last_layers`` do not."""
+    layer_t, loss_t, in_flight, stage_layers = transients
+    model, layout, batch, tokens = ctx["model"], ctx["layout"], ctx["batch"], ctx["tokens"]
+    keep = min(memo.keep_last_layers, stage_layers)
+    offloaded = stage_layers - keep
+    resident = in_flight * offloaded
+    alpha, fits_host, notes = memo.alpha, True, []
+    if alpha is None:
+        zero = memo_at(model, layout, batch, tokens=tokens, alpha=0.0)
+        one = memo_at(model, layout, batch, tokens=tokens, alpha=1.0)
+        try:
+            alpha = solve_memo_alpha(
+                zero=zero,
+                one=one,
+                forward_s=plain.forward_s,
+                device=ctx["device"],
+                host_budget_bytes=host_budget,
+                resident_layers=resident,
+            )
+        except HostMemoryError as err:
+            alpha, fits_host = 0.0, False
+            notes.append(str(err))
+    m = memo_at(model, layout, batch, tokens=tokens, alpha=alpha)
+    host = resident * m.host_bytes
+    stored = (
+        in_flight * keep * none.saved_bytes
+        + resident * m.backward.saved_bytes
+        + min(2, resident) * m.slot_bytes
+    )
+    # backward of an offloaded layer: its restored set plus the next one's prefetched set
+    restored = (2 * none.saved_bytes if offloaded else 0) + (in_flight - 1) * keep * (
+        none.saved_bytes
+    )
+    time = _LayerTime()
+    time.add(_layer_time(m.backward, method="memo", copy_bytes=m.host_bytes, **ctx), offloaded)
+    time.add(plain, keep)
+    return _Stage(
+        stored=stored,
+        peak_activations=max(stored + loss_t, stored + layer_t, restored + layer_t),
+        time=time,
+        recompute_flops=offloaded * (_backward_flops(m.backward) - _backward_flops(none)),
+        alpha=alpha,
+        keep=keep,
+        host_bytes=host,
+        fits_host=fits_host and host <= host_budget,
+        notes=notes,
+    )
+
+
 def estimate(
     *,
     model: ModelShape,
     device: DeviceSpec,
-    layout: Layout,
+    layout: ParallelLayout,
+    batch: Batch = Batch(),
     method: str,
     seq_length: int,
     host_memory_bytes: int,
-    memo: MemoSettings = MemoSettings(),
+    memo: MemoConfig = MEMO_DEFAULTS,
     efficiency: Efficiency = Efficiency(),
 ) -> Estimate:
     """Memory, time and MFU of one configuration (see the module docstring).
@@ -355,7 +434,8 @@ def estimate(
     Args:
         model: model shape.
         device: accelerator and links.
-        layout: parallel layout and batch.
+        layout: parallel layout (its DP size included).
+        batch: micro-batches and optimizer sharding.
         method: ``none``, ``full``, ``selective`` (Megatron) or ``memo``.
         seq_length: tokens per sequence.
         host_memory_bytes: host memory per node.
@@ -365,96 +445,75 @@ def estimate(
     Raises:
         EstimateError: for a layout or method that cannot run.
     """
-    from memo_ext.offload.transfer import HostMemoryError
-
     if method not in METHODS:
         raise EstimateError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-    check_layout(model, layout, seq_length=seq_length)
+    if model.vocab_size < 1:
+        raise EstimateError(
+            f"the vocabulary of {model.name} is unknown (vocab_size {model.vocab_size}); give it "
+            "(--vocab-size), or estimate a run resolved against its tokenizer"
+        )
+    check_layout(model, layout, batch, seq_length=seq_length)
     eff, tokens = efficiency, seq_length // layout.cp
     stage_layers = model.num_layers // layout.pp
-    in_flight = min(layout.pp, layout.num_microbatches)
-    none = layer_figures(model, layout, tokens=tokens, method="none")
+    in_flight = min(layout.pp, batch.num_microbatches)
+    none = layer_figures(model, layout, batch, tokens=tokens, method="none")
     transient = transient_fit(
-        model, tp=layout.tp, sp=layout.sp, micro_batch_size=layout.micro_batch_size
+        model, tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size
     )
-    layer_t = transient.layer_per_token * tokens
-    loss_t = transient.loss_per_token * tokens / eff.loss_chunks
+    transients = (
+        transient.layer_per_token * tokens,
+        transient.loss_per_token * tokens / eff.loss_chunks,
+        in_flight,
+        stage_layers,
+    )
     params = params_per_gpu(model, layout, none, seq_length)
-    states = model_state_bytes(params, layout)
-    procs_per_node = min(layout.gpus, device.gpus_per_node)
+    states = model_state_bytes(params, layout, batch)
+    procs_per_node = min(layout.world_size, device.gpus_per_node)
     host_budget = int(host_memory_bytes * eff.host_share / procs_per_node)
-    timing = dict(model=model, layout=layout, device=device, eff=eff, tokens=tokens)
-    plain_time = _layer_time(none, method="none", **timing)
-    notes: list[str] = []
-    alpha = keep = None
-    host = 0
-    fits_host = True
-    stage = _LayerTime()
+    ctx = dict(model=model, layout=layout, batch=batch, device=device, eff=eff, tokens=tokens)
+    plain = _layer_time(none, method="none", **ctx)
     if method == "memo":
-        keep = min(memo.keep_last_layers, stage_layers)
-        offloaded = stage_layers - keep
-        resident = in_flight * offloaded
-        zero = memo_at(model, layout, tokens=tokens, alpha=0.0)
-        one = memo_at(model, layout, tokens=tokens, alpha=1.0)
-        alpha = memo.alpha
-        if alpha is None:
-            try:
-                alpha = solve_memo_alpha(
-                    zero=zero, one=one, forward_s=plain_time.forward_s, device=device,
-                    host_budget_bytes=host_budget, resident_layers=resident,
-                )  # fmt: skip
-            except HostMemoryError as err:
-                alpha, fits_host = 0.0, False
-                notes.append(str(err))
-        m = memo_at(model, layout, tokens=tokens, alpha=alpha)
-        host = resident * m.host_bytes
-        fits_host = fits_host and host <= host_budget
-        stored = (
-            in_flight * keep * none.saved_bytes
-            + resident * m.backward.saved_bytes
-            + min(2, resident) * m.slot_bytes
+        stage = _memo_stage(
+            ctx, memo=memo, none=none, transients=transients, plain=plain, host_budget=host_budget
         )
-        # backward of an offloaded layer: its restored set plus the next one's prefetched set
-        restored = (2 * none.saved_bytes if offloaded else 0) + (
-            in_flight - 1
-        ) * keep * none.saved_bytes
-        peak_activations = max(stored + loss_t, stored + layer_t, restored + layer_t)
-        stage.add(
-            _layer_time(m.backward, method="memo", copy_bytes=m.host_bytes, **timing), offloaded
-        )
-        stage.add(plain_time, keep)
-        recompute = offloaded * (
-            m.backward.backward_matmul_flops + m.backward.backward_attention_flops
-            - none.backward_matmul_flops - none.backward_attention_flops
-        )  # fmt: skip
     else:
-        fig = layer_figures(model, layout, tokens=tokens, method=method)
-        stored = in_flight * stage_layers * fig.saved_bytes
-        # full recompute: the layer being recomputed holds its whole saved set again
-        again = none.saved_bytes if method == "full" else 0
-        peak_activations = max(stored + loss_t, stored + again + layer_t)
-        stage.add(_layer_time(fig, method=method, **timing), stage_layers)
-        recompute = stage_layers * (
-            fig.backward_matmul_flops + fig.backward_attention_flops
-            - none.backward_matmul_flops - none.backward_attention_flops
-        )  # fmt: skip
-    peak_activations = int(peak_activations)
-    transient_bytes = peak_activations - int(stored)
+        stage = _megatron_stage(ctx, method=method, none=none, transients=transients)
+    return _finish(
+        stage,
+        ctx,
+        seq_length=seq_length,
+        states=states,
+        params=params,
+        plain=plain,
+        host_budget=host_budget,
+        method=method,
+    )
+
+
+def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host_budget, method):
+    """The step's time and MFU from the stage's, and the :class:`Estimate`."""
+    model, layout, batch = ctx["model"], ctx["layout"], ctx["batch"]
+    device, eff = ctx["device"], ctx["eff"]
+    time = stage.time
     # output layer and loss: 2·tokens·h·vocab/tp forward, twice that backward
-    padded = -(-model.vocab_size // (128 * layout.tp)) * 128 * layout.tp
-    ends_flops = 6 * tokens * layout.micro_batch_size * model.hidden_size * padded // layout.tp
-    stage.compute_s += _seconds(ends_flops, 0, device=device, eff=eff, cp=1)[0]
-    stage_s = stage.compute_s + stage.comm_s + stage.copy_s
-    slots = layout.num_microbatches + layout.pp - 1  # 1F1B: the pipeline fills and drains
+    padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=layout.tp)
+    ends_flops = (
+        6 * ctx["tokens"] * batch.micro_batch_size * model.hidden_size * padded // layout.tp
+    )
+    time.compute_s += _seconds(ends_flops, 0, device=device, eff=eff, cp=1)[0]
+    stage_s = time.compute_s + time.comm_s + time.copy_s
+    slots = batch.num_microbatches + layout.pp - 1  # 1F1B: the pipeline fills and drains
     _, _, dp_link = _links(device, layout)
     # gradients are all-reduced over DP × CP (CP ranks hold the same weights), in fp32
     replicas = layout.dp * layout.cp
     dp_s = 2 * (replicas - 1) / replicas * 4 * params / (dp_link * 1e9)
     step_s = slots * stage_s + dp_s
-    sequences = layout.micro_batch_size * layout.num_microbatches * layout.dp
-    model_flops = _model_flops(model, seq_length=seq_length, sequences=sequences)
+    sequences = batch.micro_batch_size * batch.num_microbatches * layout.dp
+    model_flops = train_flops(model, seq_length=seq_length, sequences=sequences)
     usable = int(device.memory_bytes * (1 - eff.headroom))
+    peak_activations = int(stage.peak_activations)
     peak = states + peak_activations
+    notes = list(stage.notes)
     if layout.cp > 1:
         notes.append("context parallelism modelled as ring attention (local k / v saved)")
     return Estimate(
@@ -462,47 +521,28 @@ def estimate(
         method=method,
         gpu=device.name,
         seq_length=seq_length,
-        layout=asdict(layout),
-        alpha=alpha,
-        keep_last_layers=keep,
+        layout={**asdict(layout), **asdict(batch)},
+        alpha=stage.alpha,
+        keep_last_layers=stage.keep,
         params_per_gpu=params,
         model_state_bytes=states,
-        activation_bytes=int(stored),
-        transient_bytes=transient_bytes,
+        activation_bytes=int(stage.stored),
+        transient_bytes=peak_activations - int(stage.stored),
         device_peak_bytes=peak,
         device_capacity_bytes=device.memory_bytes,
         device_usable_bytes=usable,
-        host_bytes=int(host),
+        host_bytes=int(stage.host_bytes),
         host_budget_bytes=host_budget,
         step_time_s=step_s,
         tokens_per_s=sequences * seq_length / step_s,
-        mfu=model_flops / (step_s * layout.gpus * device.peak_tflops * 1e12),
-        compute_s=slots * stage.compute_s,
-        exposed_comm_s=slots * stage.comm_s + dp_s,
-        exposed_host_copy_s=slots * stage.copy_s,
+        mfu=model_flops / (step_s * layout.world_size * device.peak_tflops * 1e12),
+        compute_s=slots * time.compute_s,
+        exposed_comm_s=slots * time.comm_s + dp_s,
+        exposed_host_copy_s=slots * time.copy_s,
         grad_sync_s=dp_s,
-        layer_forward_s=plain_time.forward_s,
-        recompute_flops=float(recompute * layout.num_microbatches),
+        layer_forward_s=plain.forward_s,
+        recompute_flops=float(stage.recompute_flops * batch.num_microbatches),
         fits_device=peak <= usable,
-        fits_host=fits_host,
+        fits_host=stage.fits_host,
         notes=notes,
     )
-
-
-def _model_flops(model: ModelShape, *, seq_length: int, sequences: int) -> float:
-    """Forward + backward model FLOPs, as the trainer's MFU counts them (causal half)."""
-    from memo_ext.training.metrics import gpt_train_flops
-
-    config = _flops_config(model)
-    return gpt_train_flops(
-        config=config, vocab_size=model.vocab_size, seq_length=seq_length, sequences=sequences
-    )
-
-
-_FLOPS_CONFIGS: dict[ModelShape, object] = {}
-
-
-def _flops_config(model: ModelShape):
-    if model not in _FLOPS_CONFIGS:
-        _FLOPS_CONFIGS[model] = transformer_config(model)
-    return _FLOPS_CONFIGS[model]

@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from memo_ext.estimate.model import Efficiency, Estimate, EstimateError, Layout, MemoSettings
+from memo_ext.config import MemoConfig, RunConfig
+from memo_ext.errors import UsageError
+from memo_ext.estimate.model import Batch, Efficiency, Estimate, EstimateError
 from memo_ext.estimate.model import estimate as run_estimate
-from memo_ext.estimate.presets import DEVICES, DeviceSpec, ModelShape
+from memo_ext.hardware import GIB, DeviceSpec, available_host_memory_bytes, cuda_device
+from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
 
-class PreflightError(RuntimeError):
+class PreflightError(UsageError):
     """The run cannot fit device or host memory; the message says by how much and what to do."""
 
 
@@ -36,67 +39,28 @@ class Report:
     estimate: Estimate | None = None
 
 
-def run_model_shape(run) -> ModelShape:
-    """The estimator's shape of the model a parsed run trains."""
-    t = run.transformer
-    vocab = run.model.vocab_size or run.data.vocab_size or 256
-    return ModelShape(
-        name="run",
-        num_layers=t.num_layers,
-        hidden_size=t.hidden_size,
-        num_attention_heads=t.num_attention_heads,
-        ffn_hidden_size=t.ffn_hidden_size,
-        vocab_size=vocab,
-        num_query_groups=t.num_query_groups,
-        swiglu=bool(t.gated_linear_unit),
-        normalization=t.normalization,
-        add_bias_linear=bool(t.add_bias_linear),
-        position_embedding_type=run.model.position_embedding_type,
-    )
-
-
-def _layout(run) -> Layout:
-    t = run.transformer
-    return Layout(
-        tp=t.tensor_model_parallel_size,
-        cp=t.context_parallel_size,
-        pp=t.pipeline_model_parallel_size,
-        dp=max(1, run.data_parallel_size),
-        sp=bool(t.sequence_parallel),
+def _batch(run: RunConfig) -> Batch:
+    return Batch(
         micro_batch_size=run.train.micro_batch_size,
         num_microbatches=max(1, run.num_microbatches),
         distributed_optimizer=run.train.use_distributed_optimizer,
     )
 
 
-def _method(run) -> str:
+def _method(run: RunConfig) -> str:
     if run.memo.enabled:
         return "memo"
-    return run.transformer.recompute_granularity or "none"
-
-
-def cuda_device_spec() -> DeviceSpec | None:
-    """The preset of this process's CUDA device (by name and memory), or ``None``."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name().upper()
-    total = torch.cuda.get_device_properties(0).total_memory
-    for key, spec in DEVICES.items():
-        if key.split("-")[0].upper() in name:
-            return replace(spec, memory_bytes=total)
-    return None
+    return run.recompute.granularity or "none"
 
 
 def preflight(
-    run,
+    run: RunConfig,
     *,
     device: DeviceSpec | None = None,
     host_memory_bytes: int | None = None,
     efficiency: Efficiency | None = None,
 ) -> Report:
-    """Estimates ``run`` (a ``memo_ext.config.RunConfig``) and says whether it fits.
+    """Estimates ``run`` and says whether it fits.
 
     Args:
         run: the parsed run.
@@ -105,20 +69,20 @@ def preflight(
             per process) times the node's processes, else the memory available now.
         efficiency: estimator knobs (headroom, host share …).
     """
-    device = device or cuda_device_spec()
+    device = device or cuda_device()
     if device is None:
         return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
     efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
-    layout = _layout(run)
+    layout = run.layout
     if host_memory_bytes is None:
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
-    memo = MemoSettings(alpha=run.memo.alpha, keep_last_layers=run.memo.keep_last_layers)
     kwargs = dict(
-        model=run_model_shape(run),
+        model=run.shape,
         device=device,
+        batch=_batch(run),
         method=_method(run),
         host_memory_bytes=host_memory_bytes,
-        memo=memo,
+        memo=run.memo,
         efficiency=efficiency,
     )
     try:
@@ -132,7 +96,7 @@ def preflight(
     return Report(checked=True, fits=False, message=message, estimate=est)
 
 
-def check_preflight(run, **kwargs) -> Report:
+def check_preflight(run: RunConfig, **kwargs) -> Report:
     """:func:`preflight`, raising :class:`PreflightError` when the run cannot fit."""
     report = preflight(run, **kwargs)
     if not report.fits:
@@ -141,18 +105,18 @@ def check_preflight(run, **kwargs) -> Report:
     return report
 
 
-def _host_memory_bytes(run, layout: Layout, device: DeviceSpec, eff: Efficiency) -> int:
-    from memo_ext.offload.config import available_host_memory_bytes
-
-    procs = min(layout.gpus, device.gpus_per_node)
+def _host_memory_bytes(
+    run: RunConfig, layout: ParallelLayout, device: DeviceSpec, eff: Efficiency
+) -> int:
+    procs = min(layout.world_size, device.gpus_per_node)
     if run.memo.host_memory_gb is not None:
         # the user's per-process budget, expressed as node memory the estimator shares out
-        return int(run.memo.host_memory_gb * 2**30 * procs / eff.host_share)
+        return int(run.memo.host_memory_gb * GIB * procs / eff.host_share)
     return available_host_memory_bytes()
 
 
 def _numbers(est: Estimate) -> str:
-    gib = 2**30
+    gib = GIB
     text = (
         f"device peak {est.device_peak_bytes / gib:.1f} GiB of {est.device_usable_bytes / gib:.1f}"
         f" GiB usable (model states {est.model_state_bytes / gib:.1f}, activations "
@@ -166,11 +130,11 @@ def _numbers(est: Estimate) -> str:
     return text
 
 
-def _suggestion(est: Estimate, *, layout: Layout, seq_length: int, **kwargs) -> str:
+def _suggestion(est: Estimate, *, layout: ParallelLayout, seq_length: int, **kwargs) -> str:
     """The first change that makes the run fit, among MEMO and larger CP / TP."""
     tries = []
     if est.method != "memo":
-        tries.append(("add --memo", layout, {"method": "memo", "memo": MemoSettings()}))
+        tries.append(("add --memo", layout, {"method": "memo", "memo": MemoConfig(enabled=True)}))
     if not est.fits_host:
         tries.append(("raise --memo-host-memory-gb or keep more layers", layout, {}))
     if layout.dp % 2 == 0:
@@ -178,8 +142,13 @@ def _suggestion(est: Estimate, *, layout: Layout, seq_length: int, **kwargs) -> 
         tries.append((f"use --context-parallel-size {bigger_cp.cp}", bigger_cp, {}))
         if layout.tp < 8:
             bigger_tp = replace(layout, tp=layout.tp * 2, dp=layout.dp // 2, sp=True)
-            tries.append((f"use --tensor-model-parallel-size {bigger_tp.tp} --sequence-parallel",
-                          bigger_tp, {}))  # fmt: skip
+            tries.append(
+                (
+                    f"use --tensor-model-parallel-size {bigger_tp.tp} --sequence-parallel",
+                    bigger_tp,
+                    {},
+                )
+            )
     for text, lay, change in tries:
         try:
             if run_estimate(layout=lay, seq_length=seq_length, **{**kwargs, **change}).fits:

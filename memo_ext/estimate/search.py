@@ -9,20 +9,23 @@ is monotone in the length (every stored byte grows with it), which makes the sea
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from memo_ext.config import MemoConfig
 from memo_ext.estimate.model import (
+    Batch,
     Efficiency,
     Estimate,
     EstimateError,
-    Layout,
-    MemoSettings,
     check_layout,
     estimate,
 )
-from memo_ext.estimate.presets import DeviceSpec, ModelShape
+from memo_ext.hardware import DeviceSpec
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import ModelShape
 
 DEFAULT_GRANULARITY = 4096
 MAX_MULTIPLE = 1 << 12
@@ -43,8 +46,8 @@ class SearchSpace:
 
 
 def candidate_layouts(
-    model: ModelShape, device: DeviceSpec, *, gpus: int, space: SearchSpace, base: Layout
-) -> Iterator[Layout]:
+    model: ModelShape, device: DeviceSpec, *, gpus: int, space: SearchSpace, batch: Batch
+) -> Iterator[ParallelLayout]:
     """Layouts of ``gpus`` GPUs that megatron-core accepts for ``model``."""
     tps = [space.tp] if space.tp else [t for t in (1, 2, 4, 8) if t <= device.gpus_per_node]
     cps = [space.cp] if space.cp else [1 << k for k in range(0, 11) if 1 << k <= gpus]
@@ -52,40 +55,41 @@ def candidate_layouts(
         model_parallel = tp * cp * space.pp
         if gpus % model_parallel:
             continue
-        sp = (tp > 1) if space.sp is None else (space.sp and tp > 1)
-        layout = replace(base, tp=tp, cp=cp, pp=space.pp, dp=gpus // model_parallel, sp=sp)
+        sp = (tp > 1) if space.sp is None else space.sp
+        layout = ParallelLayout(tp=tp, cp=cp, pp=space.pp, dp=gpus // model_parallel, sp=sp)
         try:
-            check_layout(model, layout, seq_length=_granularity(layout, DEFAULT_GRANULARITY))
+            check_layout(model, layout, batch, seq_length=_granularity(layout, DEFAULT_GRANULARITY))
         except EstimateError:
             continue
         yield layout
 
 
-def _granularity(layout: Layout, granularity: int) -> int:
+def _granularity(layout: ParallelLayout, granularity: int) -> int:
     return granularity * 2 * layout.cp
 
 
-def _memo_options(space: SearchSpace, method: str) -> list[MemoSettings]:
+def memo_options(space: SearchSpace, method: str) -> list[MemoConfig]:
+    """The MEMO settings the search tries (one neutral setting for the other methods)."""
     if method != "memo":
-        return [MemoSettings()]
+        return [MemoConfig(enabled=True)]
     keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
     alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
-    return [MemoSettings(alpha=a, keep_last_layers=k) for k in keeps for a in alphas]
+    return [MemoConfig(enabled=True, alpha=a, keep_last_layers=k) for k in keeps for a in alphas]
 
 
-def longest_fitting(run, *, layout: Layout, granularity: int) -> Estimate | None:
+def longest_fitting(run, *, layout: ParallelLayout, granularity: int) -> Estimate | None:
     """Galloping then binary search for the largest multiple of the layout's step that fits.
 
-    ``run(layout, seq_length)`` returns an ``Estimate``.
+    ``run(layout=, seq_length=)`` returns an ``Estimate``.
     """
     step = _granularity(layout, granularity)
-    first = run(layout, step)
+    first = run(layout=layout, seq_length=step)
     if not first.fits:
         return None
     lo, best = 1, first
     hi = 2
     while hi <= MAX_MULTIPLE:
-        est = run(layout, hi * step)
+        est = run(layout=layout, seq_length=hi * step)
         if not est.fits:
             break
         lo, best, hi = hi, est, hi * 2
@@ -93,7 +97,7 @@ def longest_fitting(run, *, layout: Layout, granularity: int) -> Estimate | None
         return best
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        est = run(layout, mid * step)
+        est = run(layout=layout, seq_length=mid * step)
         if est.fits:
             lo, best = mid, est
         else:
@@ -102,8 +106,20 @@ def longest_fitting(run, *, layout: Layout, granularity: int) -> Estimate | None
 
 
 _ANY = SearchSpace()
-_DEFAULT_LAYOUT = Layout()
-_DEFAULT_EFFICIENCY = Efficiency()
+DEFAULT_BATCH = Batch()
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+def _configurations(*, space: SearchSpace, method: str, gpus: int, batch: Batch, **fixed):
+    """What the search tries: ``(layout, run)`` per candidate layout and MEMO setting, where
+    ``run(layout=, seq_length=)`` estimates it (``fixed``: the rest of ``estimate``'s inputs)."""
+    model, device = fixed["model"], fixed["device"]
+    for layout in candidate_layouts(model, device, gpus=gpus, space=space, batch=batch):
+        for memo in memo_options(space, method):
+            yield (
+                layout,
+                functools.partial(estimate, method=method, batch=batch, memo=memo, **fixed),
+            )
 
 
 def find_max_seq_length(
@@ -114,27 +130,70 @@ def find_max_seq_length(
     method: str,
     host_memory_bytes: int,
     space: SearchSpace = _ANY,
-    base: Layout = _DEFAULT_LAYOUT,
-    efficiency: Efficiency = _DEFAULT_EFFICIENCY,
+    batch: Batch = DEFAULT_BATCH,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
     granularity: int = DEFAULT_GRANULARITY,
 ) -> Estimate | None:
     """The best configuration at the longest length that fits, or ``None`` when none does."""
     best: Estimate | None = None
-    for layout in candidate_layouts(model, device, gpus=gpus, space=space, base=base):
-        for memo in _memo_options(space, method):
-
-            def run(lay: Layout, seq_length: int, memo=memo) -> Estimate:
-                return estimate(
-                    model=model, device=device, layout=lay, method=method,
-                    seq_length=seq_length, host_memory_bytes=host_memory_bytes,
-                    memo=memo, efficiency=efficiency,
-                )  # fmt: skip
-
-            found = longest_fitting(run, layout=layout, granularity=granularity)
-            if found is not None and (best is None or _better(found, best)):
-                best = found
+    for layout, run in _configurations(
+        space=space,
+        method=method,
+        gpus=gpus,
+        batch=batch,
+        model=model,
+        device=device,
+        host_memory_bytes=host_memory_bytes,
+        efficiency=efficiency,
+    ):
+        found = longest_fitting(run, layout=layout, granularity=granularity)
+        if found is not None and (best is None or _better(found, best)):
+            best = found
     return best
 
 
 def _better(a: Estimate, b: Estimate) -> bool:
     return (a.seq_length, a.mfu) > (b.seq_length, b.mfu)
+
+
+def best_at_length(
+    *,
+    model: ModelShape,
+    device: DeviceSpec,
+    gpus: int,
+    method: str,
+    seq_length: int,
+    host_memory_bytes: int,
+    space: SearchSpace = _ANY,
+    batch: Batch = DEFAULT_BATCH,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+) -> Estimate:
+    """The fastest fitting configuration at ``seq_length`` (else the one with the least memory).
+
+    Raises:
+        EstimateError: when no candidate layout accepts ``seq_length``; the user's own layout
+            (or TP / CP 1) explains why.
+    """
+    results = []
+    for layout, run in _configurations(
+        space=space,
+        method=method,
+        gpus=gpus,
+        batch=batch,
+        model=model,
+        device=device,
+        host_memory_bytes=host_memory_bytes,
+        efficiency=efficiency,
+    ):
+        try:
+            results.append(run(layout=layout, seq_length=seq_length))
+        except EstimateError:
+            continue
+    if not results:
+        asked = ParallelLayout(tp=space.tp or 1, cp=space.cp or 1, pp=space.pp, sp=bool(space.sp))
+        check_layout(model, asked, batch, seq_length=seq_length)
+        raise EstimateError(f"no parallel layout of {gpus} GPUs accepts --seq-length {seq_length}")
+    fitting = [r for r in results if r.fits]
+    if fitting:
+        return max(fitting, key=lambda r: r.mfu)
+    return min(results, key=lambda r: r.device_peak_bytes)

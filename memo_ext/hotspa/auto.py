@@ -20,12 +20,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from memo_ext.estimate.model import Efficiency, Estimate, EstimateError, estimate
-from memo_ext.estimate.model import Layout as EstimatorLayout
-from memo_ext.estimate.presets import DeviceSpec, ModelShape
+from memo_ext.data.documents import DocumentSource, global_batches
+from memo_ext.errors import UsageError
+from memo_ext.estimate.model import Batch, Efficiency, Estimate, EstimateError, estimate
+from memo_ext.hardware import DeviceSpec
 from memo_ext.hotspa.buckets import bucket_rows
-from memo_ext.hotspa.documents import DocumentSource, global_batches
-from memo_ext.hotspa.layouts import Layout, LayoutError, check_layout
+from memo_ext.parallel import LayoutError, ParallelLayout
+from memo_ext.shapes import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ SAMPLED_STEPS = 32
 """Global batches packed to measure the expected rows per bucket."""
 
 
-class StrategyError(ValueError):
+class StrategyError(UsageError):
     """No layout can run a bucket; the message gives the numbers."""
 
 
@@ -47,7 +48,7 @@ class BucketChoice:
     length: int
     rows: float
     """Expected rows per step."""
-    layout: Layout
+    layout: ParallelLayout
     compute_s: float
     """Predicted forward / backward time of the bucket's rows."""
     sync_s: float
@@ -75,7 +76,7 @@ class StrategyPlan:
     """The home model's gradient reduction, once per step."""
 
     @property
-    def layouts(self) -> list[Layout]:
+    def layouts(self) -> list[ParallelLayout]:
         return [c.layout for c in self.choices]
 
     @property
@@ -137,31 +138,34 @@ def candidate_layouts(model: ModelShape, *, world_size: int, gpus_per_node: int,
         for cp in powers:
             rest = world_size // (tp * cp) if world_size % (tp * cp) == 0 else 0
             for pp in (p for p in range(1, rest + 1) if rest % p == 0):
-                layout = Layout(dp=rest // pp, tp=tp, pp=pp, cp=cp)
+                layout = ParallelLayout(dp=rest // pp, tp=tp, pp=pp, cp=cp, sp=tp > 1)
                 try:
-                    check_layout(layout, config=model, bucket_length=length)
+                    layout.check_fits(model, length)
                 except LayoutError:
                     continue
                 yield layout
 
 
-def shares_home(layout: Layout, home: Layout) -> bool:
+def shares_home(layout: ParallelLayout, home: ParallelLayout) -> bool:
     """Runs on the home model (dynamic CP): the same TP and PP."""
     return (layout.tp, layout.pp) == (home.tp, home.pp)
 
 
 def _estimate(
-    model, device, layout: Layout, *, length: int, rows: float, eff, method: str = "none"
+    model, device, layout: ParallelLayout, *, length: int, rows: float, eff, method: str = "none"
 ) -> Estimate:
     microbatches = max(1, math.ceil(rows / layout.dp))
-    est_layout = EstimatorLayout(
-        tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, sp=layout.sp, micro_batch_size=1,
-        num_microbatches=microbatches, distributed_optimizer=False,
-    )  # fmt: skip
+    batch = Batch(micro_batch_size=1, num_microbatches=microbatches, distributed_optimizer=False)
     return estimate(
-        model=model, device=device, layout=est_layout, method=method, seq_length=length,
-        host_memory_bytes=1 << 40, efficiency=eff,
-    )  # fmt: skip
+        model=model,
+        device=device,
+        layout=layout,
+        batch=batch,
+        method=method,
+        seq_length=length,
+        host_memory_bytes=1 << 40,
+        efficiency=eff,
+    )
 
 
 def _switch_s(est: Estimate, device: DeviceSpec, world_size: int) -> float:
@@ -191,7 +195,7 @@ def choose_strategies(
     base = efficiency or Efficiency()
     usable = int(device.memory_bytes * (1 - base.headroom))
     fractions = attention_fractions or [1.0] * len(bounds)
-    per_bucket: list[list[tuple[Layout, Estimate]]] = []
+    per_bucket: list[list[tuple[ParallelLayout, Estimate]]] = []
     for length, n, fraction in zip(bounds, rows, fractions):
         eff = replace(base, attention_fraction=fraction)
         options = []
@@ -199,29 +203,26 @@ def choose_strategies(
             model, world_size=world_size, gpus_per_node=device.gpus_per_node, length=length
         ):
             try:
-                options.append((layout, _estimate(model, device, layout, length=length, rows=n,
-                                                  eff=eff, method=method)))  # fmt: skip
+                est = _estimate(
+                    model, device, layout, length=length, rows=n, eff=eff, method=method
+                )
             except EstimateError:
                 continue
+            options.append((layout, est))
         if not options:
-            raise StrategyError(f"no DP × TP × PP × CP layout of {world_size} processes can run "
-                                f"the {length}-token bucket of {model.name}")  # fmt: skip
+            raise StrategyError(
+                f"no DP × TP × PP × CP layout of {world_size} processes can run "
+                f"the {length}-token bucket of {model.name}"
+            )
         per_bucket.append(options)
-    best: StrategyPlan | None = None
-    for home, home_est in per_bucket[-1]:
-        if home_est.device_peak_bytes > usable:
-            continue
-        choices = _choices_given_home(home, home_est, per_bucket, bounds, rows, usable=usable,
-                                      device=device, world_size=world_size,
-                                      dynamic_cp_only=mode == "dynamic-cp")  # fmt: skip
-        if choices is None:
-            continue
-        plan = StrategyPlan(choices, home_est.grad_sync_s)
-        if best is None or plan.step_s < best.step_s:
-            best = plan
-    if best is None:
+    fit = dict(usable=usable, device=device, dynamic_cp_only=mode == "dynamic-cp")
+    plans = [
+        _plan_with_home(home, est, per_bucket, bounds, rows, **fit) for home, est in per_bucket[-1]
+    ]
+    plans = [plan for plan in plans if plan is not None]
+    if not plans:
         raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
-    return best
+    return min(plans, key=lambda plan: plan.step_s)
 
 
 def evaluate_strategies(
@@ -230,7 +231,7 @@ def evaluate_strategies(
     device: DeviceSpec,
     bounds: Sequence[int],
     rows: Sequence[float],
-    layouts: Sequence[Layout],
+    layouts: Sequence[ParallelLayout],
     attention_fractions: Sequence[float] | None = None,
     method: str = "none",
     efficiency: Efficiency | None = None,
@@ -243,20 +244,45 @@ def evaluate_strategies(
     for length, n, layout, fraction in zip(bounds, rows, layouts, fractions):
         eff = replace(base, attention_fraction=fraction)
         try:
-            per_bucket.append([(layout, _estimate(model, device, layout, length=length, rows=n,
-                                                  eff=eff, method=method))])  # fmt: skip
+            est = _estimate(model, device, layout, length=length, rows=n, eff=eff, method=method)
         except EstimateError as err:
             raise StrategyError(f"layout {layout.name}, {length}-token bucket: {err}") from None
+        per_bucket.append([(layout, est)])
     home, home_est = per_bucket[-1][0]
-    world_size = home.world_size
-    choices = None
-    if home_est.device_peak_bytes <= usable:
-        choices = _choices_given_home(home, home_est, per_bucket, bounds, rows, usable=usable,
-                                      device=device, world_size=world_size,
-                                      dynamic_cp_only=False)  # fmt: skip
-    if choices is None:
+    plan = _plan_with_home(
+        home,
+        home_est,
+        per_bucket,
+        bounds,
+        rows,
+        usable=usable,
+        device=device,
+        dynamic_cp_only=False,
+    )
+    if plan is None:
         raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
-    return StrategyPlan(choices, home_est.grad_sync_s)
+    return plan
+
+
+def _plan_with_home(
+    home, home_est, per_bucket, bounds, rows, *, usable, device, dynamic_cp_only
+) -> StrategyPlan | None:
+    """The best layout per bucket next to ``home`` (the longest bucket's), or ``None`` when home
+    or some bucket does not fit."""
+    if home_est.device_peak_bytes > usable:
+        return None
+    choices = _choices_given_home(
+        home,
+        home_est,
+        per_bucket,
+        bounds,
+        rows,
+        usable=usable,
+        device=device,
+        world_size=home.world_size,
+        dynamic_cp_only=dynamic_cp_only,
+    )
+    return None if choices is None else StrategyPlan(choices, home_est.grad_sync_s)
 
 
 def _choices_given_home(
@@ -266,8 +292,17 @@ def _choices_given_home(
     last = len(per_bucket) - 1
     for b, options in enumerate(per_bucket):
         if b == last:  # the longest bucket defines home
-            choices.append(_choice(bounds[b], rows[b], home, home_est, home_est.device_peak_bytes,
-                                   on_home=True, switch_s=0.0))  # fmt: skip
+            choices.append(
+                _choice(
+                    bounds[b],
+                    rows[b],
+                    home,
+                    home_est,
+                    home_est.device_peak_bytes,
+                    on_home=True,
+                    switch_s=0.0,
+                )
+            )
             continue
         fitting = []
         for layout, est in options:
@@ -282,8 +317,9 @@ def _choices_given_home(
                 peak += est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM
                 switch = _switch_s(est, device, world_size)
             if peak <= usable:
-                fitting.append(_choice(bounds[b], rows[b], layout, est, peak, on_home=on_home,
-                                       switch_s=switch))  # fmt: skip
+                fitting.append(
+                    _choice(bounds[b], rows[b], layout, est, peak, on_home=on_home, switch_s=switch)
+                )
         if not fitting:
             return None
         if rows[b] == 0:  # never seen: keep it at home, nothing to switch
@@ -297,8 +333,9 @@ def _choices_given_home(
 
 def _choice(length, rows, layout, est: Estimate, peak, *, on_home: bool, switch_s: float):
     compute = est.step_time_s - est.grad_sync_s
-    return BucketChoice(length, rows, layout, compute, 0.0 if on_home else est.grad_sync_s,
-                        switch_s, peak)  # fmt: skip
+    return BucketChoice(
+        length, rows, layout, compute, 0.0 if on_home else est.grad_sync_s, switch_s, peak
+    )
 
 
 def _nothing_fits(per_bucket, bounds, usable, device) -> str:
@@ -312,8 +349,10 @@ def _nothing_fits(per_bucket, bounds, usable, device) -> str:
                 f"estimated peak is {smallest / gib:.1f} GiB of {usable / gib:.1f} GiB usable; "
                 "use shorter buckets / --seq-length, more processes or other layouts"
             )
-    return (f"no home layout leaves room for every bucket's working copy on {device.name}; "
-            "give --hotspa-strategies by hand or shorten the buckets")  # fmt: skip
+    return (
+        f"no home layout leaves room for every bucket's working copy on {device.name}; "
+        "give --hotspa-strategies by hand or shorten the buckets"
+    )
 
 
 def describe(plan: StrategyPlan) -> str:

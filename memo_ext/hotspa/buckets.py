@@ -24,28 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from memo_ext.hotspa.batches import deal_rows, row_to_micro_batch
-from memo_ext.hotspa.documents import DocumentSource, global_batches
-from memo_ext.hotspa.layouts import Layout
-from memo_ext.hotspa.packing import pack_row, slot_length
-
-
-def parse_buckets(text: str, *, seq_length: int) -> list[int]:
-    """``"4096,16384,32768"`` → ascending bounds; the last must be ``--seq-length``."""
-    try:
-        bounds = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"--hotspa-buckets must be comma-separated token counts, got {text!r}"
-        ) from None
-    if any(b < 2 for b in bounds) or bounds != sorted(set(bounds)):
-        raise ValueError(f"--hotspa-buckets must be strictly ascending, each 2 or more: {text!r}")
-    if bounds[-1] != seq_length:
-        raise ValueError(
-            f"the last of --hotspa-buckets ({bounds[-1]}) must equal --seq-length ({seq_length}): "
-            "documents are cut at --seq-length and the longest bucket must hold them"
-        )
-    return bounds
+from memo_ext.data.batches import deal_rows, row_to_micro_batch
+from memo_ext.data.documents import DocumentSource, global_batches
+from memo_ext.data.packing import pack_row, slot_length
+from memo_ext.parallel import ParallelLayout
 
 
 @dataclass
@@ -91,10 +73,13 @@ def bucket_rows(
         if own == len(bounds):
             raise ValueError(f"a document of {n} tokens is longer than the last bucket")
         target = next(
-            (r for r, (b, _) in enumerate(rows)
-             if (backfill or b == own) and room[r] >= slot_length(n, pads[b])),
+            (
+                r
+                for r, (b, _) in enumerate(rows)
+                if (backfill or b == own) and room[r] >= slot_length(n, pads[b])
+            ),
             None,
-        )  # fmt: skip
+        )
         if target is None:
             rows.append((own, []))
             room.append(bounds[own])
@@ -112,7 +97,7 @@ def pack_buckets(
     documents: Sequence[np.ndarray],
     *,
     bounds: Sequence[int],
-    layouts: Sequence[Layout],
+    layouts: Sequence[ParallelLayout],
     rank: int,
     backfill: bool = True,
 ) -> list[BucketBatch]:
@@ -125,8 +110,10 @@ def pack_buckets(
         if not groups:
             continue
         layout = layouts[b]
-        rows = [pack_row([documents[i] for i in group], row_tokens=bounds[b],
-                         pad_multiple=pads[b]) for group in groups]  # fmt: skip
+        rows = [
+            pack_row([documents[i] for i in group], row_tokens=bounds[b], pad_multiple=pads[b])
+            for group in groups
+        ]
         dp_rank = layout.coords(rank)["dp"]
         mine = deal_rows(rows, dp_rank=dp_rank, dp_size=layout.dp, row_tokens=bounds[b])
         out.append(
@@ -136,7 +123,7 @@ def pack_buckets(
                 micro_batches=[row_to_micro_batch(r) for r in mine],
                 rows=len(rows),
                 document_lengths=[lengths[i] for g in groups for i in g],
-            )  # fmt: skip
+            )
         )
     return out
 
@@ -145,7 +132,7 @@ def hotspa_step_batches(
     source: DocumentSource,
     *,
     bounds: Sequence[int],
-    layouts: Sequence[Layout],
+    layouts: Sequence[ParallelLayout],
     rank: int,
     global_batch_size: int,
     seed: int,
@@ -154,7 +141,10 @@ def hotspa_step_batches(
 ) -> Iterator[list[BucketBatch]]:
     """Endless steps; each is the list of non-empty buckets of one global batch."""
     for documents in global_batches(
-        source, global_batch_size=global_batch_size, seq_length=bounds[-1], seed=seed,
+        source,
+        global_batch_size=global_batch_size,
+        seq_length=bounds[-1],
+        seed=seed,
         consumed_documents=consumed_documents,
-    ):  # fmt: skip
+    ):
         yield pack_buckets(documents, bounds=bounds, layouts=layouts, rank=rank, backfill=backfill)

@@ -31,15 +31,8 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.utils import unwrap_model
 
 from memo_ext.hotspa.buckets import BucketBatch
-from memo_ext.hotspa.layouts import (
-    Layout,
-    build_process_groups,
-    home_process_groups,
-    layout_config,
-)
 from memo_ext.hotspa.switch import (
     SwitchPlan,
     SwitchStats,
@@ -49,6 +42,8 @@ from memo_ext.hotspa.switch import (
     merge_shards,
     ranks_per_node,
 )
+from memo_ext.mcore.groups import build_process_groups, home_process_groups, swap_cp_group
+from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +52,7 @@ logger = logging.getLogger(__name__)
 class LayoutRuntime:
     """One layout's model and groups on this process."""
 
-    layout: Layout
+    layout: ParallelLayout
     config: object
     pgs: object
     model: torch.nn.Module
@@ -95,40 +90,42 @@ class HotSPaEngine:
         *,
         run,
         home_model: torch.nn.Module,
-        layouts: Sequence[Layout],
+        home_config,
         build_model: Callable[..., torch.nn.Module],
         share_home_model: bool = True,
     ) -> None:
-        self.layouts = list(layouts)
+        """``run``: the resolved ``RunConfig`` (its HotSPa layouts, the last one home);
+        ``home_config``: the home model's ``TransformerConfig``; ``build_model(config=,
+        pg_collection=)`` builds the model of another layout on these processes."""
+        self.layouts = list(run.hotspa.strategies)
         self.home = self.layouts[-1]
-        self.runtimes: dict[Layout, LayoutRuntime] = {}
+        self.runtimes: dict[ParallelLayout, LayoutRuntime] = {}
         self.runtimes[self.home] = LayoutRuntime(
-            layout=self.home, config=run.transformer, pgs=home_process_groups(),
-            model=home_model,
-        )  # fmt: skip
+            layout=self.home, config=home_config, pgs=home_process_groups(), model=home_model
+        )
         for layout in dict.fromkeys(self.layouts):  # distinct, in bucket order, on every rank
             if layout == self.home:
                 continue
             pgs = build_process_groups(layout)
             if share_home_model and (layout.tp, layout.pp) == (self.home.tp, self.home.pp):
                 self.runtimes[layout] = LayoutRuntime(
-                    layout=layout, config=run.transformer, pgs=pgs, model=home_model,
-                    shares_home=True,
-                )  # fmt: skip
+                    layout=layout, config=home_config, pgs=pgs, model=home_model, shares_home=True
+                )
                 continue
-            config = layout_config(run.transformer, layout)
+            config = run.transformer_config(layout)
             model = build_model(config=config, pg_collection=pgs)
             self.runtimes[layout] = LayoutRuntime(
                 layout=layout, config=config, pgs=pgs, model=model
             )
         rank = dist.get_rank()
-        gated = bool(run.transformer.gated_linear_unit)
+        gated = run.shape.swiglu
         switched = [rt for rt in self.runtimes.values() if not rt.shares_home]
         local = {
-            rt.layout.name: describe_shards(rt.model, rank=rank, tp=rt.layout.tp,
-                                            tp_rank=rt.pgs.tp.rank(), gated=gated)
+            rt.layout.name: describe_shards(
+                rt.model, rank=rank, tp=rt.layout.tp, tp_rank=rt.pgs.tp.rank(), gated=gated
+            )
             for rt in switched
-        }  # fmt: skip
+        }
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
         self._shards = {
@@ -139,14 +136,16 @@ class HotSPaEngine:
         self._rank, self._ranks_per_node = rank, ranks_per_node()
         self.last = StepFigures()
 
-    def plan(self, source: Layout, target: Layout) -> SwitchPlan:
+    def plan(self, source: ParallelLayout, target: ParallelLayout) -> SwitchPlan:
         """The cached plan that fills ``target``'s shards from ``source``'s."""
         key = (source.name, target.name)
         if key not in self._plans:
             self._plans[key] = build_plan(
-                self._shards[source.name], self._shards[target.name], rank=self._rank,
+                self._shards[source.name],
+                self._shards[target.name],
+                rank=self._rank,
                 ranks_per_node=self._ranks_per_node,
-            )  # fmt: skip
+            )
         return self._plans[key]
 
     def step(self, buckets: Sequence[BucketBatch], forward_step: Callable) -> torch.Tensor:
@@ -158,7 +157,7 @@ class HotSPaEngine:
         figures = StepFigures(
             bucket_rows=[0] * len(self.layouts), bucket_documents=[0] * len(self.layouts)
         )
-        by_layout: dict[Layout, list[BucketBatch]] = {}
+        by_layout: dict[ParallelLayout, list[BucketBatch]] = {}
         for bucket in buckets:
             figures.bucket_rows[bucket.bucket] = bucket.rows
             figures.bucket_documents[bucket.bucket] = len(bucket.document_lengths)
@@ -175,9 +174,8 @@ class HotSPaEngine:
         for layout in (lay for lay in by_layout if lay not in on_home):
             rt = self.runtimes[layout]
             figures.weight.add(
-                self.plan(self.home, layout).run(local_tensors(home.model),
-                                                 local_tensors(rt.model))
-            )  # fmt: skip
+                self.plan(self.home, layout).run(local_tensors(home.model), local_tensors(rt.model))
+            )
             rt.model.zero_grad_buffer()
             for bucket in by_layout[layout]:
                 pair += self._run_bucket(rt, bucket, forward_step)
@@ -196,7 +194,7 @@ class HotSPaEngine:
         return pair
 
     def _run_bucket(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> torch.Tensor:
-        with cp_group_of(rt.model, rt.pgs.cp) if rt.shares_home else contextlib.nullcontext():
+        with swap_cp_group(rt.model, rt.pgs.cp) if rt.shares_home else contextlib.nullcontext():
             losses = self._schedule(rt, bucket, forward_step)
         pair = torch.zeros(2, dtype=torch.float64)
         if rt.reports_loss:
@@ -229,28 +227,6 @@ class HotSPaEngine:
             "hotspa_switch_bytes_reused": f.weight.bytes_reused + f.grad.bytes_reused,
             "hotspa_switch_s": f.weight.seconds + f.grad.seconds,
         }
-
-
-@contextlib.contextmanager
-def cp_group_of(model: torch.nn.Module, group):
-    """Run ``model`` with another CP group: every module's ``cp_group`` and every process-group
-    collection's ``cp`` point at ``group`` inside the block (megatron-core's modules read them
-    at call time; ours too)."""
-    saved, seen = [], set()
-    for module in unwrap_model(model).modules():
-        if hasattr(module, "cp_group"):
-            saved.append((module, "cp_group", module.cp_group))
-        pgs = getattr(module, "pg_collection", None)
-        if pgs is not None and id(pgs) not in seen and hasattr(pgs, "cp"):
-            seen.add(id(pgs))
-            saved.append((pgs, "cp", pgs.cp))
-    try:
-        for obj, attr, _ in saved:
-            setattr(obj, attr, group)
-        yield
-    finally:
-        for obj, attr, value in reversed(saved):
-            setattr(obj, attr, value)
 
 
 def format_hotspa_metrics(metrics: dict) -> str:

@@ -118,16 +118,21 @@ class SwitchPlan:
         dtype, device = _dtype_device(src, dst)
         ops, inboxes = [], {}
         for peer, pieces in sorted(self.sends.items()):
-            message = torch.cat([_view(src[p.name], p.dim, p.src_start, p.length).reshape(-1)
-                                 for p in pieces])  # fmt: skip
+            message = torch.cat(
+                [_view(src[p.name], p.dim, p.src_start, p.length).reshape(-1) for p in pieces]
+            )
             ops.append(dist.P2POp(dist.isend, message.to(dtype), peer))
         for peer, pieces in sorted(self.recvs.items()):
             inboxes[peer] = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
             ops.append(dist.P2POp(dist.irecv, inboxes[peer], peer))
         requests = dist.batch_isend_irecv(ops) if ops else []
         for piece in self.local:  # overlaps with the messages in flight
-            _write(dst, piece, _view(src[piece.name], piece.dim, piece.src_start, piece.length),
-                   accumulate)  # fmt: skip
+            _write(
+                dst,
+                piece,
+                _view(src[piece.name], piece.dim, piece.src_start, piece.length),
+                accumulate,
+            )
         for request in requests:
             request.wait()
         for peer, pieces in sorted(self.recvs.items()):
@@ -204,8 +209,9 @@ def build_plan(
         holders = source[name]
         for shard in sorted(target[name], key=lambda s: s.rank):
             for start, length, local_start in shard.segments:
-                for piece in _pieces(name, holders, shard, start, length, local_start, load,
-                                     ranks_per_node):  # fmt: skip
+                for piece in _pieces(
+                    name, holders, shard, start, length, local_start, load, ranks_per_node
+                ):
                     if piece.src == piece.dst:
                         plan.world_elements_reused += piece.numel
                     else:
@@ -231,15 +237,25 @@ def _pieces(name, holders, shard, start, length, local_start, load, ranks_per_no
     for lo, hi in zip(bounds, bounds[1:]):
         covering = [
             (h.rank, s_local + lo - s)
-            for h in holders for s, n, s_local in h.segments if s <= lo and hi <= s + n
-        ]  # fmt: skip
+            for h in holders
+            for s, n, s_local in h.segments
+            if s <= lo and hi <= s + n
+        ]
         if not covering:
             raise ValueError(f"{name}: no source process holds [{lo}, {hi})")
         src, src_start = _choose_sender(covering, shard.rank, load, ranks_per_node)
         if src != shard.rank:  # only sends count: copies from a process's own shards are free
             load[src] += (hi - lo) * shard.inner
-        yield Piece(name, src, shard.rank, shard.dim, src_start, local_start + lo - start,
-                    hi - lo, shard.inner)  # fmt: skip
+        yield Piece(
+            name,
+            src,
+            shard.rank,
+            shard.dim,
+            src_start,
+            local_start + lo - start,
+            hi - lo,
+            shard.inner,
+        )
 
 
 def _choose_sender(covering, dst: int, load, ranks_per_node: int) -> tuple[int, int]:

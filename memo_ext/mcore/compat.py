@@ -14,10 +14,15 @@ unavailable. ``tests/unit/test_compat.py`` pins the megatron-core behaviour it r
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from megatron.core import package_info
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
@@ -27,8 +32,6 @@ SUPPORTED_MCORE = ("0.16.",)
 
 def check_mcore_version() -> str:
     """Return the installed megatron-core version, refusing versions we have not checked."""
-    from megatron.core import package_info
-
     version = package_info.__version__
     if not version.startswith(SUPPORTED_MCORE):
         raise RuntimeError(
@@ -112,8 +115,6 @@ class CpuRNGStatesTracker:
 
 def seed_cpu_rng_tracker(*, seed: int, tp_rank: int) -> None:
     """Seed the CPU tracker with megatron's offsets (data-parallel, model-parallel, expert)."""
-    from megatron.core.tensor_parallel import random as mrandom
-
     tracker = mrandom.get_cuda_rng_tracker()
     if not isinstance(tracker, CpuRNGStatesTracker):
         raise RuntimeError("seed_cpu_rng_tracker() needs cpu_compat() to be active")
@@ -134,8 +135,6 @@ def cpu_compat() -> Iterator[None]:
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat() is for machines without CUDA; CUDA is available here")
     check_mcore_version()
-    from megatron.core.tensor_parallel import random as mrandom
-
     replacements = [
         # a device object rather than an ordinal: autograd's backward does not see the
         # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
@@ -159,24 +158,11 @@ def cpu_compat() -> Iterator[None]:
             setattr(owner, name, value)
 
 
-@contextlib.contextmanager
-def tracing_environment() -> Iterator[None]:
-    """For tracing layers on fake tensors: CPU redirections of megatron's CUDA-isms (on
-    machines without CUDA) and a private sequence-parallel gather buffer.
+# TransformerLayer.forward takes (*args, **kwargs) and hands them to _forward_attention, whose
+# signature names them; a layer that wraps forward needs the names
+_LAYER_ARGUMENTS = list(inspect.signature(TransformerLayer._forward_attention).parameters)[1:]
 
-    Megatron keeps one global buffer for sequence-parallel all-gathers; a fresh one is installed
-    for the trace (so its fake tensor never leaks into real runs) and the old one put back.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.utils import GlobalMemoryBuffer
 
-    saved = parallel_state._GLOBAL_MEMORY_BUFFER
-    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
-    try:
-        if torch.cuda.is_available():
-            yield
-        else:
-            with cpu_compat():
-                yield
-    finally:
-        parallel_state._GLOBAL_MEMORY_BUFFER = saved
+def transformer_layer_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A ``TransformerLayer`` call's arguments, all by name."""
+    return {**dict(zip(_LAYER_ARGUMENTS, args)), **kwargs}

@@ -32,7 +32,7 @@ import enum
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,10 +46,24 @@ from memo_ext.offload.tensors import (
     storage_key,
     view_of,
 )
-from memo_ext.offload.transfer import DONE, Completion, HostBuffer, host_view
+from memo_ext.offload.transfer import DONE, Completion, HostBuffer, HostPool, host_view
 
-if TYPE_CHECKING:
-    from memo_ext.offload.runtime import MemoRuntime
+
+@dataclass
+class MemoStats:
+    """What MEMO moved and recomputed since the runtime last reported (one iteration)."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    recomputed_tokens: int = 0
+    offloaded_layers: int = 0
+
+    def take(self) -> MemoStats:
+        """The counters so far; they restart from zero (layers keep counting into this object)."""
+        taken = MemoStats(**vars(self))
+        for name in vars(taken):
+            setattr(self, name, 0)
+        return taken
 
 
 class Role(enum.Enum):
@@ -134,17 +148,24 @@ class LayerActivations:
 
     def __init__(
         self,
-        runtime: MemoRuntime,
         layer: torch.nn.Module,
         kwargs: dict[str, Any],
         *,
         host_tokens: int,
         groups: int,
         probe: ProbeShapes | None,
+        pool: HostPool | None,
+        engine,
+        stats: MemoStats,
+        on_backward: Callable[[LayerActivations], None],
         measure_only: bool = False,
     ):
+        """``pool`` gives host buffers, ``engine`` moves data (``memo_ext.offload.transfer``),
+        ``stats`` counts what moved; ``on_backward`` is called when the layer's backward starts
+        (the runtime then frees copied sources and prefetches the layer before)."""
         x = kwargs["hidden_states"]
-        self.runtime = runtime
+        self.pool, self.engine, self.stats = pool, engine, stats
+        self._on_backward = on_backward
         self.layer = layer
         self.layer_index = layer.memo_index
         self.tokens = x.size(0)
@@ -310,7 +331,7 @@ class LayerActivations:
     def _host(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         if self.measure_only:
             return torch.empty(0)
-        buf = self.runtime.pool.acquire(nbytes)
+        buf = self.pool.acquire(nbytes)
         self.host_buffers.append(buf)
         return host_view(buf, shape, dtype)
 
@@ -342,7 +363,18 @@ class LayerActivations:
     def prefetch(self) -> None:
         """Start bringing the host data back (the runtime calls this one layer ahead)."""
         if self._restore is None and self._prefetched is None:
-            self._prefetched = self.runtime.fetch(self)
+            self._prefetched = self._fetch()
+
+    def _fetch(self) -> tuple[list[Tensor], Completion]:
+        """Start the host → device copies of this layer's host data."""
+        hosts = self.host_tensors()
+        tensors, completion = self.engine.to_device(
+            hosts, device=self.input_meta.device, after=self.offloaded
+        )
+        for buf in self.host_buffers:
+            buf.last_read = completion
+        self.stats.h2d_bytes += sum(h.numel() * h.element_size() for h in hosts)
+        return tensors, completion
 
     def unpack(self, index: int) -> Tensor:
         """Autograd's unpack hook for this layer: the saved tensor, rebuilt exactly."""
@@ -361,9 +393,9 @@ class LayerActivations:
         return value
 
     def _materialize(self) -> None:
-        fetched, completion = self._prefetched or self.runtime.fetch(self)
+        fetched, completion = self._prefetched or self._fetch()
         self._prefetched = None
-        self.runtime.engine.wait(completion)
+        self.engine.wait(completion)
         st = _Restore()
         it = iter(fetched)
         for key in self.full_hosts:
@@ -375,7 +407,7 @@ class LayerActivations:
             if p.host is not None:
                 st.tokenwise_heads[i] = next(it)
         self._restore = st
-        self.runtime.begin_backward(self)
+        self._on_backward(self)
         if self.host_tokens < self.tokens:
             self._recompute(st)
 
@@ -411,7 +443,7 @@ class LayerActivations:
             )
         st.recomputed = saved
         st.stand_in_inputs = stand_in.inputs
-        self.runtime.stats.recomputed_tokens += (n - a) * self.sequences
+        self.stats.recomputed_tokens += (n - a) * self.sequences
 
     def _build(self, p: Payload) -> Tensor:
         st = self._restore

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memo_ext.offload.transfer import HostMemoryError
+from memo_ext.errors import UsageError
+
+
+class HostMemoryError(UsageError):
+    """MEMO needs more host memory than its budget allows; the message says what to change."""
 
 
 @dataclass

@@ -10,10 +10,10 @@ and replace it by a stand-in in the recompute pass; parameters and state-dict ke
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -21,9 +21,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from memo_ext.mcore.compat import transformer_layer_arguments
 from memo_ext.offload.runtime import MemoRuntime
-
-_FORWARD_ARGS = list(inspect.signature(TransformerLayer._forward_attention).parameters)[1:]
 
 
 class MemoCoreAttentionMixin:
@@ -76,14 +75,12 @@ class MemoTransformerLayer(TransformerLayer):
             )
 
     def forward(self, *args, **kwargs):
-        kwargs = {**dict(zip(_FORWARD_ARGS, args)), **kwargs}
+        kwargs = transformer_layer_arguments(args, kwargs)
         if not self._memo_applies(kwargs):
             return super().forward(**kwargs)
         return self.memo_runtime.forward_layer(self, kwargs)
 
     def _memo_applies(self, kwargs: dict[str, Any]) -> bool:
-        import torch
-
         return (
             self.memo_offloads
             and self.training

@@ -1,7 +1,8 @@
-"""MEMO as a memory policy on layer specs, and what the training loop asks of it.
+"""MEMO as a memory policy on layer specs, and what the trainer and the tools ask of it.
 
 ``apply_memo`` turns the project's GPT layer spec into one whose layers run MEMO;
-``memo_step_metrics`` gives the per-iteration numbers for the console and the metrics file.
+``memo_step_metrics`` gives the per-iteration numbers for the console and the metrics file;
+``memo_trace_options`` lets the planner trace MEMO layers without knowing MEMO.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from memo_ext.offload.config import MemoConfig, check_memo_combination
+from memo_ext.config import MemoConfig
 from memo_ext.offload.layer import MemoTransformerLayer, memo_core_attention
 from memo_ext.offload.runtime import MemoRuntime
 
@@ -24,11 +25,11 @@ def apply_memo(
     """A copy of ``layer_spec`` whose layers run MEMO, sharing one new :class:`MemoRuntime`.
 
     Raises:
-        MemoArgumentError: for settings MEMO cannot honour (hidden dropout, megatron's own
+        UsageError: for settings MEMO cannot honour (hidden dropout, megatron's own
             recomputation or offloading, a layer without our core attention).
     """
     config = transformer_config
-    check_memo_combination(
+    MemoConfig.check_combination(
         hidden_dropout=config.hidden_dropout,
         recompute_granularity=config.recompute_granularity,
         attention_backend="te" if _is_te_spec(layer_spec) else "local",
@@ -82,3 +83,33 @@ def format_memo_metrics(metrics: dict[str, float | int]) -> str:
     if "memo_copy_wait_s" in metrics:
         parts.append(f"copy wait {metrics['memo_copy_wait_s'] * 1e3:.1f} ms")
     return " | ".join(parts)
+
+
+TRACE_HOST_MEMORY_GB = float(2**40)
+"""Host budget of traced MEMO layers: none, in effect; a trace states what MEMO would use."""
+
+
+def memo_trace_options(config: TransformerConfig, layer_spec: ModuleSpec, *, alpha: float) -> dict:
+    """Keyword arguments of ``memo_ext.planner.capture.trace_transformer_layer`` that trace
+    ``layer_spec`` under MEMO at a fixed ``alpha``.
+
+    One traced layer object runs every pass, so every pass offloads (no kept last layers). MEMO's
+    host buffers are host memory and are named for the trace to leave out; its device buffers,
+    fetches and recomputation stay in it.
+    """
+    memo = MemoConfig(
+        enabled=True, alpha=alpha, keep_last_layers=0, host_memory_gb=TRACE_HOST_MEMORY_GB
+    )
+    return {
+        "layer_spec": apply_memo(layer_spec, memo, config),
+        "host_storages": host_buffer_storages,
+        "meta": {"memo_alpha": alpha},
+    }
+
+
+def host_buffer_storages(model: torch.nn.Module) -> set[int]:
+    """Storage keys (``untyped_storage()._cdata``) of the host buffers MEMO holds for ``model``."""
+    runtime = memo_runtime_of(model)
+    if runtime is None or runtime.pool is None:
+        return set()
+    return {buf.data.untyped_storage()._cdata for buf in runtime.pool.buffers}

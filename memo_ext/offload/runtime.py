@@ -23,21 +23,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import random as mrandom
 from torch import Tensor
 
+from memo_ext.config import MemoConfig
 from memo_ext.offload.activations import (
     LayerActivations,
+    MemoStats,
     ProbeShapes,
     ZeroAttention,
     run_token_slice,
 )
-from memo_ext.offload.alpha import LayerCost, solve_alpha
-from memo_ext.offload.config import MemoConfig, host_budget_bytes
+from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
 from memo_ext.offload.transfer import (
     Completion,
-    HostMemoryError,
     HostPool,
     build_transfer_engine,
+    host_budget_bytes,
     measure_copy_gbps,
 )
 
@@ -46,16 +48,6 @@ logger = logging.getLogger(__name__)
 PROBE_TOKENS = 1
 # the bandwidth probe copies this much at most (enough to reach steady PCIe throughput)
 BANDWIDTH_PROBE_BYTES = 64 * 2**20
-
-
-@dataclass
-class MemoStats:
-    """Counters since the last :meth:`MemoRuntime.take_metrics`."""
-
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    recomputed_tokens: int = 0
-    offloaded_layers: int = 0
 
 
 @dataclass
@@ -107,12 +99,24 @@ class MemoRuntime:
                 "use --memo-alpha 0 or 1"
             )
         probe = self.probe(layer, kwargs, groups) if 0 < a < n else None
-        acts = LayerActivations(self, layer, kwargs, host_tokens=a, groups=groups, probe=probe)
+        acts = self._activations(layer, kwargs, host_tokens=a, groups=groups, probe=probe)
         with acts.capturing():
             out = layer.forward_plain(**kwargs)
         self._check_budget(layer, acts)
         self._offload(acts, acts.end_forward())
         return out
+
+    def _activations(self, layer, kwargs: dict[str, Any], **options) -> LayerActivations:
+        """A layer's saved tensors, served by this runtime's pool and transfer engine."""
+        return LayerActivations(
+            layer,
+            kwargs,
+            pool=self.pool,
+            engine=self.engine,
+            stats=self.stats,
+            on_backward=self.begin_backward,
+            **options,
+        )
 
     def _ensure_engine(self, device: torch.device) -> None:
         if self.engine is None:
@@ -173,16 +177,6 @@ class MemoRuntime:
 
     # ----------------------------------------------------------------------------- backward
 
-    def fetch(self, acts: LayerActivations) -> tuple[list[Tensor], Completion]:
-        """Start the host → device copies of ``acts``'s host data."""
-        hosts = acts.host_tensors()
-        device = acts.input_meta.device
-        tensors, completion = self.engine.to_device(hosts, device=device, after=acts.offloaded)
-        for buf in acts.host_buffers:
-            buf.last_read = completion
-        self.stats.h2d_bytes += sum(h.numel() * h.element_size() for h in hosts)
-        return tensors, completion
-
     def begin_backward(self, acts: LayerActivations) -> None:
         """A layer's backward starts: free copied sources, prefetch the layer before it."""
         for i, slot in enumerate(self._slots):
@@ -200,8 +194,8 @@ class MemoRuntime:
         x = kwargs["hidden_states"]
         n = x.size(0)
         probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
-        acts = LayerActivations(
-            self, layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
+        acts = self._activations(
+            layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
         )
         with _preserved_rng():
             _synchronize(x.device)
@@ -225,8 +219,12 @@ class MemoRuntime:
         logger.info(
             "MEMO auto α = %.3f (layer forward %.1f ms, copy %.2f GB/s, %.1f MiB whole + "
             "%.1f MiB token-wise per layer)",
-            self.alpha, forward_s * 1e3, gbps, full / 2**20, scaled / 2**20,
-        )  # fmt: skip
+            self.alpha,
+            forward_s * 1e3,
+            gbps,
+            full / 2**20,
+            scaled / 2**20,
+        )
 
     def _check_budget(self, layer, acts: LayerActivations) -> None:
         """At the first offloaded layer: refuse to start what cannot fit the host budget."""
@@ -244,9 +242,14 @@ class MemoRuntime:
         logger.info(
             "MEMO α = %g: %d of %d tokens per block to host, %s per layer, up to %d layer "
             "activations held: %s of a %s host budget",
-            self.alpha, acts.host_tokens, acts.tokens, format_bytes(acts.host_bytes()), layers,
-            format_bytes(need), format_bytes(self.budget_bytes),
-        )  # fmt: skip
+            self.alpha,
+            acts.host_tokens,
+            acts.tokens,
+            format_bytes(acts.host_bytes()),
+            layers,
+            format_bytes(need),
+            format_bytes(self.budget_bytes),
+        )
         if floor > self.budget_bytes:
             raise HostMemoryError(
                 f"MEMO needs at least {format_bytes(floor)} of host memory per process even at "
@@ -266,7 +269,7 @@ class MemoRuntime:
 
     def take_metrics(self) -> dict[str, float | int]:
         """Per-iteration metrics since the last call; counters restart."""
-        stats, self.stats = self.stats, MemoStats()
+        stats = self.stats.take()
         metrics: dict[str, float | int] = {
             "memo_alpha": self.alpha if self.alpha is not None else float("nan"),
             "host_offload_bytes": stats.d2h_bytes,
@@ -337,8 +340,6 @@ def _synchronize(device: torch.device) -> None:
 @contextlib.contextmanager
 def _preserved_rng():
     """Run a pass that must not move any random stream (CPU, CUDA, megatron's tracker)."""
-    from megatron.core.tensor_parallel import random as mrandom
-
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     tracker = mrandom.get_cuda_rng_tracker()

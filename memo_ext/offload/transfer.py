@@ -14,6 +14,7 @@ reads a copy's destination or frees its source.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -21,11 +22,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
+from memo_ext.hardware import GIB, available_host_memory_bytes
+from memo_ext.offload.alpha import HostMemoryError
+
 logger = logging.getLogger(__name__)
 
 
-class HostMemoryError(RuntimeError):
-    """MEMO needs more host memory than its budget allows."""
+def host_budget_bytes(config: MemoConfig) -> int:
+    """This process's host-memory budget in bytes (see :attr:`MemoConfig.host_memory_gb`)."""
+    if config.host_memory_gb is not None:
+        return int(config.host_memory_gb * GIB)
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(available_host_memory_bytes() * DEFAULT_HOST_SHARE / max(1, local_procs))
 
 
 @dataclass

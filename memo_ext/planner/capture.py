@@ -23,13 +23,17 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import build_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memo_ext.mcore.specs import build_layer_spec
+from memo_ext.mcore.tracing import fake_process_groups, tracing_environment
+from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.trace import Alloc, Event, Free, Trace
+from memo_ext.shapes import padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -127,40 +131,7 @@ def trace_module(
     return Trace(events=recorder.events, meta=dict(meta or {}))
 
 
-@contextlib.contextmanager
-def fake_process_groups(*, tp: int, cp: int):
-    """Yields a ``ProcessGroupCollection`` of a fake ``tp x cp`` world (rank 0's view).
-
-    The fake default group exists only inside the block, so real runs and other tests in the
-    same process never see it.
-
-    Raises:
-        RuntimeError: when a process group is already initialised.
-    """
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "tracing builds its own fake process group; trace before torch.distributed is "
-            "initialised (or in a separate process)"
-        )
-    world = tp * cp
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try:
-        groups = ProcessGroupCollection()
-        groups.tp = dist.new_group(list(range(tp)))
-        groups.cp = dist.new_group(list(range(0, world, tp)))
-        groups.pp = dist.new_group([0])
-        groups.tp_cp = dist.new_group(list(range(world)))
-        yield groups
-    finally:
-        dist.destroy_process_group()
-
-
 def _default_layer_spec(config):
-    from memo_ext.mcore.specs import build_layer_spec
-
     return build_layer_spec(config=config, attention_backend="sdpa")
 
 
@@ -193,7 +164,8 @@ def trace_transformer_layer(
     vocab_size: int | None = None,
     layer_spec=None,
     context: Callable[[], contextlib.AbstractContextManager] | None = None,
-    memo_alpha: float | None = None,
+    host_storages: Callable[[torch.nn.Module], set[int]] | None = None,
+    meta: dict | None = None,
 ) -> Trace:
     """Traces one iteration: embedding, ``num_layers`` layers forward, loss, and backward.
 
@@ -211,38 +183,27 @@ def trace_transformer_layer(
         micro_batch_size: sequences per micro-batch.
         num_layers: how many layer passes to run.
         vocab_size: include the embedding and loss ends with this vocabulary.
-        layer_spec: megatron ``ModuleSpec`` of the layer.
+        layer_spec: megatron ``ModuleSpec`` of the layer, for example a MEMO layer's
+            (``memo_ext.offload.policy.memo_trace_spec``). One layer object runs every pass.
         context: optional context-manager factory wrapped around the traced program.
-        memo_alpha: run the layer under MEMO with this α (the share of each offloaded
-            activation's tokens copied to host memory; the rest is recomputed). One layer
-            object runs every pass, so every pass offloads (MEMO's ``keep_last_layers`` is 0
-            here). MEMO's host buffers are host memory and are left out of the trace; its
-            device buffers, fetches and recomputation are in it.
+        host_storages: called with the layer once the program has run; the storages it names
+            (``untyped_storage()._cdata``) are host memory, such as MEMO's pinned buffers, and
+            are left out of the trace.
+        meta: further description stored in the trace.
     """
-    from megatron.core.transformer.spec_utils import build_module
-
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     sp = bool(config.sequence_parallel)
     if seq_length % (cp * (tp if sp else 1)):
-        raise ValueError(f"--seq-length {seq_length} must divide by CP x (TP under SP)")
+        raise PlannerInputError(f"--seq-length {seq_length} must divide by CP x (TP under SP)")
     if cp > 1:
         # The rank's s / cp tokens on a CP-free layer: ring attention's footprint (each rank
         # keeps its own q, k, v, output and log-sum-exp). Our CPU CP path's causal bias object
         # cannot be faked, and its all-gathered K / V is not what the GPU path holds.
         config = dataclasses.replace(config, context_parallel_size=1)
     spec = layer_spec if layer_spec is not None else _default_layer_spec(config)
-    if memo_alpha is not None:
-        from memo_ext.offload.config import MemoConfig
-        from memo_ext.offload.policy import apply_memo
-
-        # No host budget here: the trace states what MEMO would use.
-        memo = MemoConfig(enabled=True, alpha=memo_alpha, keep_last_layers=0, host_memory_gb=2**40)
-        spec = apply_memo(spec, memo, config)
     dtype = config.params_dtype
     s_local, h = seq_length // cp, config.hidden_size
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    from memo_ext.mcore.compat import tracing_environment
-
     with fake_process_groups(tp=tp, cp=1) as groups, tracing_environment(), fake:
         layer = build_module(spec, config, layer_number=1, pg_collection=groups)
         for param in layer.parameters():
@@ -275,11 +236,10 @@ def trace_transformer_layer(
             else:
                 recorder.tag = ("bwd", num_layers - 1)
                 x.backward(torch.ones_like(x))
-            pool = getattr(getattr(layer, "memo_runtime", None), "pool", None)
-            if pool is not None:  # MEMO's pinned host buffers are host memory
-                recorder.forget({buf.data.untyped_storage()._cdata for buf in pool.buffers})
+            if host_storages is not None:
+                recorder.forget(host_storages(layer))
 
-        meta = {
+        trace_meta = {
             "model": {
                 "hidden_size": h,
                 "num_attention_heads": config.num_attention_heads,
@@ -293,17 +253,16 @@ def trace_transformer_layer(
             "sequence_parallel": sp,
             "context_parallel_size": cp,
             "dtype": str(dtype).replace("torch.", ""),
-            "memo_alpha": memo_alpha,
+            **(meta or {}),
         }
-        return trace_module(run, context=context, meta=meta)
+        return trace_module(run, context=context, meta=trace_meta)
 
 
 def _build_ends(vocab_size: int | None, *, tp: int, h: int, s: int, dtype) -> dict | None:
     if vocab_size is None:
         return None
-    # Megatron pads the vocabulary to a multiple of 128 x TP and splits it across TP ranks.
-    multiple = 128 * tp
-    padded = -(-vocab_size // multiple) * multiple
+    # Megatron-LM pads the vocabulary to a multiple of 128 x TP and splits it across TP ranks.
+    padded = padded_vocab_size(vocab_size, divisible_by=128, tp_size=tp)
     return {
         "word": torch.nn.Parameter(torch.empty(padded // tp, h, dtype=dtype)),
         "position": torch.nn.Parameter(torch.empty(s, h, dtype=dtype)),

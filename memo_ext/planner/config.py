@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
-    from memo_ext.planner.solvers import SolveOptions
+from memo_ext.planner.errors import PlannerInputError
+from memo_ext.planner.solvers import SOLVERS, SolveOptions
 
 
 @dataclass
@@ -34,8 +33,6 @@ class PlannerConfig:
 
     def solve_options(self, time_limit_s: float, hint: np.ndarray | None = None) -> SolveOptions:
         """The backend options of one solve with this configuration."""
-        from memo_ext.planner.solvers import SolveOptions
-
         return SolveOptions(
             time_limit_s=time_limit_s,
             workers=self.workers,
@@ -45,14 +42,16 @@ class PlannerConfig:
         )
 
     def check(self) -> None:
-        """Raises ValueError with an actionable message for a bad setting."""
-        from memo_ext.planner.solvers import SOLVERS
-
+        """Raises PlannerInputError (a ``UsageError``) with an actionable message."""
         if self.solver not in SOLVERS:
-            raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}")
+            raise PlannerInputError(
+                f"--solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}"
+            )
         if self.time_limit_s <= 0:
-            raise ValueError(f"--time-limit must be positive, got {self.time_limit_s}")
+            raise PlannerInputError(f"--time-limit must be positive, got {self.time_limit_s}")
         if self.alignment < 1:
-            raise ValueError(f"--alignment must be a positive byte count, got {self.alignment}")
+            raise PlannerInputError(
+                f"--alignment must be a positive byte count, got {self.alignment}"
+            )
         if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
+            raise PlannerInputError(f"workers must be at least 1, got {self.workers}")

@@ -20,6 +20,8 @@ import pickle
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.trace import Alloc, Event, Free, Trace
 
@@ -100,8 +102,6 @@ def trace_cuda_step(step: Callable[[], object], *, max_entries: int = 1_000_000)
     The current device's history is converted; blocks allocated before ``step`` (weights,
     optimizer state) are not in it.
     """
-    import torch
-
     if not torch.cuda.is_available():
         raise RuntimeError("trace_cuda_step needs CUDA; trace on CPU with fake tensors instead")
     torch.cuda.synchronize()

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel import random as mrandom
 
+from memo_ext.errors import ReportedError
+
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -47,7 +49,7 @@ MANIFEST = "manifest.json"
 FORMAT = "memo-checkpoint/1"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ReportedError):
     """A checkpoint that cannot be used; the message names the file."""
 
 
@@ -96,7 +98,7 @@ def _rng_state() -> dict:
             "pos": pos,
             "has_gauss": has_gauss,
             "cached_gaussian": cached,
-        },  # fmt: skip
+        },
         "python": {"version": version, "state": list(py_state), "gauss": gauss},
         "tracker": tracker.get_states() if tracker.is_initialized() else {},
     }
@@ -108,9 +110,14 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     n = state["numpy"]
     np.random.set_state(
-        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-         n["cached_gaussian"])
-    )  # fmt: skip
+        (
+            "MT19937",
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
     p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
     if state["tracker"]:
@@ -172,13 +179,25 @@ _METADATA_MODULES = (
     "torch.distributed.checkpoint.planner",
 )
 _METADATA_GLOBALS = {
-    ("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
-    ("torch", "float64"), ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"),
-    ("torch", "int8"), ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"),
-    ("torch", "preserve_format"), ("collections", "OrderedDict"), ("builtins", "set"),
-    ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("torch", "float32"),
+    ("torch", "float16"),
+    ("torch", "bfloat16"),
+    ("torch", "float64"),
+    ("torch", "int64"),
+    ("torch", "int32"),
+    ("torch", "uint8"),
+    ("torch", "int8"),
+    ("torch", "bool"),
+    ("torch", "strided"),
+    ("torch", "contiguous_format"),
+    ("torch", "preserve_format"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-}  # fmt: skip
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -314,8 +333,9 @@ def _maybe_restore_rng(directory: Path) -> None:
     if manifest["layout"] != _layout():
         logger.warning(
             "checkpoint layout %s differs from this run's %s: RNG states start fresh",
-            manifest["layout"], _layout(),
-        )  # fmt: skip
+            manifest["layout"],
+            _layout(),
+        )
         return
     state = torch.load(directory / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
     _set_rng_state(state)

@@ -44,8 +44,9 @@ class StopConditions:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # only note it: the step in flight finishes, then every rank saves together
         self.signal_received = signum
-        logger.warning("received %s; saving and exiting at the next step boundary",
-                       signal.Signals(signum).name)  # fmt: skip
+        logger.warning(
+            "received %s; saving and exiting at the next step boundary", signal.Signals(signum).name
+        )
 
     def reason(self, iteration: int) -> str | None:
         """Why the run should stop after ``iteration`` (the same answer on every rank)."""

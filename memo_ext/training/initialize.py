@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core import parallel_state, tensor_parallel
 
 from memo_ext.mcore.compat import check_mcore_version, cpu_compat, seed_cpu_rng_tracker
+from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def init_distributed() -> None:
     dist.init_process_group(backend=backend)
 
 
-def init_model_parallel(*, config: TransformerConfig, seed: int) -> ParallelContext:
+def init_model_parallel(*, layout: ParallelLayout, seed: int) -> ParallelContext:
     """Initialise megatron's parallel state and seed every generator.
 
     The data-parallel and model seeds follow Megatron-LM: one base seed for all ranks (so that
@@ -80,17 +80,15 @@ def init_model_parallel(*, config: TransformerConfig, seed: int) -> ParallelCont
     """
     check_mcore_version()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-        context_parallel_size=config.context_parallel_size,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
     )
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         seed_cpu_rng_tracker(seed=seed, tp_rank=tp_rank)

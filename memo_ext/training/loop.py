@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,11 +25,20 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.config import RunConfig
+from memo_ext.errors import ReportedError
+from memo_ext.estimate.preflight import check_preflight
+from memo_ext.hardware import device_peak_tflops, device_spec
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
+from memo_ext.mcore.specs import resolve_attention_backend
 from memo_ext.offload.policy import format_memo_metrics, memo_step_metrics
-from memo_ext.training.checkpointing import TrainProgress, load_checkpoint, save_checkpoint
+from memo_ext.shapes import packed_train_flops, train_flops
+from memo_ext.training.checkpointing import (
+    TrainProgress,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
 from memo_ext.training.control import StopConditions
-from memo_ext.training.data import build_batch_iterator, build_gpt_datasets
 from memo_ext.training.initialize import (
     ParallelContext,
     device_environment,
@@ -36,24 +46,17 @@ from memo_ext.training.initialize import (
     init_model_parallel,
     shutdown,
 )
-from memo_ext.training.metrics import (
-    MetricsWriter,
-    StepMetrics,
-    TensorBoardWriter,
-    cuda_memory,
-    device_peak_tflops,
-    gpt_train_flops,
-    packed_train_flops,
-)
+from memo_ext.training.inputs import build_batches
+from memo_ext.training.metrics import MetricsWriter, StepMetrics, TensorBoardWriter, cuda_memory
 from memo_ext.training.model import build_gpt_model, count_parameters, wrap_for_data_parallel
 from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer
+from memo_ext.training.resolve import describe_run, resolve_run
 from memo_ext.training.step import build_forward_step
-from memo_ext.training.tokenizers import build_tokenizer, padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(ReportedError):
     """A non-finite loss or gradient norm; the message points at the last good checkpoint."""
 
 
@@ -81,99 +84,26 @@ class TrainSummary:
 
 
 def train(run: RunConfig) -> TrainSummary:
-    """Run a whole training job in this process (one rank of a torchrun job)."""
-    tokenizer = _build_tokenizer(run)
-    if run.hotspa.enabled:
-        _choose_hotspa_layouts(run, tokenizer)
-    _pad_vocabulary(run, tokenizer)
+    """Run a whole training job in this process (one rank of a torchrun job).
+
+    ``run`` is the parsed configuration; it is resolved here against its tokenizer and data
+    (``memo_ext.training.resolve``) and logged, and nothing changes it afterwards.
+    """
+    tokenizer = run.data.build_tokenizer()
+    run = resolve_run(run, tokenizer=tokenizer)
+    if _is_logging_process():
+        logger.info("run configuration:\n%s", describe_run(run))
     _maybe_preflight(run)
     init_distributed()
     try:
         with device_environment():
-            ctx = init_model_parallel(config=run.transformer, seed=run.train.seed)
+            ctx = init_model_parallel(layout=run.layout, seed=run.train.seed)
             return _train(run, ctx, tokenizer)
     finally:
         shutdown()
 
 
-def _build_tokenizer(run: RunConfig):
-    return build_tokenizer(
-        tokenizer_type=run.data.tokenizer_type,
-        vocab_size=run.data.vocab_size,
-        tokenizer_model=run.data.tokenizer_model,
-        vocab_file=run.data.vocab_file,
-        merge_file=run.data.merge_file,
-    )
-
-
-def _pad_vocabulary(run: RunConfig, tokenizer) -> None:
-    """Set the padded embedding size of the model.
-
-    Padded to lcm(divisible_by, TP) rather than Megatron-LM's divisible_by × TP: the padded
-    logits enter the softmax, so the vocabulary must not change with the TP size (nor with
-    HotSPa's layouts: every layout's TP divides it).
-    """
-    tp_sizes = [run.transformer.tensor_model_parallel_size]
-    if run.hotspa.enabled:
-        tp_sizes += [layout.tp for layout in run.hotspa.strategies]
-    run.model.vocab_size = padded_vocab_size(
-        tokenizer.vocab_size,
-        divisible_by=math.lcm(run.data.make_vocab_size_divisible_by, *tp_sizes),
-    )
-
-
-def _choose_hotspa_layouts(run: RunConfig, tokenizer) -> None:
-    """Settle each bucket's layout (``auto``: by the estimator) and make home megatron's layout.
-
-    Runs before any process group exists; every rank reaches the same choice from the same
-    flags and data.
-    """
-    from memo_ext.estimate.preflight import cuda_device_spec, run_model_shape
-    from memo_ext.estimate.presets import DEVICES, device_spec
-    from memo_ext.hotspa import auto
-
-    hot = run.hotspa
-    device = device_spec(hot.device) if hot.device else cuda_device_spec()
-    if device is None and hot.strategies is not None:
-        return _set_home(run)  # nothing to check the given layouts against
-    device = device or DEVICES["h100-80g"]
-    stats = auto.bucket_statistics(
-        _document_source(run, tokenizer), bounds=hot.buckets,
-        global_batch_size=run.train.global_batch_size, seed=run.train.seed,
-        backfill=hot.backfill,
-    )  # fmt: skip
-    rows = [b.rows for b in stats]
-    fractions = [b.attention_fraction for b in stats]
-    method = run.transformer.recompute_granularity or "none"
-    run.model.vocab_size = tokenizer.vocab_size
-    shape = run_model_shape(run)
-    if hot.strategies is None:
-        plan = auto.choose_strategies(
-            model=shape, device=device, bounds=hot.buckets, rows=rows,
-            world_size=run.world_size, mode=hot.mode, attention_fractions=fractions, method=method,
-        )  # fmt: skip
-        hot.strategies = plan.layouts
-    else:
-        plan = auto.evaluate_strategies(
-            model=shape, device=device, bounds=hot.buckets, rows=rows, layouts=hot.strategies,
-            attention_fractions=fractions, method=method,
-        )  # fmt: skip
-    if _is_logging_process():
-        logger.info("HotSPa layouts, predicted for %s:\n%s", device.name, auto.describe(plan))
-    _set_home(run)
-
-
-def _set_home(run: RunConfig) -> None:
-    """The home layout (the longest bucket's) becomes megatron's global one."""
-    home = run.hotspa.home
-    t = run.transformer
-    t.tensor_model_parallel_size, t.pipeline_model_parallel_size = home.tp, home.pp
-    t.context_parallel_size, t.sequence_parallel = home.cp, home.sp
-
-
 def _is_logging_process() -> bool:
-    import os
-
     return os.environ.get("RANK", "0") == "0"
 
 
@@ -185,37 +115,43 @@ def _maybe_preflight(run: RunConfig) -> None:
     """
     if not run.preflight.enabled or run.hotspa.enabled:  # HotSPa's auto checks each bucket
         return
-    from memo_ext.estimate.preflight import check_preflight
-    from memo_ext.estimate.presets import device_spec
-
     device = device_spec(run.preflight.device) if run.preflight.device else None
     check_preflight(run, device=device)
 
 
 def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
-    model = wrap_for_data_parallel(model=build_gpt_model(run=run, device=ctx.device), run=run)
+    # the home model's own megatron config: megatron's schedules read the gradient hooks from
+    # it (_connect_schedule_hooks), so it is a copy, and the run's config stays as resolved
+    config = run.transformer_config()
+    bare = build_gpt_model(run=run, config=config, device=ctx.device)
+    model = wrap_for_data_parallel(model=bare, run=run, config=config)
     _log_setup(run, ctx, model)
     optimizer = build_optimizer(
-        model_chunks=[model], train=run.train, bf16=run.transformer.bf16, fp16=run.transformer.fp16
+        model_chunks=[model], train=run.train, bf16=run.train.bf16, fp16=run.train.fp16
     )
     scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train)
-    _connect_schedule_hooks(run, model, optimizer)
+    _connect_schedule_hooks(config, model, optimizer, hotspa=run.hotspa.enabled)
     progress = TrainProgress()
     if run.checkpoint.load:
         progress = load_checkpoint(
             load_dir=run.checkpoint.load, model=model, optimizer=optimizer, scheduler=scheduler
         )
     session = _Session(
-        run=run, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
-        forward_backward=get_forward_backward_func(), forward_step=build_forward_step(ctx.device),
-    )  # fmt: skip
-    session.train_batches, session.valid_batches = _batches(run, ctx, tokenizer, progress)
+        run=run,
+        ctx=ctx,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        forward_backward=get_forward_backward_func(),
+        forward_step=build_forward_step(ctx.device),
+    )
+    session.train_batches, session.valid_batches = build_batches(run, ctx, tokenizer, progress)
     if run.memo.enabled:
         session.metric_sources.append(
             MetricSource(collect=lambda: memo_step_metrics(model), describe=format_memo_metrics)
         )
     if run.hotspa.enabled:
-        session.hotspa = _build_hotspa(run, ctx, model)
+        session.hotspa = _build_hotspa(run, ctx, model, config)
         session.metric_sources.append(
             MetricSource(collect=session.hotspa.step_metrics, describe=format_hotspa_metrics)
         )
@@ -223,31 +159,38 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
         return _run_steps(session, progress, stop)
 
 
-def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model) -> HotSPaEngine:
+def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model, home_config) -> HotSPaEngine:
     """Models of the non-home layouts on this process, and the switch plans between them."""
 
     def build_model(*, config, pg_collection):
-        bare = build_gpt_model(run=run, device=ctx.device, config=config,
-                               pg_collection=pg_collection)  # fmt: skip
+        bare = build_gpt_model(
+            run=run, device=ctx.device, config=config, pg_collection=pg_collection
+        )
         # no optimizer here: gradients are all-reduced whole, then switched home
-        return wrap_for_data_parallel(model=bare, run=run, config=config,
-                                      pg_collection=pg_collection,
-                                      distributed_optimizer=False)  # fmt: skip
-
-    from memo_ext.mcore.specs import resolve_attention_backend
+        return wrap_for_data_parallel(
+            model=bare,
+            run=run,
+            config=config,
+            pg_collection=pg_collection,
+            distributed_optimizer=False,
+        )
 
     # transformer-engine's attention keeps CP state beyond its cp_group attribute: give
     # CP-only layouts their own model there instead of swapping the home model's group
     te = resolve_attention_backend(run.model.attention_backend) == "te"
     engine = HotSPaEngine(
-        run=run, home_model=home_model, layouts=run.hotspa.strategies,
-        build_model=build_model, share_home_model=not te,
-    )  # fmt: skip
+        run=run,
+        home_model=home_model,
+        home_config=home_config,
+        build_model=build_model,
+        share_home_model=not te,
+    )
     logger.info(
         "HotSPa: buckets %s in layouts %s (home %s)",
         ",".join(map(str, run.hotspa.buckets)),
-        ";".join(layout.name for layout in run.hotspa.strategies), run.hotspa.home.name,
-    )  # fmt: skip
+        ";".join(layout.name for layout in run.hotspa.strategies),
+        run.hotspa.home.name,
+    )
     return engine
 
 
@@ -282,89 +225,31 @@ class MetricSource:
 
 
 def _log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> None:
-    t = run.transformer
+    shape = run.shape
     logger.info(
-        "world %d = TP %d × CP %d × PP %d × DP %d%s | %d layers, hidden %d, heads %d/%d groups, "
-        "seq %d, vocab %d | %s parameters on rank 0 | device %s",
-        ctx.world_size, t.tensor_model_parallel_size, t.context_parallel_size,
-        t.pipeline_model_parallel_size, ctx.dp_size, " + SP" if t.sequence_parallel else "",
-        t.num_layers, t.hidden_size, t.num_attention_heads, t.num_query_groups,
-        run.data.seq_length, run.model.vocab_size, f"{count_parameters(model):,}", ctx.device,
-    )  # fmt: skip
+        "world %d = %s | %d layers, hidden %d, heads %d/%d groups, seq %d, vocab %d | %s "
+        "parameters on rank 0 | device %s",
+        ctx.world_size,
+        run.layout.describe(),
+        shape.num_layers,
+        shape.hidden_size,
+        shape.num_attention_heads,
+        shape.query_groups,
+        run.data.seq_length,
+        run.model.padded_vocab_size,
+        f"{count_parameters(model):,}",
+        ctx.device,
+    )
 
 
-def _connect_schedule_hooks(run: RunConfig, model, optimizer) -> None:
-    """Tell megatron-core's schedules how to sync and finalize gradients."""
-    config = run.transformer
+def _connect_schedule_hooks(config, model, optimizer, *, hotspa: bool) -> None:
+    """Tell megatron-core's schedules how to sync and finalize gradients (through the model's
+    own ``TransformerConfig``, where megatron reads them)."""
     # HotSPa finalizes each layout's gradients itself, once all its buckets have run
-    config.finalize_model_grads_func = None if run.hotspa.enabled else finalize_model_grads
+    config.finalize_model_grads_func = None if hotspa else finalize_model_grads
     config.no_sync_func = model.no_sync
     if hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "scale_loss"):
         config.grad_scale_func = optimizer.optimizer.scale_loss
-
-
-def _batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
-    """Train and validation iterators, both positioned where ``progress`` says."""
-    if run.data.variable_seq_lengths:
-        return _packed_batches(run, ctx, tokenizer, progress), None
-    gbs = run.train.global_batch_size
-    evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
-    valid_samples = evals * run.evaluation.eval_iters * gbs
-    train_ds, valid_ds, _ = build_gpt_datasets(
-        data_path=run.data.data_path or None,
-        split=run.data.split,
-        mock=run.data.mock_data,
-        seq_length=run.data.seq_length,
-        seed=run.train.seed,
-        tokenizer=tokenizer,
-        num_samples=(run.train.train_iters * gbs, valid_samples, 0),
-        cache_dir=run.data.data_cache_path,
-    )
-    iterate = lambda ds, consumed: build_batch_iterator(  # noqa: E731
-        ds, micro_batch_size=run.train.micro_batch_size, data_parallel_rank=ctx.dp_rank,
-        data_parallel_size=ctx.dp_size, consumed_samples=consumed,
-    )  # fmt: skip
-    valid = None
-    if evals:
-        if valid_ds is None:
-            raise ValueError("--eval-interval needs a validation split: give --split a valid part")
-        done = progress.iteration // run.evaluation.eval_interval
-        valid = iterate(valid_ds, done * run.evaluation.eval_iters * gbs)
-    return iterate(train_ds, progress.consumed_samples), valid
-
-
-def _document_source(run: RunConfig, tokenizer):
-    """The whole documents ``--variable-seq-lengths`` trains on."""
-    from memo_ext.hotspa.documents import IndexedDocuments, MockDocuments
-
-    if run.data.mock_data:
-        return MockDocuments(
-            num_documents=run.train.train_iters * run.train.global_batch_size,
-            seq_length=run.data.seq_length, vocab_size=tokenizer.vocab_size, seed=run.train.seed,
-        )  # fmt: skip
-    return IndexedDocuments(run.data.data_path[0])
-
-
-def _packed_batches(run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress):
-    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents
-    (with HotSPa: this process's rows of each non-empty bucket, in the bucket's layout)."""
-    source = _document_source(run, tokenizer)
-    if run.hotspa.enabled:
-        from memo_ext.hotspa.buckets import hotspa_step_batches
-
-        return hotspa_step_batches(
-            source, bounds=run.hotspa.buckets, layouts=run.hotspa.strategies, rank=ctx.rank,
-            global_batch_size=run.train.global_batch_size, seed=run.train.seed,
-            consumed_documents=progress.consumed_samples, backfill=run.hotspa.backfill,
-        )  # fmt: skip
-    from memo_ext.hotspa.batches import packed_step_batches
-
-    cp = run.transformer.context_parallel_size
-    return packed_step_batches(
-        source, global_batch_size=run.train.global_batch_size, seq_length=run.data.seq_length,
-        seed=run.train.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-        consumed_documents=progress.consumed_samples, pad_multiple=2 * cp if cp > 1 else 1,
-    )  # fmt: skip
 
 
 def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -458,8 +343,9 @@ def _check_finite(s: _Session, iteration: int, loss: float, grad_norm: float | N
     if not s.run.train.check_for_nan_in_loss_and_grad:
         return True
     if s.run.train.skip_iterations_with_nan:
-        logger.warning("iteration %d: loss %s, grad norm %s; update skipped", iteration, loss,
-                       grad_norm)  # fmt: skip
+        logger.warning(
+            "iteration %d: loss %s, grad norm %s; update skipped", iteration, loss, grad_norm
+        )
         return False
     raise TrainingDiverged(
         f"iteration {iteration}: loss {loss}, gradient norm {grad_norm}; "
@@ -468,12 +354,12 @@ def _check_finite(s: _Session, iteration: int, loss: float, grad_norm: float | N
 
 
 def _last_good_checkpoint_hint(run: RunConfig) -> str:
-    from memo_ext.training.checkpointing import latest_iteration
-
     for directory in (run.checkpoint.save, run.checkpoint.load):
         if directory and (it := latest_iteration(Path(directory))) is not None:
-            return (f"the last good checkpoint is iteration {it} in {directory} "
-                    f"(resume with --load {directory}, e.g. with a lower --lr)")  # fmt: skip
+            return (
+                f"the last good checkpoint is iteration {it} in {directory} "
+                f"(resume with --load {directory}, e.g. with a lower --lr)"
+            )
     return "no checkpoint was saved (use --save DIR --save-interval N to keep one)"
 
 
@@ -494,10 +380,12 @@ class _Reporter:
         self.peak = device_peak_tflops(run.logging.device_peak_tflops)
         self.flops_per_step = None  # packed documents are counted per step, one by one
         if not run.data.variable_seq_lengths:
-            self.flops_per_step = gpt_train_flops(
-                config=run.transformer, vocab_size=run.model.vocab_size,
-                seq_length=run.data.seq_length, sequences=run.train.global_batch_size,
-            )  # fmt: skip
+            self.flops_per_step = train_flops(
+                run.shape,
+                vocab_size=run.model.padded_vocab_size,
+                seq_length=run.data.seq_length,
+                sequences=run.train.global_batch_size,
+            )
 
     def report(
         self,
@@ -516,9 +404,11 @@ class _Reporter:
             if self.run.hotspa.enabled:
                 model_parallel = self.ctx.world_size
             flops = packed_train_flops(
-                config=self.run.transformer, vocab_size=self.run.model.vocab_size,
+                self.run.shape,
+                vocab_size=self.run.model.padded_vocab_size,
                 document_lengths=document_lengths,
-            ) / model_parallel  # fmt: skip
+            )
+            flops /= model_parallel
         if flops is not None:
             tflops = flops / record.step_time_s / 1e12
             record.tflops_per_device = tflops
@@ -558,18 +448,26 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
                 extra.update(evaluate(s))
             if _is_logged(iteration, run) or extra:
                 record = StepMetrics(
-                    iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr,
-                    step_time_s=step_time, tokens_per_s=step_tokens / step_time,
-                    consumed_samples=progress.consumed_samples, skipped_iterations=skipped,
+                    iteration=iteration,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    lr=lr,
+                    step_time_s=step_time,
+                    tokens_per_s=step_tokens / step_time,
+                    consumed_samples=progress.consumed_samples,
+                    skipped_iterations=skipped,
                     extra=extra,
-                )  # fmt: skip
+                )
                 reporter.report(record, figures, document_lengths=s.document_lengths)
             reason = stop.reason(iteration)
             if reason or _save_due(iteration, run):
                 save_checkpoint(
-                    save_dir=run.checkpoint.save, progress=progress, model=s.model,
-                    optimizer=s.optimizer, scheduler=s.scheduler,
-                )  # fmt: skip
+                    save_dir=run.checkpoint.save,
+                    progress=progress,
+                    model=s.model,
+                    optimizer=s.optimizer,
+                    scheduler=s.scheduler,
+                )
             if reason:
                 logger.info("stopping after iteration %d: %s", iteration, reason)
                 summary.stopped_early = True

@@ -1,8 +1,7 @@
-"""Model FLOPs, MFU, and the metrics each logged step writes.
+"""The metrics each logged step writes: console line, JSON Lines file, TensorBoard.
 
-FLOPs are counted analytically per global batch (attention included) the way MFU is usually
-reported: model FLOPs only, so recomputation does not inflate it. The causal attention
-products count half of the full ``s × s`` matrix, since a causal kernel skips the rest.
+MFU divides the model FLOPs of a step (``memo_ext.shapes.train_flops``: attention included,
+recomputation not) by the device's peak (``memo_ext.hardware``).
 """
 
 from __future__ import annotations
@@ -14,78 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
+
+from memo_ext.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets (SXM parts).
-DEVICE_PEAK_TFLOPS = {
-    "A100": 312.0,
-    "A800": 312.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "H200": 989.0,
-}
-
-
-def device_peak_tflops(override: float | None = None) -> float | None:
-    """Peak of this process's device: the override, else looked up by CUDA device name."""
-    if override is not None:
-        return override
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name().upper()
-    for key, peak in DEVICE_PEAK_TFLOPS.items():
-        if key in name:
-            return peak
-    logger.warning("no peak known for %s; pass --device-peak-tflops to get MFU", name)
-    return None
-
-
-def gpt_forward_flops(
-    *,
-    config: TransformerConfig,
-    vocab_size: int,
-    seq_length: int,
-    sequences: int,
-    causal_fraction: float = 0.5,
-) -> float:
-    """Forward FLOPs of ``sequences`` samples of ``seq_length`` tokens through the whole GPT.
-
-    ``causal_fraction`` is the share of the ``s × s`` attention products that is computed: 0.5
-    for a causal kernel that skips the masked half, 1.0 to count the full matrices.
-    """
-    h, s, layers = config.hidden_size, seq_length, config.num_layers
-    heads, groups = (
-        config.num_attention_heads,
-        config.num_query_groups or config.num_attention_heads,
-    )
-    d = config.kv_channels or h // heads
-    tokens = sequences * s
-    qkv = 2 * tokens * h * (heads + 2 * groups) * d
-    # QK^T and PV, each 2·s·s·d per head, of which the causal kernel computes a fraction
-    attention = 2 * (2 * sequences * heads * s * s * d) * causal_fraction
-    proj = 2 * tokens * heads * d * h
-    mlp_matrices = 3 if config.gated_linear_unit else 2
-    mlp = 2 * tokens * h * config.ffn_hidden_size * mlp_matrices
-    logits = 2 * tokens * h * vocab_size
-    return layers * (qkv + attention + proj + mlp) + logits
-
-
-def packed_train_flops(
-    *, config: TransformerConfig, vocab_size: int, document_lengths: list[int]
-) -> float:
-    """Training FLOPs of packed documents: each attends only within itself, so the attention
-    term is per document while everything else is per token."""
-    return sum(
-        gpt_train_flops(config=config, vocab_size=vocab_size, seq_length=n, sequences=1)
-        for n in document_lengths
-    )
-
-
-def gpt_train_flops(**kwargs) -> float:
-    """Forward + backward (twice the forward) model FLOPs; recomputation not counted."""
-    return 3.0 * gpt_forward_flops(**kwargs)
+CURVE_KEYS = ("loss", "grad_norm")
+"""What two runs that should be the same must agree on, step by step."""
 
 
 @dataclass
@@ -176,6 +110,7 @@ class TensorBoardWriter:
     def __init__(self, log_dir: str | None):
         self.writer = None
         if log_dir:
+            # tensorboard takes a second to import: only runs that write to it pay for it
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=log_dir)
@@ -194,3 +129,47 @@ class TensorBoardWriter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics file, in order.
+
+    Raises:
+        UsageError: a missing or empty file, or a line that is not a JSON object with an
+            ``iteration``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist; did the run start?")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "iteration" not in record:
+            raise UsageError(f"{path} line {number} is not a metrics record (a JSON object)")
+        records.append(record)
+    if not records:
+        raise UsageError(f"{path} has no records; did the run log a step?")
+    return records
+
+
+def curve_differences(
+    reference: list[dict], other: list[dict], *, rtol: float, keys: tuple[str, ...] = CURVE_KEYS
+) -> list[str]:
+    """Where two runs' logged curves differ by more than ``rtol`` (relative to the reference),
+    one sentence each; empty when they agree at every logged iteration."""
+    ref_steps = [r["iteration"] for r in reference]
+    other_steps = [o["iteration"] for o in other]
+    if ref_steps != other_steps:
+        return [f"the runs logged different iterations: {ref_steps} vs {other_steps}"]
+    differences = []
+    for ref, got in zip(reference, other):
+        for key in keys:
+            a, b = ref.get(key), got.get(key)
+            if a is None or b is None or not abs(b - a) <= rtol * abs(a):
+                differences.append(f"iteration {ref['iteration']}: {key} {b!r} vs reference {a!r}")
+    return differences

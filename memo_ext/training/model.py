@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from memo_ext.config import ModelConfig, RunConfig
+from memo_ext.config import RunConfig
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec, resolve_attention_backend
@@ -23,7 +23,7 @@ from memo_ext.offload.policy import apply_memo
 logger = logging.getLogger(__name__)
 
 
-def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig) -> ModuleSpec:
+def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig, config) -> ModuleSpec:
     """Return the layer spec with the run's activation-memory policy applied.
 
     Megatron's own recomputation baselines are configured through ``TransformerConfig`` and
@@ -31,18 +31,18 @@ def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig) -> ModuleSpec
     """
     if not run.memo.enabled:
         return layer_spec
-    return apply_memo(layer_spec, run.memo, run.transformer)
+    return apply_memo(layer_spec, run.memo, config)
 
 
 def build_gpt_model(
-    *, run: RunConfig, device: torch.device, config=None, pg_collection=None
+    *, run: RunConfig, config, device: torch.device, pg_collection=None
 ) -> ChunkedLossGPTModel:
     """The bare ``GPTModel`` of this process's pipeline stage, on ``device``.
 
-    ``config`` and ``pg_collection`` build it in another layout than megatron's global one
-    (HotSPa's bucket layouts); by default it is the run's layout and megatron's global groups.
+    ``config`` is the model's own ``TransformerConfig`` (``run.transformer_config(layout)``);
+    with ``pg_collection`` the model runs in another layout than megatron's global one (HotSPa's
+    bucket layouts), by default in megatron's global groups.
     """
-    config = config or run.transformer
     if pg_collection is None:
         first, last = (
             parallel_state.is_pipeline_first_stage(),
@@ -53,23 +53,25 @@ def build_gpt_model(
         pp = pg_collection.pp
         first, last = pp.rank() == 0, pp.rank() == pp.size() - 1
         tp_rank = pg_collection.tp.rank()
-    model_cfg: ModelConfig = run.model
+    model_cfg = run.model
     backend = resolve_attention_backend(model_cfg.attention_backend, allow_te=not run.memo.enabled)
     layer_spec = apply_memory_policy(
-        layer_spec=build_layer_spec(config=config, attention_backend=backend), run=run
+        layer_spec=build_layer_spec(config=config, attention_backend=backend),
+        run=run,
+        config=config,
     )
     block_spec = build_block_spec(config=config, layer_spec=layer_spec)
     model = ChunkedLossGPTModel(
         loss_chunks=model_cfg.loss_chunks,
         config=config,
         transformer_layer_spec=block_spec,
-        vocab_size=model_cfg.vocab_size,
+        vocab_size=model_cfg.padded_vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=first,
         post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
-        position_embedding_type=model_cfg.position_embedding_type,
+        position_embedding_type=run.shape.position_embedding_type,
         rotary_base=model_cfg.rotary_base,
         pg_collection=pg_collection,
     )
@@ -88,17 +90,17 @@ def wrap_for_data_parallel(
     *,
     model: torch.nn.Module,
     run: RunConfig,
-    config=None,
+    config,
     pg_collection=None,
     distributed_optimizer: bool | None = None,
 ) -> DistributedDataParallel:
     """megatron-core DDP: contiguous fp32 gradient buffers reduced over DP × CP.
 
-    With the distributed optimizer the reduction is a reduce-scatter (each rank keeps its
-    shard); ``distributed_optimizer=False`` forces a full all-reduce (HotSPa's bucket layouts,
-    whose gradients every holder must have whole).
+    ``config`` is the model's ``TransformerConfig``. With the distributed optimizer the
+    reduction is a reduce-scatter (each rank keeps its shard); ``distributed_optimizer=False``
+    forces a full all-reduce (HotSPa's bucket layouts, whose gradients every holder must have
+    whole).
     """
-    config = config or run.transformer
     if distributed_optimizer is None:
         distributed_optimizer = run.train.use_distributed_optimizer
     if config.bf16 or config.fp16:
@@ -110,9 +112,12 @@ def wrap_for_data_parallel(
     )
     # one bucket: gloo has no stream overlap to gain from bucketing
     return DistributedDataParallel(
-        config, ddp_config, model, disable_bucketing=not torch.cuda.is_available(),
+        config,
+        ddp_config,
+        model,
+        disable_bucketing=not torch.cuda.is_available(),
         pg_collection=pg_collection,
-    )  # fmt: skip
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -15,18 +15,30 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launch import ROOT, assert_same_curves, free_port, run_pretrain
+from tests.launch import ROOT, assert_same_curves, cli, free_port, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "36", "--ffn-hidden-size", "50",
-    "--num-attention-heads", "6", "--num-query-groups", "2", "--seq-length", "28",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--disable-bias-linear", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--mock-data",
-    "--seed", "11", "--weight-decay", "0.1",
-]  # fmt: skip
+MODEL = cli(
+    num_layers=2,
+    hidden_size=36,
+    ffn_hidden_size=50,
+    num_attention_heads=6,
+    num_query_groups=2,
+    seq_length=28,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    micro_batch_size=2,
+    global_batch_size=4,
+    lr="2e-3",
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    mock_data=True,
+    seed=11,
+    weight_decay="0.1",
+)
 ITERS = ["--train-iters", "6"]
 # a resumed run replays the same arithmetic: any difference is a resume bug, not rounding
 RTOL = 1e-6
@@ -41,14 +53,16 @@ def stop_and_resume(tmp_path, first: list[str], second: list[str], nprocs=(1, 1)
     save = tmp_path / "ckpt"
     save.mkdir()
     common = MODEL + ITERS + ["--save", str(save)]
-    head = run_pretrain(common + first + ["--exit-interval", "3"], nproc=nprocs[0],
-                        workdir=tmp_path, name="head")  # fmt: skip
+    head = run_pretrain(
+        common + first + ["--exit-interval", "3"], nproc=nprocs[0], workdir=tmp_path, name="head"
+    )
     assert head[-1]["iteration"] == 3
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     # the same metrics file continues: copy the head's records to where the tail appends
     (tmp_path / "tail.jsonl").write_text((tmp_path / "head.jsonl").read_text())
-    return run_pretrain(common + second + ["--load", str(save)], nproc=nprocs[1],
-                        workdir=tmp_path, name="tail")  # fmt: skip
+    return run_pretrain(
+        common + second + ["--load", str(save)], nproc=nprocs[1], workdir=tmp_path, name="tail"
+    )
 
 
 def test_resume_is_exact_in_one_process(uninterrupted, tmp_path):
@@ -57,10 +71,13 @@ def test_resume_is_exact_in_one_process(uninterrupted, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-               ["--pipeline-model-parallel-size", "2"]],
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--pipeline-model-parallel-size", "2"],
+    ],
     ids=["tp2-sp", "pp2"],
-)  # fmt: skip
+)
 def test_resume_is_exact_under_model_parallelism(uninterrupted, tmp_path, layout):
     curves = stop_and_resume(tmp_path, layout, layout, nprocs=(2, 2))
     # the uninterrupted reference is one process: layouts agree to fp32 summation order
@@ -77,13 +94,30 @@ def test_sigterm_saves_and_exits_zero(uninterrupted, tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     metrics = tmp_path / "run.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_memo.py"),
-           *MODEL, "--train-iters", "100000", "--save", str(save), "--exit-signal-handler",
-           "--metrics-file", str(metrics), "--log-interval", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "pretrain_gpt_memo.py"),
+        *MODEL,
+        "--train-iters",
+        "100000",
+        "--save",
+        str(save),
+        "--exit-signal-handler",
+        "--metrics-file",
+        str(metrics),
+        "--log-interval",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
@@ -107,14 +141,22 @@ def test_sigterm_saves_and_exits_zero(uninterrupted, tmp_path):
 def saved_checkpoint(tmp_path) -> Path:
     save = tmp_path / "ckpt"
     save.mkdir()
-    run_pretrain(MODEL + ["--train-iters", "2", "--save", str(save)], nproc=1,
-                 workdir=tmp_path, name="save")  # fmt: skip
+    run_pretrain(
+        MODEL + ["--train-iters", "2", "--save", str(save)], nproc=1, workdir=tmp_path, name="save"
+    )
     return save
 
 
 def load_fails(save: Path, tmp_path: Path) -> str:
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *MODEL, "--train-iters", "4",
-           "--load", str(save)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "pretrain_gpt_memo.py"),
+        *MODEL,
+        "--train-iters",
+        "4",
+        "--load",
+        str(save),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -16,16 +16,24 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import ROOT, assert_same_curves, run_pretrain
+from tests.launch import ROOT, assert_same_curves, cli, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
-    "--position-embedding-type", "rope", "--micro-batch-size", "1", "--lr", "2e-3",
-    "--tokenizer-type", "ByteTokenizer", "--variable-seq-lengths", "--seed", "3",
-]  # fmt: skip
+MODEL = cli(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    swiglu=True,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    micro_batch_size=1,
+    lr="2e-3",
+    tokenizer_type="ByteTokenizer",
+    variable_seq_lengths=True,
+    seed=3,
+)
 BUCKETS = ["--hotspa", "--hotspa-buckets", "32,64,128"]
 
 
@@ -33,9 +41,18 @@ def preprocess(tmp_path, texts: list[str], name: str) -> str:
     corpus = tmp_path / f"{name}.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prefix = tmp_path / name
-    cmd = [sys.executable, "-m", "tools.preprocess_data", "--input", str(corpus),
-           "--output-prefix", str(prefix), "--tokenizer-type", "ByteTokenizer", "--append-eod",
-           "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.preprocess_data",
+        *cli(
+            input=str(corpus),
+            output_prefix=str(prefix),
+            tokenizer_type="ByteTokenizer",
+            append_eod=True,
+            no_progress=True,
+        ),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     return f"{prefix}_text_document"
 
@@ -54,19 +71,25 @@ def corpus(tmp_path_factory):
 
 
 def train_args(data: str, *, iters: int = 3, gbs: int = 8) -> list[str]:
-    return MODEL + ["--data-path", data, "--seq-length", "128", "--global-batch-size", str(gbs),
-                    "--train-iters", str(iters)]  # fmt: skip
+    return MODEL + cli(
+        data_path=data, seq_length=128, global_batch_size=str(gbs), train_iters=str(iters)
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    return run_pretrain(train_args(corpus), nproc=1, workdir=tmp_path_factory.mktemp("r"),
-                        name="one")  # fmt: skip
+    return run_pretrain(
+        train_args(corpus), nproc=1, workdir=tmp_path_factory.mktemp("r"), name="one"
+    )
 
 
 def test_auto_strategies_on_four_processes_match_one_process(corpus, reference, tmp_path):
-    curves = run_pretrain(train_args(corpus) + BUCKETS + ["--hotspa-strategies", "auto"],
-                          nproc=4, workdir=tmp_path, name="auto")  # fmt: skip
+    curves = run_pretrain(
+        train_args(corpus) + BUCKETS + ["--hotspa-strategies", "auto"],
+        nproc=4,
+        workdir=tmp_path,
+        name="auto",
+    )
     assert_same_curves(reference, curves, rtol=1e-4)
     rows = [r["hotspa_bucket_rows"] for r in curves]
     assert all(len(r) == 3 for r in rows) and sum(map(sum, rows)) > 0
@@ -82,8 +105,12 @@ def test_auto_strategies_on_four_processes_match_one_process(corpus, reference, 
     ],
 )
 def test_switching_layouts_match_one_process(corpus, reference, tmp_path, strategies, nproc):
-    curves = run_pretrain(train_args(corpus) + BUCKETS + ["--hotspa-strategies", strategies],
-                          nproc=nproc, workdir=tmp_path, name="mix")  # fmt: skip
+    curves = run_pretrain(
+        train_args(corpus) + BUCKETS + ["--hotspa-strategies", strategies],
+        nproc=nproc,
+        workdir=tmp_path,
+        name="mix",
+    )
     assert_same_curves(reference, curves, rtol=1e-4)
     moved = sum(r["hotspa_weight_switch_bytes"] + r["hotspa_grad_switch_bytes"] for r in curves)
     assert moved > 0, "these layouts differ in TP or PP: something must move"
@@ -91,10 +118,13 @@ def test_switching_layouts_match_one_process(corpus, reference, tmp_path, strate
 
 def test_dynamic_cp_moves_nothing(corpus, reference, tmp_path):
     curves = run_pretrain(
-        train_args(corpus) + BUCKETS
+        train_args(corpus)
+        + BUCKETS
         + ["--hotspa-mode", "dynamic-cp", "--hotspa-strategies", "dp4;dp2cp2;cp4"],
-        nproc=4, workdir=tmp_path, name="dyncp",
-    )  # fmt: skip
+        nproc=4,
+        workdir=tmp_path,
+        name="dyncp",
+    )
     assert_same_curves(reference, curves, rtol=1e-4)
     for record in curves:
         assert record["hotspa_weight_switch_bytes"] == record["hotspa_grad_switch_bytes"] == 0
@@ -106,11 +136,13 @@ def sharded_elements(*, hidden: int, heads: int, groups: int, ffn: int, layers: 
     head_dim = hidden // heads
     qkv = (heads + 2 * groups) * head_dim
     per_layer = (
-        qkv * hidden + qkv  # linear_qkv weight and bias (column-parallel)
+        qkv * hidden
+        + qkv  # linear_qkv weight and bias (column-parallel)
         + hidden * hidden  # linear_proj weight (row-parallel; its bias is replicated)
-        + 2 * ffn * hidden + 2 * ffn  # linear_fc1 weight and bias, gate and up halves
+        + 2 * ffn * hidden
+        + 2 * ffn  # linear_fc1 weight and bias, gate and up halves
         + hidden * ffn  # linear_fc2 weight (row-parallel; its bias is replicated)
-    )  # fmt: skip
+    )
     return layers * per_layer + vocab * hidden  # + the tied vocab-parallel embedding
 
 
@@ -119,10 +151,12 @@ def test_switch_moves_the_hand_counted_bytes(corpus, tmp_path):
     Gradients TP2 -> home: each rank holds its complete half and receives the other one, so
     the job moves every TP-sharded element once (fp32); replicated ones are reused in place."""
     curves = run_pretrain(
-        train_args(corpus) + ["--hotspa", "--hotspa-buckets", "64,128",
-                              "--hotspa-strategies", "tp2;dp2"],
-        nproc=2, workdir=tmp_path, name="bytes",
-    )  # fmt: skip
+        train_args(corpus)
+        + ["--hotspa", "--hotspa-buckets", "64,128", "--hotspa-strategies", "tp2;dp2"],
+        nproc=2,
+        workdir=tmp_path,
+        name="bytes",
+    )
     vocab = 384  # 257 byte tokens padded to a multiple of lcm(128, TP 2)
     expected = 4 * sharded_elements(hidden=32, heads=4, groups=2, ffn=128, layers=2, vocab=vocab)
     switched = [r for r in curves if r["hotspa_bucket_rows"][0] > 0]
@@ -140,8 +174,12 @@ def test_single_document_bucket_and_empty_bucket(tmp_path):
     data = preprocess(tmp_path, texts, "four")
     args = train_args(data, iters=3, gbs=4)
     reference = run_pretrain(args, nproc=1, workdir=tmp_path, name="ref")
-    curves = run_pretrain(args + BUCKETS + ["--hotspa-strategies", "dp4;tp2pp2;cp2tp2"],
-                          nproc=4, workdir=tmp_path, name="hot")  # fmt: skip
+    curves = run_pretrain(
+        args + BUCKETS + ["--hotspa-strategies", "dp4;tp2pp2;cp2tp2"],
+        nproc=4,
+        workdir=tmp_path,
+        name="hot",
+    )
     assert_same_curves(reference, curves, rtol=1e-4)
     for record in curves:
         assert record["hotspa_bucket_documents"] == [3, 0, 1]
@@ -154,8 +192,12 @@ def test_resume_from_a_checkpoint_continues_exactly(corpus, tmp_path):
     whole = run_pretrain(args, nproc=2, workdir=tmp_path, name="whole")
     save = tmp_path / "ckpt"
     save.mkdir()
-    run_pretrain(args + ["--save", str(save), "--exit-interval", "2"], nproc=2,
-                 workdir=tmp_path, name="first")  # fmt: skip
+    run_pretrain(
+        args + ["--save", str(save), "--exit-interval", "2"],
+        nproc=2,
+        workdir=tmp_path,
+        name="first",
+    )
     tail = run_pretrain(args + ["--load", str(save)], nproc=2, workdir=tmp_path, name="tail")
     assert [r["iteration"] for r in tail] == [3, 4]
     assert_same_curves(whole[2:], tail, rtol=1e-6)

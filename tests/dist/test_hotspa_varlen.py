@@ -4,7 +4,7 @@ give the mean over every real token of the documents run one at a time, unpacked
 Each process runs megatron-core's own machinery as the trainer does (DDP with fp32 gradient
 buffers, the no-pipelining schedule, ``finalize_model_grads`` dividing by the global token count
 under ``calculate_per_token_loss``) on its packed micro-batches from
-``memo_ext.hotspa.batches.packed_step_batches``, and writes the step's loss and gradients.
+``memo_ext.data.batches.packed_step_batches``, and writes the step's loss and gradients.
 With these settings the first global batch packs into one row (the second rank runs a
 padding-only row) and the second into two rows (one per rank).
 """
@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.launch import free_port
+from tests.models import LLAMA_TINY, build_gpt, cpu_config
 
 pytestmark = pytest.mark.dist
 
@@ -29,31 +30,18 @@ VOCAB, SEQ, GBS, SEED, STEPS = 97, 40, 7, 11, 2
 
 
 def build_model(position_embedding_type: str):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from memo_ext.mcore.gpt import ChunkedLossGPTModel
-    from memo_ext.mcore.init import init_weights_layout_independent
-    from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS, build_block_spec, build_layer_spec
-
-    config = TransformerConfig(
-        num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2,
-        ffn_hidden_size=40, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, calculate_per_token_loss=True,
-        **LOCAL_KERNEL_SETTINGS,
-    )  # fmt: skip
-    spec = build_layer_spec(config=config, attention_backend="sdpa")
-    model = ChunkedLossGPTModel(
-        config=config, vocab_size=VOCAB, max_sequence_length=SEQ,
-        transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
+    config = cpu_config(LLAMA_TINY, calculate_per_token_loss=True)
+    model = build_gpt(
+        config,
+        vocab_size=VOCAB,
+        max_positions=SEQ,
         position_embedding_type=position_embedding_type,
-    )  # fmt: skip
-    init_weights_layout_independent(model, config=config, seed=3, tp=1, tp_rank=0)
+    )
     return config, model
 
 
 def mock_documents():
-    from memo_ext.hotspa.documents import MockDocuments
+    from memo_ext.data.documents import MockDocuments
 
     return MockDocuments(num_documents=30, seq_length=SEQ, vocab_size=VOCAB, seed=SEED, sigma=1.0)
 
@@ -66,8 +54,13 @@ def packed_forward_step(data_iterator, model):
     params = build_packed_seq_params(
         cu_seqlens=batch["cu_seqlens"], cu_seqlens_padded=batch["cu_seqlens_padded"], device="cpu"
     )
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=params)  # fmt: skip
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        packed_seq_params=params,
+    )
     return output, lambda out: loss_func(batch["loss_mask"], out)
 
 
@@ -82,7 +75,7 @@ def worker(rank: int, world: int, port: int, position_embedding_type: str, out: 
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from memo_ext.hotspa.batches import packed_step_batches
+    from memo_ext.data.batches import packed_step_batches
     from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -96,16 +89,26 @@ def worker(rank: int, world: int, port: int, position_embedding_type: str, out: 
         model = DistributedDataParallel(config, ddp_config, model, disable_bucketing=True)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = model.no_sync
-        steps = packed_step_batches(mock_documents(), global_batch_size=GBS, seq_length=SEQ,
-                                    seed=SEED, dp_rank=rank, dp_size=world)  # fmt: skip
+        steps = packed_step_batches(
+            mock_documents(),
+            global_batch_size=GBS,
+            seq_length=SEQ,
+            seed=SEED,
+            dp_rank=rank,
+            dp_size=world,
+        )
         results = []
         for micro_batches in islice(steps, STEPS):
             model.zero_grad_buffer()
             losses = get_forward_backward_func()(
-                forward_step_func=packed_forward_step, data_iterator=iter(micro_batches),
-                model=[model], num_microbatches=len(micro_batches), seq_length=SEQ,
-                micro_batch_size=1, forward_only=False,
-            )  # fmt: skip
+                forward_step_func=packed_forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=SEQ,
+                micro_batch_size=1,
+                forward_only=False,
+            )
             pair = sum(r["lm loss"].double() for r in losses)
             dist.all_reduce(pair)
             grads = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
@@ -117,14 +120,18 @@ def worker(rank: int, world: int, port: int, position_embedding_type: str, out: 
 
 
 def run_job(world: int, position_embedding_type: str, out: Path) -> list[dict]:
-    mp.start_processes(worker, args=(world, free_port(), position_embedding_type, str(out)),
-                       nprocs=world, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        worker,
+        args=(world, free_port(), position_embedding_type, str(out)),
+        nprocs=world,
+        start_method="spawn",
+    )
     return torch.load(out, weights_only=True)
 
 
 def unpacked_reference(position_embedding_type: str) -> list[dict]:
     """Mean loss and its gradient over the same documents, each run alone (batch 1, unpacked)."""
-    from memo_ext.hotspa.documents import global_batches
+    from memo_ext.data.documents import global_batches
 
     _, model = build_model(position_embedding_type)
     results = []

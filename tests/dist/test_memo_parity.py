@@ -11,25 +11,33 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import run_pretrain
+from tests.launch import cli, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-LLAMA = [
-    "--num-layers", "3", "--hidden-size", "48", "--ffn-hidden-size", "70",
-    "--num-attention-heads", "6", "--num-query-groups", "2", "--seq-length", "44",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--disable-bias-linear",
-]  # fmt: skip
-GPT = [
-    "--num-layers", "4", "--hidden-size", "40", "--num-attention-heads", "4",
-    "--seq-length", "36",
-]  # fmt: skip
-COMMON = [
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
-    "--lr", "2e-3", "--mock-data", "--seed", "5", "--hidden-dropout", "0",
-    "--attention-dropout", "0",
-]  # fmt: skip
+LLAMA = cli(
+    num_layers=3,
+    hidden_size=48,
+    ffn_hidden_size=70,
+    num_attention_heads=6,
+    num_query_groups=2,
+    seq_length=44,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+)
+GPT = cli(num_layers=4, hidden_size=40, num_attention_heads=4, seq_length=36)
+COMMON = cli(
+    micro_batch_size=2,
+    global_batch_size=4,
+    train_iters=3,
+    lr="2e-3",
+    mock_data=True,
+    seed=5,
+    hidden_dropout=0,
+    attention_dropout=0,
+)
 
 CASES = {
     # name: (processes, model and layout flags, MEMO flags)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import assert_same_curves, run_pretrain
+from tests.launch import assert_same_curves, cli, run_pretrain
 
 pytestmark = pytest.mark.dist
 
@@ -18,24 +18,41 @@ RTOL = 1e-5
 
 SHAPES = {
     # GQA, RoPE, RMSNorm, SwiGLU, no biases, odd FFN width
-    "llama": [
-        "--num-layers", "2", "--hidden-size", "48", "--ffn-hidden-size", "70",
-        "--num-attention-heads", "6", "--num-query-groups", "2", "--seq-length", "44",
-        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    ],
+    "llama": cli(
+        num_layers=2,
+        hidden_size=48,
+        ffn_hidden_size=70,
+        num_attention_heads=6,
+        num_query_groups=2,
+        seq_length=44,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True,
+    ),
     # GPT-2 style: LayerNorm, GeLU, biases, learned positions, tied embeddings
-    "gpt": [
-        "--num-layers", "4", "--hidden-size", "40", "--num-attention-heads", "4",
-        "--seq-length", "36", "--max-position-embeddings", "40",
-    ],
-}  # fmt: skip
+    "gpt": cli(
+        num_layers=4,
+        hidden_size=40,
+        num_attention_heads=4,
+        seq_length=36,
+        max_position_embeddings=40,
+    ),
+}
 
-COMMON = [
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
-    "--lr", "2e-3", "--lr-warmup-iters", "1", "--mock-data", "--seed", "7",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.5",
-]  # fmt: skip
+COMMON = cli(
+    micro_batch_size=2,
+    global_batch_size=8,
+    train_iters=3,
+    lr="2e-3",
+    lr_warmup_iters=1,
+    mock_data=True,
+    seed=7,
+    hidden_dropout=0,
+    attention_dropout=0,
+    clip_grad="0.5",
+)
 
 LAYOUTS = {
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -65,8 +82,13 @@ def test_layout_matches_one_process(shape, layout, references, tmp_path):
 
 
 def test_four_processes_tp2_pp2(references, tmp_path):
-    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-             "--pipeline-model-parallel-size", "2"]  # fmt: skip
+    flags = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
     curves = run_pretrain(SHAPES["gpt"] + COMMON + flags, nproc=4, workdir=tmp_path, name="tp2pp2")
     assert_same_curves(references["gpt"], curves, rtol=RTOL)
 
@@ -89,9 +111,10 @@ def test_chunked_loss_under_tp_sp(references, tmp_path):
 def test_recompute_baselines_match_no_recompute(references, tmp_path):
     """Megatron's full and selective recomputation change memory, never the numbers."""
     for name, flags in {
-        "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"],
+        "full": cli(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        ),
         "selective": ["--recompute-granularity", "selective"],
-    }.items():  # fmt: skip
+    }.items():
         curves = run_pretrain(SHAPES["gpt"] + COMMON + flags, nproc=1, workdir=tmp_path, name=name)
         assert_same_curves(references["gpt"], curves, rtol=1e-6)

@@ -9,24 +9,32 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT, assert_same_curves, free_port, run_pretrain
+from tests.launch import ROOT, assert_same_curves, cli, free_port, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-MODEL = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "24", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "1e-3", "--mock-data", "--train-iters", "6",
-]  # fmt: skip
+MODEL = cli(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=24,
+    micro_batch_size=2,
+    global_batch_size=4,
+    lr="1e-3",
+    mock_data=True,
+    train_iters=6,
+)
 
 
 def test_evaluation_reports_and_leaves_training_alone(tmp_path):
     plain = run_pretrain(MODEL, nproc=1, workdir=tmp_path, name="plain")
     tb = tmp_path / "tb"
     evaluated = run_pretrain(
-        MODEL + ["--eval-interval", "3", "--eval-iters", "2", "--tensorboard-dir", str(tb)],
-        nproc=1, workdir=tmp_path, name="eval",
-    )  # fmt: skip
+        MODEL + cli(eval_interval=3, eval_iters=2, tensorboard_dir=str(tb)),
+        nproc=1,
+        workdir=tmp_path,
+        name="eval",
+    )
     # validation batches come from their own split and iterator: training is unchanged
     assert_same_curves(plain, evaluated, rtol=0.0)
     with_val = {r["iteration"]: r for r in evaluated if "val_loss" in r}
@@ -50,8 +58,12 @@ def test_divergence_stops_with_a_pointer_to_the_last_checkpoint(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     # step 1 sees the initial weights; its update with an absurd rate makes step 2's loss NaN
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *MODEL, "--lr", "1e30",
-           "--clip-grad", "0", "--save", str(save), "--save-interval", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "pretrain_gpt_memo.py"),
+        *MODEL,
+        *cli(lr="1e30", clip_grad=0, save=str(save), save_interval=1),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
@@ -63,8 +75,10 @@ def test_divergence_stops_with_a_pointer_to_the_last_checkpoint(tmp_path):
 def test_skip_iterations_with_nan_keeps_going(tmp_path):
     records = run_pretrain(
         MODEL + ["--lr", "1e30", "--clip-grad", "0", "--skip-iterations-with-nan"],
-        nproc=1, workdir=tmp_path, name="skip",
-    )  # fmt: skip
+        nproc=1,
+        workdir=tmp_path,
+        name="skip",
+    )
     assert records[-1]["iteration"] == 6
     assert records[-1]["skipped_iterations"] >= 1
 
@@ -73,25 +87,45 @@ def test_exit_duration_saves_and_stops(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     records = run_pretrain(
-        MODEL + ["--train-iters", "1000", "--save", str(save), "--exit-duration-in-mins", "1e-6"],
-        nproc=1, workdir=tmp_path, name="duration",
-    )  # fmt: skip
+        MODEL + cli(train_iters=1000, save=str(save), exit_duration_in_mins="1e-6"),
+        nproc=1,
+        workdir=tmp_path,
+        name="duration",
+    )
     assert records[-1]["iteration"] == 1  # the first step already outlasts the budget
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 def test_preflight_refuses_a_run_that_cannot_fit_before_building_it(tmp_path):
-    big = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
-           "--seq-length", "131072", "--micro-batch-size", "1", "--train-iters", "1",
-           "--lr", "1e-4", "--mock-data", "--position-embedding-type", "rope",
-           "--preflight-device", "a100-80g"]  # fmt: skip
+    big = cli(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        seq_length=131072,
+        micro_batch_size=1,
+        train_iters=1,
+        lr="1e-4",
+        mock_data=True,
+        position_embedding_type="rope",
+        preflight_device="a100-80g",
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *big], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *big],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "this run does not fit: device peak" in last and "--skip-preflight" in last
     # a small model passes the same check and trains
-    records = run_pretrain(MODEL + ["--train-iters", "1", "--preflight-device", "a100-80g"],
-                           nproc=1, workdir=tmp_path, name="fits")  # fmt: skip
+    records = run_pretrain(
+        MODEL + ["--train-iters", "1", "--preflight-device", "a100-80g"],
+        nproc=1,
+        workdir=tmp_path,
+        name="fits",
+    )
     assert records[-1]["iteration"] == 1

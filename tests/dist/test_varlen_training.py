@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import assert_same_curves, run_pretrain
+from tests.launch import assert_same_curves, cli, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-ARGS = [
-    "--num-layers", "2", "--hidden-size", "36", "--num-attention-heads", "6",
-    "--num-query-groups", "2", "--seq-length", "52", "--micro-batch-size", "1",
-    "--global-batch-size", "6", "--train-iters", "4", "--lr", "2e-3", "--mock-data",
-    "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
-    "--variable-seq-lengths", "--seed", "5",
-]  # fmt: skip
+ARGS = cli(
+    num_layers=2,
+    hidden_size=36,
+    num_attention_heads=6,
+    num_query_groups=2,
+    seq_length=52,
+    micro_batch_size=1,
+    global_batch_size=6,
+    train_iters=4,
+    lr="2e-3",
+    mock_data=True,
+    position_embedding_type="rope",
+    swiglu=True,
+    normalization="RMSNorm",
+    variable_seq_lengths=True,
+    seed=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +51,8 @@ def test_packed_documents_match_one_process(reference, tmp_path, flags):
 def test_resume_continues_the_document_order(reference, tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
-    run_pretrain(ARGS + ["--save", str(save), "--exit-interval", "2"], nproc=1,
-                 workdir=tmp_path, name="tail")  # fmt: skip
+    run_pretrain(
+        ARGS + ["--save", str(save), "--exit-interval", "2"], nproc=1, workdir=tmp_path, name="tail"
+    )
     curves = run_pretrain(ARGS + ["--load", str(save)], nproc=1, workdir=tmp_path, name="tail")
     assert_same_curves(reference, curves, rtol=1e-6)

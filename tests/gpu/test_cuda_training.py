@@ -5,19 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import run_pretrain
+from tests.launch import cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-ARGS = [
-    "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-    "--seq-length", "1024", "--micro-batch-size", "2", "--train-iters", "20", "--lr", "1e-3",
-    "--mock-data", "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
-    "--attention-dropout", "0", "--hidden-dropout", "0",
-]  # fmt: skip
+ARGS = cli(
+    num_layers=2,
+    hidden_size=256,
+    num_attention_heads=4,
+    seq_length=1024,
+    micro_batch_size=2,
+    train_iters=20,
+    lr="1e-3",
+    mock_data=True,
+    position_embedding_type="rope",
+    swiglu=True,
+    normalization="RMSNorm",
+    attention_dropout=0,
+    hidden_dropout=0,
+)
 
 
 def test_bf16_training_reports_mfu_and_memory(tmp_path):
@@ -31,8 +40,7 @@ def test_bf16_training_reports_mfu_and_memory(tmp_path):
 
 def test_fp32_cuda_matches_its_recomputation(tmp_path):
     plain = run_pretrain(ARGS, nproc=1, workdir=tmp_path, name="plain")
-    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
-            "--recompute-num-layers", "1"]  # fmt: skip
+    full = cli(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     recomputed = run_pretrain([*ARGS, *full], nproc=1, workdir=tmp_path, name="full")
     for a, b in zip(plain, recomputed):
         # CUDA kernels may pick other algorithms on the recompute pass: TF32-free fp32 noise only

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import assert_same_curves, run_pretrain
+from tests.launch import assert_same_curves, cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,13 +15,24 @@ pytestmark = [
     ),
 ]
 
-ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
-    "--position-embedding-type", "rope", "--seq-length", "256", "--micro-batch-size", "1",
-    "--global-batch-size", "16", "--train-iters", "3", "--lr", "2e-3", "--mock-data",
-    "--variable-seq-lengths", "--attention-backend", "sdpa", "--seed", "3",
-]  # fmt: skip
+ARGS = cli(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    swiglu=True,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    seq_length=256,
+    micro_batch_size=1,
+    global_batch_size=16,
+    train_iters=3,
+    lr="2e-3",
+    mock_data=True,
+    variable_seq_lengths=True,
+    attention_backend="sdpa",
+    seed=3,
+)
 
 
 @pytest.mark.parametrize("strategies", ["dp2;tp2;pp2", "dp2;cp2;tp2"])
@@ -29,8 +40,10 @@ def test_switching_on_two_gpus_matches_one_gpu(tmp_path, strategies):
     reference = run_pretrain(ARGS, nproc=1, workdir=tmp_path, name="one")
     curves = run_pretrain(
         ARGS + ["--hotspa", "--hotspa-buckets", "64,128,256", "--hotspa-strategies", strategies],
-        nproc=2, workdir=tmp_path, name="hot",
-    )  # fmt: skip
+        nproc=2,
+        workdir=tmp_path,
+        name="hot",
+    )
     # fp32 on GPU: kernels and reduction orders differ from one GPU, well within 1e-4
     assert_same_curves(reference, curves, rtol=1e-4)
     assert sum(r["hotspa_weight_switch_bytes"] + r["hotspa_grad_switch_bytes"] for r in curves)

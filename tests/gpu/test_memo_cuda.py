@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from tests.launch import run_pretrain
+from tests.launch import cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,19 +32,23 @@ def megatron_cuda(tmp_path_factory):
 
 def build_stack(*, alpha: float | None, layers: int, keep_last: int):
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from memo_ext.config import MemoConfig
+    from memo_ext.mcore.config import transformer_config
     from memo_ext.mcore.specs import build_layer_spec
-    from memo_ext.offload.config import MemoConfig
     from memo_ext.offload.policy import apply_memo
+    from memo_ext.shapes import ModelShape
 
-    config = TransformerConfig(
-        num_layers=layers, hidden_size=H, num_attention_heads=4, ffn_hidden_size=4 * H,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-    )  # fmt: skip
+    shape = ModelShape(
+        num_layers=layers,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=4 * H,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+    )
+    config = transformer_config(shape, hidden_dropout=0.0, attention_dropout=0.0)
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     if alpha is not None:
         memo = MemoConfig(enabled=True, alpha=alpha, keep_last_layers=keep_last, host_memory_gb=4)
@@ -131,16 +134,26 @@ def test_layer_gradients_match_plain(megatron_cuda):
 
 
 def test_training_matches_plain_run(tmp_path):
-    args = [
-        "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-        "--seq-length", "1024", "--micro-batch-size", "2", "--train-iters", "5", "--lr", "1e-3",
-        "--mock-data", "--position-embedding-type", "rope", "--swiglu", "--normalization",
-        "RMSNorm", "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--attention-backend", "sdpa",
-    ]  # fmt: skip
+    args = cli(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        seq_length=1024,
+        micro_batch_size=2,
+        train_iters=5,
+        lr="1e-3",
+        mock_data=True,
+        position_embedding_type="rope",
+        swiglu=True,
+        normalization="RMSNorm",
+        attention_dropout=0,
+        hidden_dropout=0,
+        attention_backend="sdpa",
+    )
     plain = run_pretrain(args, nproc=1, workdir=tmp_path, name="plain")
-    memo = run_pretrain([*args, "--memo", "--memo-alpha", "0.5"], nproc=1, workdir=tmp_path,
-                        name="memo")  # fmt: skip
+    memo = run_pretrain(
+        [*args, "--memo", "--memo-alpha", "0.5"], nproc=1, workdir=tmp_path, name="memo"
+    )
     for a, b in zip(plain, memo):
         # as above: shorter recompute matrices may take other cuBLAS algorithms
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])

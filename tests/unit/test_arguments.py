@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from memo_ext.arguments import ArgumentError, parse_args
+from memo_ext.arguments import parse_args
+from memo_ext.errors import UsageError
+from tests.launch import cli
 
-BASE = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
-    "--seq-length", "128", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
-    "--mock-data",
-]  # fmt: skip
+BASE = cli(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=8,
+    seq_length=128,
+    micro_batch_size=2,
+    train_iters=10,
+    lr="1e-3",
+    mock_data=True,
+)
 
 
 HOT = ["--hotspa", "--variable-seq-lengths", "--micro-batch-size", "1"]
@@ -22,18 +29,26 @@ def parse(*extra: str, world_size: int = 1):
 
 def test_megatron_flags_reach_transformer_config():
     run = parse(
-        "--num-query-groups", "2", "--ffn-hidden-size", "100", "--swiglu",
-        "--normalization", "RMSNorm", "--disable-bias-linear",
-        "--tensor-model-parallel-size", "2", "--sequence-parallel",
-        "--context-parallel-size", "2", "--global-batch-size", "8", world_size=8,
-    )  # fmt: skip
+        *cli(
+            num_query_groups=2,
+            ffn_hidden_size=100,
+            swiglu=True,
+            normalization="RMSNorm",
+            disable_bias_linear=True,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            context_parallel_size=2,
+            global_batch_size=8,
+        ),
+        world_size=8,
+    )
     t = run.transformer
     assert (t.num_layers, t.hidden_size, t.ffn_hidden_size) == (4, 64, 100)
     assert (t.num_attention_heads, t.num_query_groups) == (8, 2)
     assert t.gated_linear_unit and not t.add_bias_linear and t.normalization == "RMSNorm"
     assert (t.tensor_model_parallel_size, t.context_parallel_size) == (2, 2)
     assert t.sequence_parallel and t.calculate_per_token_loss
-    assert run.data_parallel_size == 2 and run.num_microbatches == 2
+    assert run.layout.dp == 2 and run.num_microbatches == 2
 
 
 def test_defaults_follow_megatron():
@@ -41,6 +56,7 @@ def test_defaults_follow_megatron():
     assert run.transformer.ffn_hidden_size == 4 * 64
     assert run.transformer.num_query_groups == 8
     assert run.model.max_position_embeddings == 128
+    assert run.train.lr_decay_style == "linear"  # one default, Megatron-LM's
     assert run.train.global_batch_size == 2 * 2  # mbs × DP
     assert run.num_microbatches == 1
 
@@ -55,8 +71,12 @@ def test_sequence_parallel_is_dropped_without_tp():
         (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible"),
         (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2, "query groups (1)"),
         (["--num-query-groups", "3"], 1, "not divisible by --num-query-groups 3"),
-        (["--context-parallel-size", "3", "--seq-length", "124"], 3, "divisible by 2 × CP = 6"),
-        (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible"),
+        (
+            ["--context-parallel-size", "3", "--seq-length", "124"],
+            3,
+            "sequence length (124) not divisible by 2 × CP (6)",
+        ),
+        (["--pipeline-model-parallel-size", "3"], 3, "layers (4) not divisible by PP (3)"),
         (["--global-batch-size", "5"], 2, "not divisible by --micro-batch-size × DP"),
         (["--bf16", "--fp16"], 1, "exclusive"),
         (["--recompute-granularity", "full"], 1, "needs --recompute-method"),
@@ -72,29 +92,52 @@ def test_sequence_parallel_is_dropped_without_tp():
         (HOT + ["--tensor-model-parallel-size", "2"], 2, "drop --tensor-model-parallel-size"),
         (HOT + ["--hotspa-buckets", "64,100"], 2, "must equal --seq-length (128)"),
         (HOT + ["--hotspa-buckets", "64,32,128"], 2, "strictly ascending"),
-        (HOT + ["--hotspa-buckets", "64,128", "--hotspa-strategies", "dp2"], 2,
-         "gives 1 layouts for 2 buckets"),
+        (
+            HOT + ["--hotspa-buckets", "64,128", "--hotspa-strategies", "dp2"],
+            2,
+            "gives 1 layouts for 2 buckets",
+        ),
         (HOT + ["--hotspa-strategies", "dp4"], 2, "uses 4 processes but the job has 2"),
         (HOT + ["--hotspa-strategies", "tp3"], 3, "attention heads (8) not divisible by TP (3)"),
         (HOT + ["--hotspa-strategies", "dp2x"], 2, "not a product of dp<N>"),
-        (HOT + ["--hotspa-buckets", "64,128", "--hotspa-strategies", "dp4;cp2tp2", "--hotspa-mode",
-                "dynamic-cp"], 4, "other TP / PP than home"),
-        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "127",
-          "--max-position-embeddings", "128"], 2, "divisible by TP = 2"),
+        (
+            HOT
+            + cli(
+                hotspa_buckets="64,128", hotspa_strategies="dp4;cp2tp2", hotspa_mode="dynamic-cp"
+            ),
+            4,
+            "other TP / PP than home",
+        ),
+        (
+            cli(
+                tensor_model_parallel_size=2,
+                sequence_parallel=True,
+                seq_length=127,
+                max_position_embeddings=128,
+            ),
+            2,
+            "tokens per CP rank (127) not divisible by TP (sequence parallel) (2)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_combinations_fail_with_one_sentence(extra, world_size, message):
-    with pytest.raises(ArgumentError) as err:
+    with pytest.raises(UsageError) as err:
         parse(*extra, world_size=world_size)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_hotspa_flags_reach_the_run_config():
-    run = parse(*HOT, "--hotspa-buckets", "32,64,128", "--hotspa-strategies", "dp4;dp2tp2;cp2tp2",
-                world_size=4)  # fmt: skip
+    run = parse(
+        *HOT,
+        "--hotspa-buckets",
+        "32,64,128",
+        "--hotspa-strategies",
+        "dp4;dp2tp2;cp2tp2",
+        world_size=4,
+    )
     hot = run.hotspa
-    assert hot.enabled and hot.buckets == [32, 64, 128] and hot.mode == "switch"
+    assert hot.enabled and hot.buckets == (32, 64, 128) and hot.mode == "switch"
     assert [layout.name for layout in hot.strategies] == ["dp4", "dp2tp2", "dp1tp2cp2"]
     assert hot.home.tp == 2 and hot.home.cp == 2
     assert parse(*HOT, world_size=2).hotspa.strategies is None  # auto: chosen at start
@@ -102,9 +145,9 @@ def test_hotspa_flags_reach_the_run_config():
 
 def test_data_source_is_required_and_exclusive(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"]
-    with pytest.raises(ArgumentError, match="exactly one of --data-path"):
+    with pytest.raises(UsageError, match="exactly one of --data-path"):
         parse_args(argv, world_size=1)
-    with pytest.raises(ArgumentError, match="exactly one of --data-path"):
+    with pytest.raises(UsageError, match="exactly one of --data-path"):
         parse_args([*BASE, "--data-path", str(tmp_path / "x")], world_size=1)
 
 
@@ -112,14 +155,14 @@ def test_missing_dataset_file_is_named(tmp_path):
     prefix = tmp_path / "corpus_text_document"
     prefix.with_suffix(".bin").write_bytes(b"")
     argv = [a for a in BASE if a != "--mock-data"]
-    with pytest.raises(ArgumentError, match=r"corpus_text_document\.idx does not exist"):
+    with pytest.raises(UsageError, match=r"corpus_text_document\.idx does not exist"):
         parse_args([*argv, "--data-path", "0.5", str(prefix), "0.5", str(prefix)], world_size=1)
 
 
 def test_cpu_refuses_cuda_only_features():
-    with pytest.raises(ArgumentError, match="need CUDA"):
+    with pytest.raises(UsageError, match="need CUDA"):
         parse("--bf16")
-    with pytest.raises(ArgumentError, match="needs CUDA"):
+    with pytest.raises(UsageError, match="needs CUDA"):
         parse("--use-distributed-optimizer")
 
 

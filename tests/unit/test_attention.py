@@ -27,9 +27,13 @@ def reference_attention(q, k, v):
 
 def build(heads: int, groups: int, d: int) -> SDPAttention:
     config = TransformerConfig(
-        num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
-        num_query_groups=groups, attention_dropout=0.0, use_cpu_initialization=True,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=heads * d,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
     return SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
 
 

@@ -4,30 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
-from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS, build_block_spec, build_layer_spec
+from memo_ext.mcore.specs import build_block_spec, build_layer_spec
 from memo_ext.planner.capture import trace_module
 from memo_ext.planner.problem import lower_bound, problem_from_trace
+from memo_ext.shapes import ModelShape
+from tests.models import cpu_config
 
 # a vocabulary far wider than the model, as at long context: the logits make the peak
 VOCAB, SEQ, BATCH = 4096, 24, 2
 
 
 def build(loss_chunks: int, *, tied: bool = True) -> ChunkedLossGPTModel:
-    config = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, **LOCAL_KERNEL_SETTINGS,
-    )  # fmt: skip
+    config = cpu_config(ModelShape(num_layers=1, hidden_size=16, num_attention_heads=2))
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     torch.manual_seed(0)
     return ChunkedLossGPTModel(
-        loss_chunks=loss_chunks, config=config, vocab_size=VOCAB, max_sequence_length=SEQ,
+        loss_chunks=loss_chunks,
+        config=config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
         transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
         share_embeddings_and_output_weights=tied,
-    )  # fmt: skip
+    )
 
 
 def run(model, tokens):

@@ -16,10 +16,14 @@ def test_megatron_version_is_checked():
 def test_megatron_still_has_what_we_redirect():
     # the tracker globals we swap, and the tracker names we seed
     for name in (
-        "_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
-        "_DATA_PARALLEL_RNG_TRACKER_NAME", "_MODEL_PARALLEL_RNG_TRACKER_NAME",
-        "_EXPERT_PARALLEL_RNG_TRACKER_NAME", "_get_cuda_rng_state", "_set_cuda_rng_state",
-    ):  # fmt: skip
+        "_CUDA_RNG_STATE_TRACKER",
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+        "_DATA_PARALLEL_RNG_TRACKER_NAME",
+        "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+        "_EXPERT_PARALLEL_RNG_TRACKER_NAME",
+        "_get_cuda_rng_state",
+        "_set_cuda_rng_state",
+    ):
         assert hasattr(mrandom, name), name
 
 

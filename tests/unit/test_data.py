@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from memo_ext.training import demo_corpus
-from memo_ext.training.data import (
+from memo_ext.data import demo_corpus
+from memo_ext.data.datasets import (
     build_batch_iterator,
     build_gpt_datasets,
     micro_batch_indices,
     parse_blend,
 )
-from memo_ext.training.demo_corpus import build_demo_corpus, document_lengths, select_stdlib_files
-from memo_ext.training.tokenizers import ByteTokenizer
+from memo_ext.data.demo_corpus import build_demo_corpus, document_lengths, select_stdlib_files
+from memo_ext.data.tokenizers import ByteTokenizer
 
 SEQ = 32
 
@@ -126,9 +126,14 @@ def test_flags_must_choose_mock_or_data(corpus):
 
 def test_mock_datasets():
     train, valid, test = build_gpt_datasets(
-        data_path=None, split="969,30,1", mock=True, seq_length=SEQ, seed=0,
-        tokenizer=ByteTokenizer(), num_samples=(50, 5, 5),
-    )  # fmt: skip
+        data_path=None,
+        split="969,30,1",
+        mock=True,
+        seq_length=SEQ,
+        seed=0,
+        tokenizer=ByteTokenizer(),
+        num_samples=(50, 5, 5),
+    )
     for dataset in (train, valid, test):
         assert len(dataset) >= 50
         sample = dataset[3]
@@ -143,9 +148,14 @@ def test_mock_loss_masks_do_not_depend_on_read_order():
 
     def masks(order):
         train, _, _ = build_gpt_datasets(
-            data_path=None, split="1,1,1", mock=True, seq_length=SEQ, seed=0,
-            tokenizer=ByteTokenizer(), num_samples=(64, 0, 0),
-        )  # fmt: skip
+            data_path=None,
+            split="1,1,1",
+            mock=True,
+            seq_length=SEQ,
+            seed=0,
+            tokenizer=ByteTokenizer(),
+            num_samples=(64, 0, 0),
+        )
         return {i: train[i]["loss_mask"].clone() for i in order}
 
     forward, backward = masks(range(64)), masks(reversed(range(64)))
@@ -212,10 +222,11 @@ def test_batches_shapes_dtypes_and_shift(corpus, tmp_path):
 def _global_steps(dataset, *, dp: int, mbs: int, gbs: int, steps: int) -> list[torch.Tensor]:
     """The samples each optimizer step sees, over all DP ranks, sorted into a canonical order."""
     iterators = [
-        build_batch_iterator(dataset, micro_batch_size=mbs, data_parallel_rank=r,
-                             data_parallel_size=dp)
+        build_batch_iterator(
+            dataset, micro_batch_size=mbs, data_parallel_rank=r, data_parallel_size=dp
+        )
         for r in range(dp)
-    ]  # fmt: skip
+    ]
     result = []
     for _ in range(steps):
         rows = [next(it)["tokens"] for _ in range(gbs // (mbs * dp)) for it in iterators]
@@ -238,10 +249,13 @@ def test_global_batch_does_not_depend_on_dp_size(corpus, tmp_path):
 
 def test_ranks_get_disjoint_micro_batches():
     batches = [
-        list(micro_batch_indices(num_samples=23, micro_batch_size=2, data_parallel_rank=r,
-                                 data_parallel_size=3))
+        list(
+            micro_batch_indices(
+                num_samples=23, micro_batch_size=2, data_parallel_rank=r, data_parallel_size=3
+            )
+        )
         for r in range(3)
-    ]  # fmt: skip
+    ]
     assert batches[1][:2] == [[2, 3], [8, 9]]
     # Every rank stops at the last complete micro-step: 23 // 6 = 3 steps, samples 0..17.
     assert all(len(b) == 3 for b in batches)
@@ -263,11 +277,21 @@ def test_consumed_samples_resume_continues_the_order(corpus, tmp_path, dp, rank)
 
 def test_iterator_argument_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match="data_parallel_rank"):
-        next(micro_batch_indices(num_samples=10, micro_batch_size=1, data_parallel_rank=2,
-                                 data_parallel_size=2))  # fmt: skip
+        next(
+            micro_batch_indices(
+                num_samples=10, micro_batch_size=1, data_parallel_rank=2, data_parallel_size=2
+            )
+        )
     with pytest.raises(ValueError, match="consumed_samples"):
-        next(micro_batch_indices(num_samples=10, micro_batch_size=1, data_parallel_rank=0,
-                                 data_parallel_size=1, consumed_samples=11))  # fmt: skip
+        next(
+            micro_batch_indices(
+                num_samples=10,
+                micro_batch_size=1,
+                data_parallel_rank=0,
+                data_parallel_size=1,
+                consumed_samples=11,
+            )
+        )
 
 
 # --- under torch.distributed (gloo) ---------------------------------------------------------
@@ -279,10 +303,14 @@ def _distributed_worker(rank: int, world_size: int, prefix: str, cache_dir: str,
     try:
         train, _, _ = _build([prefix], cache_dir=cache_dir)
         blended, _, _ = _build(["1", prefix, "2", prefix], cache_dir=cache_dir)
-        batch = next(build_batch_iterator(train, micro_batch_size=2, data_parallel_rank=rank,
-                                          data_parallel_size=world_size))  # fmt: skip
-        torch.save({"batch": batch["tokens"], "blended": _stack(blended, range(6))},
-                   f"{out}/rank{rank}.pt")  # fmt: skip
+        batch = next(
+            build_batch_iterator(
+                train, micro_batch_size=2, data_parallel_rank=rank, data_parallel_size=world_size
+            )
+        )
+        torch.save(
+            {"batch": batch["tokens"], "blended": _stack(blended, range(6))}, f"{out}/rank{rank}.pt"
+        )
     finally:
         torch.distributed.destroy_process_group()
 
@@ -301,9 +329,11 @@ def test_builds_under_gloo_match_one_process(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("TEST_MASTER_PORT", str(_free_port()))
     cache_dir = str(tmp_path / "cache")
     mp.start_processes(
-        _distributed_worker, args=(2, corpus, cache_dir, str(tmp_path)), nprocs=2,
+        _distributed_worker,
+        args=(2, corpus, cache_dir, str(tmp_path)),
+        nprocs=2,
         start_method="spawn",
-    )  # fmt: skip
+    )
     train, _, _ = _build([corpus], cache_dir=str(tmp_path / "single"))
     blended, _, _ = _build(["1", corpus, "2", corpus], cache_dir=None)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -11,24 +11,40 @@ from dataclasses import replace
 import pytest
 import torch
 
+from memo_ext.config import MemoConfig
 from memo_ext.estimate.measure import layer_fit, trace_layer
-from memo_ext.estimate.model import Layout, MemoSettings, estimate
-from memo_ext.estimate.presets import DEVICES, GIB, MODELS, ModelShape, model_shape
+from memo_ext.estimate.model import estimate
 from memo_ext.estimate.search import find_max_seq_length
+from memo_ext.hardware import DEVICES, GIB
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import MODELS, ModelShape, model_shape
+from tests.launch import cli
 
-SMALL = ModelShape("small", 2, 64, 4, 256, 512)
-SMALL_LLAMA = replace(SMALL, name="small-llama", num_query_groups=2, swiglu=True,
-                      normalization="RMSNorm", add_bias_linear=False)  # fmt: skip
+SMALL = ModelShape(
+    name="small",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=256,
+    vocab_size=512,
+    position_embedding_type="rope",
+)
+SMALL_LLAMA = replace(
+    SMALL,
+    name="small-llama",
+    num_query_groups=2,
+    swiglu=True,
+    normalization="RMSNorm",
+    add_bias_linear=False,
+)
 BIG_HOST = 1 << 50
 
 
-def test_presets_match_the_paper_and_the_planner():
-    from memo_ext.planner.models import MODEL_PRESETS
-
+def test_presets_match_the_paper():
     assert (MODELS["gpt-7b"].num_layers, MODELS["gpt-7b"].hidden_size) == (32, 4096)
     assert (MODELS["gpt-65b"].num_layers, MODELS["gpt-65b"].num_attention_heads) == (80, 64)
-    for name, preset in MODEL_PRESETS.items():
-        assert MODELS[name].ffn_hidden_size == preset.ffn_hidden_size == 4 * preset.hidden_size
+    for name in ("gpt-7b", "gpt-13b", "gpt-30b", "gpt-65b"):
+        assert MODELS[name].ffn_hidden_size == 4 * MODELS[name].hidden_size
         assert MODELS[name].vocab_size == 50257
     assert MODELS["llama-70b"].num_query_groups == 8 and MODELS["llama-70b"].swiglu
     assert DEVICES["a800-80g"].peak_tflops == 312.0 and DEVICES["a800-80g"].memory_bytes == 80 * GIB
@@ -55,13 +71,11 @@ def _real_saved_bytes(model: ModelShape, tokens: int) -> int:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from memo_ext.estimate.measure import frozen_rng
-    from memo_ext.estimate.presets import transformer_config
-    from memo_ext.mcore.compat import tracing_environment
+    from memo_ext.mcore.config import traced_transformer_config
     from memo_ext.mcore.specs import build_layer_spec
-    from memo_ext.planner.capture import fake_process_groups
+    from memo_ext.mcore.tracing import fake_process_groups, frozen_rng, tracing_environment
 
-    config = transformer_config(model, num_layers=1, params_dtype=torch.float32, bf16=False)
+    config = traced_transformer_config(model, fp32=True, num_layers=1)
     with fake_process_groups(tp=1, cp=1) as groups, tracing_environment(), frozen_rng():
         spec = build_layer_spec(config=config, attention_backend="sdpa")
         layer = TransformerLayer(config, spec.submodules, pg_collection=groups)
@@ -96,33 +110,51 @@ def test_estimated_bytes_equal_a_real_run(model):
 
 
 def _est(method="memo", seq=1 << 20, host=2048 * GIB, **kw):
-    return estimate(model=MODELS["gpt-7b"], device=DEVICES["a800-80g"],
-                    layout=Layout(tp=8, sp=True), method=method, seq_length=seq,
-                    host_memory_bytes=host, **kw)  # fmt: skip
+    return estimate(
+        model=MODELS["gpt-7b"],
+        device=DEVICES["a800-80g"],
+        layout=ParallelLayout(tp=8, sp=True),
+        method=method,
+        seq_length=seq,
+        host_memory_bytes=host,
+        **kw,
+    )
 
 
 def test_alpha_rule_edges():
     starved = _est(host=0)
     assert starved.alpha == 0.0 and not starved.fits_host and "host memory" in starved.notes[0]
     fast = replace(DEVICES["a800-80g"], host_link_gbps=1e6)
-    ample = estimate(model=MODELS["gpt-7b"], device=fast, layout=Layout(tp=8, sp=True),
-                     method="memo", seq_length=1 << 16, host_memory_bytes=BIG_HOST)  # fmt: skip
+    ample = estimate(
+        model=MODELS["gpt-7b"],
+        device=fast,
+        layout=ParallelLayout(tp=8, sp=True),
+        method="memo",
+        seq_length=1 << 16,
+        host_memory_bytes=BIG_HOST,
+    )
     assert ample.alpha == 1.0
     slow = replace(DEVICES["a800-80g"], host_link_gbps=1e-3)
-    hidden = estimate(model=MODELS["gpt-7b"], device=slow, layout=Layout(tp=8, sp=True),
-                      method="memo", seq_length=1 << 16, host_memory_bytes=BIG_HOST)  # fmt: skip
+    hidden = estimate(
+        model=MODELS["gpt-7b"],
+        device=slow,
+        layout=ParallelLayout(tp=8, sp=True),
+        method="memo",
+        seq_length=1 << 16,
+        host_memory_bytes=BIG_HOST,
+    )
     assert hidden.alpha == 0.0
     mid = _est()
     assert 0.0 < mid.alpha < 1.0 and mid.host_bytes <= mid.host_budget_bytes
 
 
 def test_methods_order_memory_as_expected():
-    half = MemoSettings(alpha=0.5)
+    half = MemoConfig(enabled=True, alpha=0.5)
     none, full, memo = (_est(m, seq=1 << 17, memo=half) for m in ("none", "full", "memo"))
     assert full.activation_bytes < none.activation_bytes
     assert memo.activation_bytes < none.activation_bytes
     assert full.recompute_flops > memo.recompute_flops > 0 and none.recompute_flops == 0
-    memo_fixed = _est(seq=1 << 17, memo=MemoSettings(alpha=1.0, keep_last_layers=2))
+    memo_fixed = _est(seq=1 << 17, memo=MemoConfig(enabled=True, alpha=1.0, keep_last_layers=2))
     assert memo_fixed.recompute_flops == 0
 
 
@@ -134,45 +166,88 @@ def test_search_is_monotone_in_gpus_and_memory():
     c = find_max_seq_length(device=replace(small, memory_bytes=GIB // 2), gpus=1, **kw)
     assert a is not None and a.fits
     assert b.seq_length >= a.seq_length and c.seq_length >= a.seq_length
-    over = estimate(model=SMALL, device=small, layout=Layout(**{k: a.layout[k] for k in
-                    ("tp", "cp", "pp", "dp", "sp")}), method="full",
-                    seq_length=a.seq_length + 2 * 256 * a.layout["cp"],
-                    host_memory_bytes=BIG_HOST)  # fmt: skip
+    over = estimate(
+        model=SMALL,
+        device=small,
+        layout=ParallelLayout(**{k: a.layout[k] for k in ("tp", "cp", "pp", "dp", "sp")}),
+        method="full",
+        seq_length=a.seq_length + 2 * 256 * a.layout["cp"],
+        host_memory_bytes=BIG_HOST,
+    )
     assert not over.fits
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tools.estimate", *args], capture_output=True,
-                          text=True, env=env, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tools.estimate", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_cli_json_contract_and_bad_input():
-    done = _cli("--model", "gpt-7b", "--gpus", "8", "--gpu", "a800-80g", "--host-memory-gb",
-                "2048", "--method", "memo", "--seq-length", "262144",
-                "--tensor-model-parallel-size", "8", "--sequence-parallel", "--json")  # fmt: skip
+    done = _cli(
+        *cli(
+            model="gpt-7b",
+            gpus=8,
+            gpu="a800-80g",
+            host_memory_gb=2048,
+            method="memo",
+            seq_length=262144,
+            tensor_model_parallel_size=8,
+            sequence_parallel=True,
+            json=True,
+        ),
+    )
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout.strip().splitlines()[-1])
-    for key in ("method", "seq_length", "device_peak_bytes", "host_bytes", "alpha",
-                "step_time_s", "mfu", "tp", "cp", "pp", "dp", "sp"):  # fmt: skip
+    for key in (
+        "method",
+        "seq_length",
+        "device_peak_bytes",
+        "host_bytes",
+        "alpha",
+        "step_time_s",
+        "mfu",
+        "tp",
+        "cp",
+        "pp",
+        "dp",
+        "sp",
+    ):
         assert key in record
     assert record["method"] == "memo" and record["tp"] == 8 and record["fits"]
-    bad = _cli("--model", "gpt-7b", "--seq-length", "1000", "--tensor-model-parallel-size", "3")
+    bad = _cli(*cli(model="gpt-7b", seq_length=1000, tensor_model_parallel_size=3))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert _cli("--gpu", "v100").returncode == 2
 
 
 def _run_config(seq_length: int, *, memo: bool):
     from memo_ext.arguments import parse_args
+    from memo_ext.training.resolve import resolve_run
 
-    argv = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
-            "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
-            "--position-embedding-type", "rope", "--micro-batch-size", "1",
-            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
-            "--mock-data", "--tensor-model-parallel-size", "8", "--sequence-parallel"]  # fmt: skip
+    argv = cli(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        seq_length=str(seq_length),
+        max_position_embeddings=str(seq_length),
+        position_embedding_type="rope",
+        micro_batch_size=1,
+        global_batch_size=1,
+        train_iters=1,
+        lr="1e-4",
+        mock_data=True,
+        tensor_model_parallel_size=8,
+        sequence_parallel=True,
+    )
     if memo:
         argv += ["--memo", "--memo-host-memory-gb", "200"]
-    return parse_args(argv, world_size=8)
+    run = parse_args(argv, world_size=8)
+    return resolve_run(run, tokenizer=run.data.build_tokenizer())
 
 
 def test_preflight_refuses_too_big_and_passes_small():

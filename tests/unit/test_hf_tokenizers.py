@@ -9,8 +9,9 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from memo_ext.training.data import preprocess_jsonl
-from memo_ext.training.tokenizers import build_tokenizer
+from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.data.tokenizers import build_tokenizer
+from tests.launch import cli
 
 TEXTS = ["def f(x):\n    return x * 2  # double", "naïve café — ünïcödé", "", "a" * 50]
 
@@ -22,9 +23,10 @@ def bpe_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"],
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tok.train_from_iterator(TEXTS * 20, trainer=trainer)
     directory = tmp_path_factory.mktemp("bpe")
     tok.save(str(directory / "tokenizer.json"))
@@ -35,9 +37,11 @@ def bpe_dir(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["file", "dir", "gpt2"])
 def test_round_trip_and_eod(bpe_dir, kind):
     if kind == "gpt2":
-        tok = build_tokenizer(tokenizer_type="GPT2BPETokenizer",
-                              vocab_file=str(bpe_dir / "vocab.json"),
-                              merge_file=str(bpe_dir / "merges.txt"))  # fmt: skip
+        tok = build_tokenizer(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=str(bpe_dir / "vocab.json"),
+            merge_file=str(bpe_dir / "merges.txt"),
+        )
     else:
         path = bpe_dir / "tokenizer.json" if kind == "file" else bpe_dir
         tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path))
@@ -53,18 +57,24 @@ def test_missing_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json there"):
         build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     with pytest.raises(ValueError, match="--vocab-file .* is not a file"):
-        build_tokenizer(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"),
-                        merge_file=str(tmp_path / "m.txt"))  # fmt: skip
+        build_tokenizer(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=str(tmp_path / "v.json"),
+            merge_file=str(tmp_path / "m.txt"),
+        )
 
 
 def test_preprocess_with_tokenizer_json(bpe_dir, tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS if t))
     summary = preprocess_jsonl(
-        input_path=corpus, output_prefix=str(tmp_path / "out"),
-        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(bpe_dir / "tokenizer.json"),
-        append_eod=True, show_progress=False,
-    )  # fmt: skip
+        input_path=corpus,
+        output_prefix=str(tmp_path / "out"),
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=str(bpe_dir / "tokenizer.json"),
+        append_eod=True,
+        show_progress=False,
+    )
     tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(bpe_dir))
     dataset = IndexedDataset(summary.prefixes["text"])
     for i, text in enumerate(t for t in TEXTS if t):
@@ -72,14 +82,23 @@ def test_preprocess_with_tokenizer_json(bpe_dir, tmp_path):
 
 
 def test_trainer_flags_check_the_tokenizer(bpe_dir):
-    from memo_ext.arguments import ArgumentError, parse_args
+    from memo_ext.arguments import parse_args
+    from memo_ext.errors import UsageError
 
-    base = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
-            "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1",
-            "--mock-data", "--tokenizer-type", "HuggingFaceTokenizer"]  # fmt: skip
-    with pytest.raises(ArgumentError, match="needs --tokenizer-model"):
+    base = cli(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        seq_length=8,
+        micro_batch_size=1,
+        train_iters=1,
+        lr=1,
+        mock_data=True,
+        tokenizer_type="HuggingFaceTokenizer",
+    )
+    with pytest.raises(UsageError, match="needs --tokenizer-model"):
         parse_args(base, world_size=1)
-    with pytest.raises(ArgumentError, match="tokens but --vocab-size says 7"):
+    with pytest.raises(UsageError, match="tokens but --vocab-size says 7"):
         parse_args([*base, "--tokenizer-model", str(bpe_dir), "--vocab-size", "7"], world_size=1)
     run = parse_args([*base, "--tokenizer-model", str(bpe_dir)], world_size=1)
     assert run.data.tokenizer_model == str(bpe_dir)

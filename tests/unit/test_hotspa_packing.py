@@ -6,12 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from memo_ext.hotspa.packing import first_fit_decreasing, pack_documents
-from memo_ext.mcore.init import init_weights_layout_independent
+from memo_ext.data.packing import first_fit_decreasing, pack_documents
 from memo_ext.mcore.packed import build_packed_seq_params
-from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS, build_block_spec, build_layer_spec
+from tests.models import LLAMA_TINY, build_gpt, cpu_config
 
 VOCAB = 97
 
@@ -74,8 +72,7 @@ def test_single_document_and_empty_input():
 @pytest.mark.parametrize("length", [0, 11])
 def test_rejects_documents_that_do_not_fit(length):
     with pytest.raises(ValueError, match="cut documents at the row length"):
-        pack_documents([np.ones(3, dtype=np.int64), np.ones(length, dtype=np.int64)],
-                       row_tokens=10)  # fmt: skip
+        pack_documents([np.ones(3, dtype=np.int64), np.ones(length, dtype=np.int64)], row_tokens=10)
 
 
 def test_packed_params_take_the_longest_padded_segment():
@@ -95,23 +92,12 @@ def test_packed_params_take_the_longest_padded_segment():
 
 
 def build_model(position_embedding_type: str, *, max_positions: int):
-    from memo_ext.mcore.gpt import ChunkedLossGPTModel
-
-    # GQA (6 heads, 2 groups), SwiGLU, RMSNorm, no biases: the LLaMA-style layer
-    config = TransformerConfig(
-        num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2,
-        ffn_hidden_size=40, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, **LOCAL_KERNEL_SETTINGS,
-    )  # fmt: skip
-    spec = build_layer_spec(config=config, attention_backend="sdpa")
-    model = ChunkedLossGPTModel(
-        config=config, vocab_size=VOCAB, max_sequence_length=max_positions,
-        transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
+    return build_gpt(
+        cpu_config(LLAMA_TINY),
+        vocab_size=VOCAB,
+        max_positions=max_positions,
         position_embedding_type=position_embedding_type,
-    )  # fmt: skip
-    init_weights_layout_independent(model, config=config, seed=3, tp=1, tp_rank=0)
-    return model
+    )
 
 
 def losses_and_grads(model, run):
@@ -136,9 +122,12 @@ def packed(model, row) -> torch.Tensor:
         cu_seqlens=row.cu_seqlens, cu_seqlens_padded=row.cu_seqlens_padded, device="cpu"
     )
     losses = model(
-        row.tokens.unsqueeze(0), row.position_ids.unsqueeze(0), None,
-        labels=row.labels.unsqueeze(0), packed_seq_params=params,
-    )  # fmt: skip
+        row.tokens.unsqueeze(0),
+        row.position_ids.unsqueeze(0),
+        None,
+        labels=row.labels.unsqueeze(0),
+        packed_seq_params=params,
+    )
     return losses[0]
 
 
@@ -197,9 +186,12 @@ def test_rope_needs_padding_inside_a_segment(megatron_cpu):
     params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = None
     with pytest.raises(RuntimeError, match="split"):
         model(
-            row.tokens.unsqueeze(0), row.position_ids.unsqueeze(0), None,
-            labels=row.labels.unsqueeze(0), packed_seq_params=params,
-        )  # fmt: skip
+            row.tokens.unsqueeze(0),
+            row.position_ids.unsqueeze(0),
+            None,
+            labels=row.labels.unsqueeze(0),
+            packed_seq_params=params,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +200,7 @@ def test_rope_needs_padding_inside_a_segment(megatron_cpu):
 
 
 def test_mock_documents_are_long_tailed_and_deterministic():
-    from memo_ext.hotspa.documents import MockDocuments
+    from memo_ext.data.documents import MockDocuments
 
     docs = MockDocuments(num_documents=2000, seq_length=512, vocab_size=VOCAB, seed=4)
     lengths = docs.lengths
@@ -223,13 +215,14 @@ def test_mock_documents_are_long_tailed_and_deterministic():
 def test_global_batches_resume_and_cross_epochs():
     from itertools import islice
 
-    from memo_ext.hotspa.documents import MockDocuments, global_batches
+    from memo_ext.data.documents import MockDocuments, global_batches
 
     docs = MockDocuments(num_documents=7, seq_length=30, vocab_size=VOCAB, seed=1)
 
     def batches(consumed, count):
-        it = global_batches(docs, global_batch_size=3, seq_length=10, seed=9,
-                            consumed_documents=consumed)  # fmt: skip
+        it = global_batches(
+            docs, global_batch_size=3, seq_length=10, seed=9, consumed_documents=consumed
+        )
         return [[d.tolist() for d in batch] for batch in islice(it, count)]
 
     full = batches(0, 6)  # 18 documents: two whole epochs of 7 and part of a third
@@ -244,15 +237,19 @@ def test_global_batches_resume_and_cross_epochs():
 def test_indexed_documents_read_back_the_corpus(tmp_path):
     import json
 
-    from memo_ext.hotspa.documents import IndexedDocuments
-    from memo_ext.training.data import preprocess_jsonl
+    from memo_ext.data.datasets import preprocess_jsonl
+    from memo_ext.data.documents import IndexedDocuments
 
     texts = ["a", "hello world", "x" * 300, "long tail"]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    summary = preprocess_jsonl(input_path=corpus, output_prefix=str(tmp_path / "c"),
-                               tokenizer_type="ByteTokenizer", append_eod=True,
-                               show_progress=False)  # fmt: skip
+    summary = preprocess_jsonl(
+        input_path=corpus,
+        output_prefix=str(tmp_path / "c"),
+        tokenizer_type="ByteTokenizer",
+        append_eod=True,
+        show_progress=False,
+    )
     docs = IndexedDocuments(summary.prefixes["text"])
     assert len(docs) == len(texts)
     for i, text in enumerate(texts):
@@ -265,17 +262,29 @@ def test_indexed_documents_read_back_the_corpus(tmp_path):
 def test_ranks_share_one_packing(dp_size):
     from itertools import islice
 
-    from memo_ext.hotspa.batches import packed_step_batches
-    from memo_ext.hotspa.documents import MockDocuments
+    from memo_ext.data.batches import packed_step_batches
+    from memo_ext.data.documents import MockDocuments
 
     docs = MockDocuments(num_documents=50, seq_length=64, vocab_size=VOCAB, seed=2)
     steps = [
-        list(islice(packed_step_batches(docs, global_batch_size=9, seq_length=64, seed=0,
-                                        dp_rank=r, dp_size=dp_size), 2))
+        list(
+            islice(
+                packed_step_batches(
+                    docs, global_batch_size=9, seq_length=64, seed=0, dp_rank=r, dp_size=dp_size
+                ),
+                2,
+            )
+        )
         for r in range(dp_size)
-    ]  # fmt: skip
-    reference = list(islice(packed_step_batches(docs, global_batch_size=9, seq_length=64,
-                                                seed=0, dp_rank=0, dp_size=1), 2))  # fmt: skip
+    ]
+    reference = list(
+        islice(
+            packed_step_batches(
+                docs, global_batch_size=9, seq_length=64, seed=0, dp_rank=0, dp_size=1
+            ),
+            2,
+        )
+    )
     for step in range(2):
         counts = {len(steps[r][step]) for r in range(dp_size)}
         assert len(counts) == 1  # every rank runs as many micro-batches

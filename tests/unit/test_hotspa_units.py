@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from memo_ext.config import parse_buckets
+from memo_ext.data.documents import MockDocuments, global_batches
 from memo_ext.estimate.model import Efficiency
-from memo_ext.estimate.presets import device_spec, model_shape
+from memo_ext.hardware import device_spec
 from memo_ext.hotspa.auto import (
     StrategyError,
     _estimate,
@@ -18,16 +20,19 @@ from memo_ext.hotspa.auto import (
     choose_strategies,
     expected_rows,
 )
-from memo_ext.hotspa.buckets import bucket_rows, pack_buckets, parse_buckets
-from memo_ext.hotspa.documents import MockDocuments, global_batches
-from memo_ext.hotspa.layouts import (
-    Layout,
-    LayoutError,
-    check_layout,
-    parse_layout,
-    parse_strategies,
-)
+from memo_ext.hotspa.buckets import bucket_rows, pack_buckets
 from memo_ext.hotspa.switch import Shard, build_plan, element_count, merge_shards
+from memo_ext.parallel import LayoutError, ParallelLayout, parse_layout, parse_strategies
+from memo_ext.shapes import model_shape
+
+
+def Layout(**sizes) -> ParallelLayout:
+    """A HotSPa layout: SP on whenever TP > 1, as ``--hotspa-strategies`` makes them."""
+    return ParallelLayout(**sizes, sp=sizes.get("tp", 1) > 1)
+
+
+def check_layout(layout: ParallelLayout, *, config, bucket_length: int) -> None:
+    layout.check_fits(config, bucket_length, length=f"the {bucket_length}-token bucket")
 
 
 def test_parse_layouts_and_names():
@@ -42,11 +47,18 @@ def test_parse_layouts_and_names():
 
 @pytest.mark.parametrize(
     ("text", "world", "match"),
-    [("dp2xx2", 4, "not a product"), ("dp2 tp2", 4, "not a product"), ("", 4, "not a product"),
-     ("dp2;", 2, "not a product"), ("dp2tp2dp1", 4, "dp twice"), ("dp0tp4", 4, "at least 1"),
-     ("dp2tp2", 8, "uses 4 processes but the job has 8"), ("tp3", 8, "does not divide"),
-     ("tp2pp3", 8, "does not divide")],
-)  # fmt: skip
+    [
+        ("dp2xx2", 4, "not a product"),
+        ("dp2 tp2", 4, "not a product"),
+        ("", 4, "not a product"),
+        ("dp2;", 2, "not a product"),
+        ("dp2tp2dp1", 4, "dp twice"),
+        ("dp0tp4", 4, "at least 1"),
+        ("dp2tp2", 8, "uses 4 processes but the job has 8"),
+        ("tp3", 8, "does not divide"),
+        ("tp2pp3", 8, "does not divide"),
+    ],
+)
 def test_parse_layout_errors(text, world, match):
     with pytest.raises(LayoutError, match=match):
         parse_strategies(text, world)
@@ -87,8 +99,16 @@ def test_groups_match_hyper_comm_grid(layout, monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", str(layout.world_size))
     grid = HyperCommGrid([layout.tp, layout.cp, layout.dp, layout.pp], ["tp", "cp", "dp", "pp"])
-    for dims in [("tp",), ("cp",), ("dp",), ("pp",), ("cp", "dp"), ("tp", "cp"), ("tp", "pp"),
-                 ("tp", "cp", "dp")]:  # fmt: skip
+    for dims in [
+        ("tp",),
+        ("cp",),
+        ("dp",),
+        ("pp",),
+        ("cp", "dp"),
+        ("tp", "cp"),
+        ("tp", "pp"),
+        ("tp", "cp", "dp"),
+    ]:
         assert layout.groups(dims) == grid.get_rank_enum(list(dims)), dims
 
 
@@ -105,7 +125,7 @@ def _config(**overrides):
         (Layout(tp=4), _config(ffn_hidden_size=66), 64, r"FFN width \(66\)"),
         (Layout(pp=3), _config(), 64, r"layers \(4\) not divisible by PP \(3\)"),
         (Layout(tp=4), _config(), 66, r"\(66\) not divisible by TP \(sequence parallel\) \(4\)"),
-        (Layout(cp=2), _config(), 66, r"bucket length \(66\) not divisible by 2 × CP \(4\)"),
+        (Layout(cp=2), _config(), 66, r"sequence length \(66\) not divisible by 2 × CP \(4\)"),
     ],
 )
 def test_check_layout_errors(layout, config, length, match):
@@ -120,11 +140,15 @@ def test_check_layout_accepts_runnable_layouts():
 
 
 def test_parse_buckets():
-    assert parse_buckets("4096,16384,32768", seq_length=32768) == [4096, 16384, 32768]
-    assert parse_buckets("32768", seq_length=32768) == [32768]
-    for text, match in [("4096,abc", "comma-separated"), ("16384,4096", "ascending"),
-                        ("4096,4096,8192", "ascending"), ("1,8192", "2 or more"),
-                        ("4096,16384", "must equal --seq-length")]:  # fmt: skip
+    assert parse_buckets("4096,16384,32768", seq_length=32768) == (4096, 16384, 32768)
+    assert parse_buckets("32768", seq_length=32768) == (32768,)
+    for text, match in [
+        ("4096,abc", "comma-separated"),
+        ("16384,4096", "ascending"),
+        ("4096,4096,8192", "ascending"),
+        ("1,8192", "2 or more"),
+        ("4096,16384", "must equal --seq-length"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_buckets(text, seq_length=8192)
 
@@ -132,8 +156,7 @@ def test_parse_buckets():
 def test_bucket_rows_with_and_without_backfill():
     lengths = [3, 0, 8, 9, 16, 5, 9, 1]
     # every document in the smallest bucket that holds it, first-fit decreasing per bucket
-    assert bucket_rows(lengths, [8, 16], backfill=False) == [[[2], [5, 0], [7]],
-                                                              [[4], [3], [6]]]  # fmt: skip
+    assert bucket_rows(lengths, [8, 16], backfill=False) == [[[2], [5, 0], [7]], [[4], [3], [6]]]
     # backfill: short documents fill the room long ones left before short rows open
     assert bucket_rows(lengths, [8, 16]) == [[[2]], [[4], [3, 5, 7], [6, 0]]]
     # slots round up to the row's pad multiple: 9 -> 12 leaves no room for 5 -> 8
@@ -161,8 +184,10 @@ def test_pack_buckets_across_layouts(strategies):
     layouts = parse_strategies(strategies, 4)
     lengths = [3, 7, 0, 20, 5, 8, 2, 31, 1, 17, 4, 6, 32]  # nothing falls in (8, 16]
     documents = _documents(lengths)
-    per_rank = [pack_buckets(documents, bounds=bounds, layouts=layouts, rank=r, backfill=False)
-                for r in range(4)]  # fmt: skip
+    per_rank = [
+        pack_buckets(documents, bounds=bounds, layouts=layouts, rank=r, backfill=False)
+        for r in range(4)
+    ]
     assert all([(bb.bucket, bb.length) for bb in bbs] == [(0, 8), (2, 32)] for bbs in per_rank)
     seen = []
     for k, b in enumerate([0, 2]):
@@ -324,8 +349,9 @@ class _Fixed(list):
 def test_expected_rows():
     # every global batch is one whole epoch: 4 × 4 tokens → 2 rows of 8; 2 × 10 → 2 rows of 16
     source = _Fixed([4, 10, 4, 4, 10, 4])
-    rows = expected_rows(source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3,
-                         backfill=False)  # fmt: skip
+    rows = expected_rows(
+        source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3, backfill=False
+    )
     assert rows == [2.0, 2.0]
     # backfill: two 4-token documents fill the room each 10-token one leaves in its 16-row
     assert expected_rows(source, bounds=[8, 16], global_batch_size=6, seed=3, steps=3) == [1, 2]
@@ -333,8 +359,9 @@ def test_expected_rows():
     assert stats[0].attention_fraction == pytest.approx((4**2 + 4**2) / 8**2)
     assert stats[1].attention_fraction == pytest.approx((10**2 + 4**2) / 16**2)
     mock = MockDocuments(num_documents=200, seq_length=512, vocab_size=50, seed=1)
-    rows = expected_rows(mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4,
-                         backfill=False)  # fmt: skip
+    rows = expected_rows(
+        mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4, backfill=False
+    )
     batches = global_batches(mock, global_batch_size=32, seq_length=512, seed=1)
     sampled = [len(d) for _, batch in zip(range(4), batches) for d in batch]
     short, long = [n for n in sampled if n <= 64], [n for n in sampled if n > 64]
@@ -342,8 +369,9 @@ def test_expected_rows():
     # first-fit rows hold every token, and all but one row per step are more than half full
     for n, bound, lengths in ((rows[0], 64, short), (rows[1], 512, long)):
         assert sum(lengths) <= n * 4 * bound < 2 * sum(lengths) + 4 * bound
-    assert rows == expected_rows(mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4,
-                                 backfill=False)  # fmt: skip
+    assert rows == expected_rows(
+        mock, bounds=[64, 512], global_batch_size=32, seed=1, steps=4, backfill=False
+    )
 
 
 def test_candidate_layouts_pass_check_layout():
@@ -353,7 +381,14 @@ def test_candidate_layouts_pass_check_layout():
     for lay in found:
         check_layout(lay, config=model, bucket_length=4096)
     assert {(lay.tp, lay.pp) for lay in found if lay.cp == 1} == {
-        (1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1)}  # fmt: skip
+        (1, 1),
+        (1, 2),
+        (2, 1),
+        (2, 2),
+        (4, 1),
+        (4, 2),
+        (8, 1),
+    }
     narrow = list(candidate_layouts(model, world_size=8, gpus_per_node=2, length=4096))
     assert max(lay.tp for lay in narrow) == 2
     # 4098 tokens cut into 4 or 8 sequence-parallel shards do not divide evenly
@@ -366,14 +401,19 @@ BOUNDS = [4096, 16384, 32768]
 
 @pytest.mark.parametrize(
     ("mode", "rows"),
-    [("dynamic-cp", [16, 4, 2]), ("dynamic-cp", [4, 8, 4]), ("switch", [16, 4, 2]),
-     ("switch", [4, 8, 4])],
-)  # fmt: skip
+    [
+        ("dynamic-cp", [16, 4, 2]),
+        ("dynamic-cp", [4, 8, 4]),
+        ("switch", [16, 4, 2]),
+        ("switch", [4, 8, 4]),
+    ],
+)
 def test_choose_strategies(mode, rows):
     model, device = model_shape("gpt-7b"), device_spec("h100-80g")
     usable = int(device.memory_bytes * (1 - Efficiency().headroom))
-    plan = choose_strategies(model=model, device=device, bounds=BOUNDS, rows=rows,
-                             world_size=8, mode=mode)  # fmt: skip
+    plan = choose_strategies(
+        model=model, device=device, bounds=BOUNDS, rows=rows, world_size=8, mode=mode
+    )
     choices = plan.choices
     assert plan.step_s == pytest.approx(
         sum(c.compute_s + c.sync_s + c.switch_s for c in choices) + plan.home_sync_s
@@ -395,8 +435,10 @@ def test_choose_strategies(mode, rows):
 def test_choose_strategies_refusals():
     model, device = model_shape("gpt-7b"), device_spec("h100-80g")
     with pytest.raises(StrategyError, match="1048576-token bucket does not fit any layout"):
-        choose_strategies(model=model, device=device, bounds=[4096, 1048576], rows=[16, 1],
-                          world_size=8)  # fmt: skip
+        choose_strategies(
+            model=model, device=device, bounds=[4096, 1048576], rows=[16, 1], world_size=8
+        )
     with pytest.raises(ValueError, match="mode must be one of"):
-        choose_strategies(model=model, device=device, bounds=BOUNDS, rows=[1, 1, 1],
-                          world_size=8, mode="fastest")  # fmt: skip
+        choose_strategies(
+            model=model, device=device, bounds=BOUNDS, rows=[1, 1, 1], world_size=8, mode="fastest"
+        )

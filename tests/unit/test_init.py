@@ -15,10 +15,12 @@ class FakeParam:
 
 def test_column_and_row_shards_reassemble():
     full = torch.arange(24.0).reshape(6, 4)
-    column = [_shard(full, FakeParam(0), name="x.weight", tp=3, tp_rank=r, gated=False)
-              for r in range(3)]  # fmt: skip
-    row = [_shard(full, FakeParam(1), name="x.weight", tp=2, tp_rank=r, gated=False)
-           for r in range(2)]  # fmt: skip
+    column = [
+        _shard(full, FakeParam(0), name="x.weight", tp=3, tp_rank=r, gated=False) for r in range(3)
+    ]
+    row = [
+        _shard(full, FakeParam(1), name="x.weight", tp=2, tp_rank=r, gated=False) for r in range(2)
+    ]
     assert torch.equal(torch.cat(column, dim=0), full)
     assert torch.equal(torch.cat(row, dim=1), full)
 
@@ -29,7 +31,13 @@ def test_gated_fc1_keeps_gate_and_up_halves_together():
     up = -gate - 1
     full = torch.cat([gate, up])
     for r in range(tp):
-        got = _shard(full, FakeParam(0), name="decoder.layers.0.mlp.linear_fc1.weight",
-                     tp=tp, tp_rank=r, gated=True)  # fmt: skip
+        got = _shard(
+            full,
+            FakeParam(0),
+            name="decoder.layers.0.mlp.linear_fc1.weight",
+            tp=tp,
+            tp_rank=r,
+            gated=True,
+        )
         rows = slice(r * ffn // tp, (r + 1) * ffn // tp)
         assert torch.equal(got, torch.cat([gate[rows], up[rows]]))

@@ -6,56 +6,47 @@ import argparse
 
 import pytest
 
-from memo_ext.offload.alpha import LayerCost, solve_alpha
-from memo_ext.offload.config import (
-    GIB,
-    MemoArgumentError,
-    MemoConfig,
-    add_memo_args,
-    host_budget_bytes,
-    memo_config_from_args,
-    validate_memo_args,
-)
-from memo_ext.offload.transfer import HostMemoryError
+from memo_ext.config import MemoConfig
+from memo_ext.errors import UsageError
+from memo_ext.flags import add_flags, from_flags
+from memo_ext.hardware import GIB
+from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.offload.transfer import host_budget_bytes
+from tests.launch import cli
 
 
-def parse(argv: list[str], **rest) -> argparse.Namespace:
+def parse(argv: list[str]) -> MemoConfig:
+    """MEMO's flags as the trainer generates them."""
     parser = argparse.ArgumentParser()
-    add_memo_args(parser)
-    args = parser.parse_args(argv)
-    defaults = dict(hidden_dropout=0.0, recompute_granularity=None, attention_backend="sdpa")
-    for key, value in {**defaults, **rest}.items():
-        setattr(args, key, value)
-    return args
+    add_flags(parser, MemoConfig, section="memo")
+    return from_flags(MemoConfig, parser.parse_args(argv), section="memo")
+
+
+def check(config: MemoConfig, **rest) -> MemoConfig:
+    """MEMO's own checks, and the ones against the rest of the run (as RunConfig.check)."""
+    config.check()
+    if config.enabled:
+        others = dict(hidden_dropout=0.0, recompute_granularity=None, attention_backend="sdpa")
+        config.check_combination(**{**others, **rest})
+    return config
 
 
 def test_defaults_and_values():
-    args = parse(["--memo"])
-    validate_memo_args(args)
-    config = memo_config_from_args(args)
+    config = check(parse(["--memo"]))
     assert config == MemoConfig(enabled=True, alpha=None, host_memory_gb=None, keep_last_layers=2)
     assert config.auto_alpha
-    args = parse(
-        [
-            "--memo",
-            "--memo-alpha",
-            "0.3",
-            "--memo-host-memory-gb",
-            "12",
-            "--memo-keep-last-layers",
-            "0",
-        ]
+    config = parse(
+        cli(memo=True, memo_alpha="0.3", memo_host_memory_gb=12, memo_keep_last_layers=0)
     )
-    validate_memo_args(args)
-    config = memo_config_from_args(args)
+    check(config)
     assert (config.alpha, config.host_memory_gb, config.keep_last_layers) == (0.3, 12.0, 0)
     assert host_budget_bytes(config) == 12 * GIB
-    assert memo_config_from_args(parse(["--memo", "--memo-alpha", "auto"])).alpha is None
-    assert not memo_config_from_args(parse([])).enabled
+    assert parse(["--memo", "--memo-alpha", "auto"]).alpha is None
+    assert not parse([]).enabled
 
 
 def test_default_budget_shares_available_memory(monkeypatch):
-    monkeypatch.setattr("memo_ext.offload.config.available_host_memory_bytes", lambda: 100 * GIB)
+    monkeypatch.setattr("memo_ext.offload.transfer.available_host_memory_bytes", lambda: 100 * GIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert host_budget_bytes(MemoConfig(enabled=True)) == int(100 * GIB * 0.8 / 4)
 
@@ -73,8 +64,8 @@ def test_default_budget_shares_available_memory(monkeypatch):
     ],
 )
 def test_refusals_are_one_sentence(argv, rest, message):
-    with pytest.raises(MemoArgumentError, match=message) as err:
-        validate_memo_args(parse(argv, **rest))
+    with pytest.raises(UsageError, match=message) as err:
+        check(parse(argv), **rest)
     assert "\n" not in str(err.value)
 
 

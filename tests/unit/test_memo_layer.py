@@ -11,17 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.spec_utils import build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from memo_ext.config import MemoConfig
+from memo_ext.errors import UsageError
 from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
 from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.offload.config import MemoArgumentError, MemoConfig
+from memo_ext.offload.alpha import HostMemoryError
 from memo_ext.offload.policy import apply_memo, memo_step_metrics
-from memo_ext.offload.transfer import HostMemoryError
+from memo_ext.shapes import ModelShape
+from tests.models import cpu_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,26 +42,17 @@ def megatron_one_process(tmp_path_factory):
 
 
 def make_config(*, rms=True, swiglu=True, bias=False, groups=2, layers=1, attn_dropout=0.0):
-    return TransformerConfig(
+    shape = ModelShape(
         num_layers=layers,
         hidden_size=32,
         num_attention_heads=4,
         num_query_groups=groups,
         ffn_hidden_size=48,
         normalization="RMSNorm" if rms else "LayerNorm",
-        gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else F.gelu,
+        swiglu=swiglu,
         add_bias_linear=bias,
-        hidden_dropout=0.0,
-        attention_dropout=attn_dropout,
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
     )
+    return cpu_config(shape, attention_dropout=attn_dropout)
 
 
 def build_pair(config, *, alpha, keep_last=0, layers=1):
@@ -205,7 +197,7 @@ def test_refuses_what_it_cannot_honour(change, message):
     for key, value in change.items():
         setattr(config, key, value)
     spec = build_layer_spec(config=make_config(), attention_backend="sdpa")
-    with pytest.raises(MemoArgumentError, match=message):
+    with pytest.raises(UsageError, match=message):
         apply_memo(spec, MemoConfig(enabled=True, alpha=0.5), config)
 
 

@@ -7,20 +7,31 @@ import os
 import subprocess
 import sys
 
-from tests.launch import ROOT
+from tests.launch import ROOT, cli
 
 LAYERS, H, S, TP, B = 6, 64, 256, 2, 2
 
 
 def test_memory_report_relations():
     cmd = [
-        sys.executable, "-m", "tools.memory_report",
-        "--num-layers", str(LAYERS), "--hidden-size", str(H), "--num-attention-heads", "4",
-        "--seq-length", str(S), "--micro-batch-size", str(B),
-        "--tensor-model-parallel-size", str(TP), "--sequence-parallel",
-        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--position-embedding-type", "rope", "--json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tools.memory_report",
+        *cli(
+            num_layers=str(LAYERS),
+            hidden_size=str(H),
+            num_attention_heads=4,
+            seq_length=str(S),
+            micro_batch_size=str(B),
+            tensor_model_parallel_size=str(TP),
+            sequence_parallel=True,
+            normalization="RMSNorm",
+            swiglu=True,
+            disable_bias_linear=True,
+            position_embedding_type="rope",
+            json=True,
+        ),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

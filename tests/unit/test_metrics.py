@@ -3,40 +3,51 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from memo_ext.mcore.config import model_shape_of
 from memo_ext.mcore.flop_count import flop_counter_mode
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec
-from memo_ext.training.metrics import MetricsWriter, StepMetrics, gpt_forward_flops
+from memo_ext.shapes import ModelShape, forward_flops
+from memo_ext.training.metrics import MetricsWriter, StepMetrics
+from tests.models import cpu_config
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_forward_flops_match_flop_counter(megatron_cpu, swiglu):
-    config = TransformerConfig(
-        num_layers=2, hidden_size=48, ffn_hidden_size=80, num_attention_heads=6,
-        num_query_groups=2, gated_linear_unit=swiglu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
-    )  # fmt: skip
-    if swiglu:
-        config.activation_func = torch.nn.functional.silu
+    shape = ModelShape(
+        num_layers=2,
+        hidden_size=48,
+        ffn_hidden_size=80,
+        num_attention_heads=6,
+        num_query_groups=2,
+        swiglu=swiglu,
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        vocab_size=128,
+    )
+    config = cpu_config(shape)
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     model = GPTModel(
-        config=config, transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
-        vocab_size=128, max_sequence_length=32, position_embedding_type="rope",
-    )  # fmt: skip
+        config=config,
+        transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
+        vocab_size=128,
+        max_sequence_length=32,
+        position_embedding_type="rope",
+    )
     tokens = torch.randint(0, 128, (3, 32))
     with flop_counter_mode() as counter, torch.no_grad():
         model(tokens, torch.arange(32).expand(3, 32), None)
-    # FlopCounterMode counts the full s × s attention products (it cannot see the causal skip)
-    expected = gpt_forward_flops(
-        config=config, vocab_size=128, seq_length=32, sequences=3, causal_fraction=1.0
+    # the config read back is the shape it was made from (megatron fills in the head dim)
+    assert model_shape_of(config, vocab_size=128, position_embedding_type="rope") == replace(
+        shape, kv_channels=8
     )
+    # FlopCounterMode counts the full s × s attention products (it cannot see the causal skip)
+    expected = forward_flops(shape, seq_length=32, sequences=3, causal_fraction=1.0)
     assert counter.get_total_flops() == expected
 
 
@@ -45,9 +56,14 @@ def test_metrics_file_has_the_contract_keys(tmp_path):
     writer = MetricsWriter(str(path))
     for it in (1, 2):
         record = StepMetrics(
-            iteration=it, loss=2.0, grad_norm=1.0, lr=1e-3, step_time_s=0.5,
-            tokens_per_s=100.0, consumed_samples=4 * it,
-        )  # fmt: skip
+            iteration=it,
+            loss=2.0,
+            grad_norm=1.0,
+            lr=1e-3,
+            step_time_s=0.5,
+            tokens_per_s=100.0,
+            consumed_samples=4 * it,
+        )
         writer.write(record.to_json())
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["iteration"] for r in lines] == [1, 2]
@@ -67,19 +83,19 @@ def test_cpu_attention_kernel_is_counted():
 def test_packed_document_flops_match_flop_counter(megatron_cpu):
     """A packed row of three documents: attention per document, the rest per token."""
     from memo_ext.mcore.packed import build_packed_seq_params
-    from memo_ext.training.metrics import gpt_forward_flops
 
-    config = TransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
-    )  # fmt: skip
+    shape = ModelShape(
+        num_layers=1, hidden_size=32, num_attention_heads=4, add_bias_linear=False, vocab_size=64
+    )
+    config = cpu_config(shape)
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     model = GPTModel(
-        config=config, transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
-        vocab_size=64, max_sequence_length=32, position_embedding_type="rope",
-    )  # fmt: skip
+        config=config,
+        transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
+        vocab_size=64,
+        max_sequence_length=32,
+        position_embedding_type="rope",
+    )
     lengths = [5, 11, 16]
     cu = torch.tensor([0, 5, 16, 32], dtype=torch.int32)
     params = build_packed_seq_params(cu_seqlens=cu, cu_seqlens_padded=cu, device="cpu")
@@ -88,8 +104,6 @@ def test_packed_document_flops_match_flop_counter(megatron_cpu):
     with flop_counter_mode() as counter, torch.no_grad():
         model(tokens, positions, None, packed_seq_params=params)
     expected = sum(
-        gpt_forward_flops(config=config, vocab_size=64, seq_length=n, sequences=1,
-                          causal_fraction=1.0)
-        for n in lengths
-    )  # fmt: skip
+        forward_flops(shape, seq_length=n, sequences=1, causal_fraction=1.0) for n in lengths
+    )
     assert counter.get_total_flops() == expected

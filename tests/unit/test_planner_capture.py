@@ -5,19 +5,29 @@ import contextlib
 import pytest
 import torch
 
+from memo_ext.mcore.config import traced_transformer_config
+from memo_ext.mcore.specs import build_layer_spec
+from memo_ext.offload.policy import memo_trace_options
+from memo_ext.parallel import ParallelLayout
 from memo_ext.planner import PlannerConfig, plan_bilevel, plan_flat, validate
 from memo_ext.planner.capture import trace_transformer_layer
-from memo_ext.planner.models import gpt_config
 from memo_ext.planner.planning import find_layer_passes
 from memo_ext.planner.problem import lower_bound, problem_from_trace
 from memo_ext.planner.trace import Alloc, Free
+from memo_ext.shapes import model_shape
 
-SMALL = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256)
+SMALL = model_shape(
+    "gpt-7b", num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256
+)
+
+
+def small_config(*, cp: int = 1):
+    return traced_transformer_config(SMALL, layout=ParallelLayout(tp=2, sp=True, cp=cp))
 
 
 @pytest.fixture(scope="module")
 def tp2_config():
-    return gpt_config("gpt-7b", tensor_model_parallel_size=2, sequence_parallel=True, **SMALL)
+    return small_config()
 
 
 def test_layer_trace_shapes_follow_tp_and_sp(tp2_config):
@@ -77,7 +87,9 @@ def test_memo_policy_traces_hold_less_than_plain_layers(tp2_config):
     plain = trace_transformer_layer(**kwargs, vocab_size=1000)
     _, plain_problem = problem_from_trace(plain)
     for alpha in (0.0, 1.0):
-        memo = trace_transformer_layer(**kwargs, vocab_size=1000, memo_alpha=alpha)
+        spec = build_layer_spec(config=tp2_config, attention_backend="sdpa")
+        options = memo_trace_options(tp2_config, spec, alpha=alpha)
+        memo = trace_transformer_layer(**kwargs, vocab_size=1000, **options)
         assert memo.meta["memo_alpha"] == alpha
         # Fetches and recomputation show as allocations of their own ...
         assert len(memo.allocs) > len(plain.allocs)
@@ -104,15 +116,8 @@ def test_forgotten_storages_leave_no_events():
 
 def test_context_parallel_traces_the_ranks_share_of_the_tokens():
     def trace(cp, seq_length):
-        config = gpt_config(
-            "gpt-7b",
-            tensor_model_parallel_size=2,
-            sequence_parallel=True,
-            context_parallel_size=cp,
-            **SMALL,
-        )
         return trace_transformer_layer(
-            config=config, seq_length=seq_length, micro_batch_size=1, vocab_size=1000
+            config=small_config(cp=cp), seq_length=seq_length, micro_batch_size=1, vocab_size=1000
         )
 
     sharded, local = trace(2, 512), trace(1, 256)

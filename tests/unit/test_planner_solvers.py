@@ -121,9 +121,17 @@ def test_spatial_inference_matches_a_loop_reference():
         )
         scratch = np.zeros(len(sections.total), dtype=np.int64)
         fast = sections_fit(
-            unplaced, usable, 0, len(scratch), reference.capacity, problem.sizes,
-            sections.lo, sections.hi, reference.total, scratch,
-        )  # fmt: skip
+            unplaced,
+            usable,
+            0,
+            len(scratch),
+            reference.capacity,
+            problem.sizes,
+            sections.lo,
+            sections.hi,
+            reference.total,
+            scratch,
+        )
         assert fast == reference.sections_fit(unplaced, usable, 0, len(scratch))
         assert not scratch.any()  # left zeroed for the next node
         verdicts.add(fast)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from memo_ext.training.tokenizers import ByteTokenizer
+from memo_ext.data.tokenizers import ByteTokenizer
 from tools.preprocess_data import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

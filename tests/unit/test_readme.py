@@ -12,8 +12,9 @@ def test_flag_reference_matches_the_parser():
 
 
 def test_every_flag_has_help():
-    missing = [a.option_strings[0] for a in build_parser()._actions
-               if a.option_strings and not a.help]  # fmt: skip
+    missing = [
+        a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help
+    ]
     assert not missing
 
 

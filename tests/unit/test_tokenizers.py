@@ -3,12 +3,8 @@
 import pytest
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from memo_ext.training.tokenizers import (
-    ByteTokenizer,
-    NullTokenizer,
-    build_tokenizer,
-    padded_vocab_size,
-)
+from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer, build_tokenizer
+from memo_ext.shapes import padded_vocab_size
 
 TEXTS = [
     "",
@@ -82,9 +78,15 @@ def test_unique_identifiers_distinguish_tokenizers():
 
 @pytest.mark.parametrize(
     "vocab_size, divisible_by, tp_size, expected",
-    [(258, 128, 1, 384), (256, 128, 1, 256), (50257, 128, 1, 50304), (50257, 128, 8, 51200),
-     (1, 1, 1, 1), (1001, 64, 2, 1024)],
-)  # fmt: skip
+    [
+        (258, 128, 1, 384),
+        (256, 128, 1, 256),
+        (50257, 128, 1, 50304),
+        (50257, 128, 8, 51200),
+        (1, 1, 1, 1),
+        (1001, 64, 2, 1024),
+    ],
+)
 def test_padded_vocab_size(vocab_size, divisible_by, tp_size, expected):
     got = padded_vocab_size(vocab_size, divisible_by=divisible_by, tp_size=tp_size)
     assert got == expected

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import memo_ext.planner.solvers.canonical_kernel as kernel
 from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
-from memo_ext.planner.solvers import canonical_kernel as kernel
 from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.cover_kernel import cover_kernel
 from memo_ext.planner.solvers.greedy import greedy_orders, place_in_order, solve_greedy
@@ -305,9 +305,14 @@ class CanonicalSearch:
         node_limit = self._node_budget(node_limit, self._cover_nodes, self._cover_s)
         t0 = time.perf_counter()
         outcome, nodes, offsets, depth = cover_kernel(
-            int(capacity), int(node_limit), *self._graph, self._live_ptr, self._live_idx,
-            np.asarray(rank, dtype=np.int64), self._tables_for(int(capacity), "cover"),
-        )  # fmt: skip
+            int(capacity),
+            int(node_limit),
+            *self._graph,
+            self._live_ptr,
+            self._live_idx,
+            np.asarray(rank, dtype=np.int64),
+            self._tables_for(int(capacity), "cover"),
+        )
         self._cover_nodes += nodes
         self._cover_s += time.perf_counter() - t0
         self.run_nodes = int(nodes)

@@ -45,10 +45,21 @@ def new_state(num_tensors: int, num_sections: int, num_raised: int) -> tuple:
     minimum-offset raises one branch can record, twice the overlapping pairs is enough)."""
     n, sections = num_tensors, num_sections
     lengths = {
-        MIN_OFF: n, PLACED: n, OFFSETS: n, TOTAL: sections, CROSSINGS: sections,
-        STACK_C: n, STACK_RAISED: n, RAISED_IDX: num_raised, RAISED_OLD: num_raised,
-        COUNTERS: RAISED_TOP + 1, DEEPEST_OFFSETS: n, SCRATCH: sections, USABLE: n, ALLOWED: n,
-    }  # fmt: skip
+        MIN_OFF: n,
+        PLACED: n,
+        OFFSETS: n,
+        TOTAL: sections,
+        CROSSINGS: sections,
+        STACK_C: n,
+        STACK_RAISED: n,
+        RAISED_IDX: num_raised,
+        RAISED_OLD: num_raised,
+        COUNTERS: RAISED_TOP + 1,
+        DEEPEST_OFFSETS: n,
+        SCRATCH: sections,
+        USABLE: n,
+        ALLOWED: n,
+    }
     return tuple(np.zeros(lengths[k], dtype=np.int64) for k in range(len(lengths)))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
+from memo_ext.planner.solvers.canonical import solve_canonical
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ def solve_cpsat(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     aimed at the lower bound and just below its incumbent; whichever proves optimality stops
     the other, and the lower peak wins.
     """
-    from memo_ext.planner.solvers.canonical import solve_canonical
-
     options = options or SolveOptions()
     t0 = time.perf_counter()
     quick = SolveOptions(

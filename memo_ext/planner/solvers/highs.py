@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memo_ext.planner.problem import DsaProblem, overlap_pairs, peak_of
+from memo_ext.planner.problem import DsaProblem, find_conflicts, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.greedy import mip_start
 
@@ -68,8 +68,6 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     values = np.asarray(h.getSolution().col_value[:n])
     if len(values) == n and info.primal_solution_status == 2:
         offsets = np.rint(values).astype(np.int64)
-        from memo_ext.planner.problem import find_conflicts
-
         if not len(find_conflicts(problem, offsets)) and peak_of(problem, offsets) < upper:
             best = offsets
     dual = int(np.ceil(info.mip_dual_bound - 1e-6)) if np.isfinite(info.mip_dual_bound) else bound

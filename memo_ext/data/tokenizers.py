@@ -1,4 +1,4 @@
-"""Tokenizers that download nothing, plus Megatron's vocabulary padding.
+"""Tokenizers that download nothing (the embedding table's padding is ``memo_ext.shapes``).
 
 Every tokenizer subclasses megatron-core's ``MegatronTokenizerBase`` and exposes what
 ``GPTDataset`` / ``MockGPTDataset`` read from a tokenizer: ``eod``, ``pad``, ``vocab_size`` and
@@ -16,7 +16,6 @@ Every tokenizer subclasses megatron-core's ``MegatronTokenizerBase`` and exposes
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,8 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 """The values accepted by ``--tokenizer-type``."""
+BYTE_VOCAB_SIZE = 257
+"""``ByteTokenizer``: 256 byte values and end-of-document."""
 
 
 class _LocalTokenizer(MegatronTokenizerBase):
@@ -97,7 +98,7 @@ class ByteTokenizer(_LocalTokenizer):
     @property
     def vocab_size(self) -> int:
         """256 byte ids plus end-of-document."""
-        return 257
+        return BYTE_VOCAB_SIZE
 
     @property
     def eod(self) -> int:
@@ -287,25 +288,3 @@ def build_tokenizer(
         f"Unknown --tokenizer-type {tokenizer_type!r}; "
         f"valid types are {', '.join(TOKENIZER_TYPES)}."
     )
-
-
-def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:
-    """Round a vocabulary size up as Megatron-LM's ``--make-vocab-size-divisible-by`` does.
-
-    The embedding table is split over tensor-parallel ranks, so the padded size is a multiple of
-    ``divisible_by * tp_size``.
-
-    Args:
-        vocab_size: The tokenizer's ``vocab_size`` (special ids included).
-        divisible_by: ``--make-vocab-size-divisible-by``.
-        tp_size: ``--tensor-model-parallel-size``.
-
-    Returns:
-        The smallest multiple of ``divisible_by * tp_size`` that is ``>= vocab_size``.
-    """
-    if divisible_by < 1 or tp_size < 1:
-        raise ValueError(
-            f"divisible_by and tp_size must be positive, got {divisible_by} and {tp_size}."
-        )
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)

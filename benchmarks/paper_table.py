@@ -5,7 +5,7 @@ GPUs (2 TB host memory per 8 GPUs), MEMO against Megatron with full recomputatio
 best layout the search finds (TP, CP, SP, PP in {1, 2, 4, 8} with as many micro-batches as
 stages). Prints a table and writes JSON::
 
-    python -m memo_ext.estimate.paper_table --out runs/estimate/paper_table.json [--loss-chunks 1]
+    python -m benchmarks.paper_table --out runs/estimate/paper_table.json [--loss-chunks 1]
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import logging
 import warnings
 from pathlib import Path
 
-from memo_ext.estimate.model import Efficiency, Layout
-from memo_ext.estimate.presets import DEVICES, GIB, MODELS
+from memo_ext.estimate.model import Batch, Efficiency
 from memo_ext.estimate.search import SearchSpace, find_max_seq_length
+from memo_ext.hardware import DEVICES, GIB
+from memo_ext.shapes import MODELS
 
 ROWS = (("gpt-7b", 8), ("gpt-13b", 16), ("gpt-30b", 32), ("gpt-65b", 64))
 PAPER = {"gpt-7b": {"memo_seq_length": 1 << 20, "memo_mfu": 0.5230}}
@@ -34,10 +35,15 @@ def best(model: str, gpus: int, method: str, efficiency: Efficiency):
         if MODELS[model].num_layers % pp or gpus % pp:
             continue
         est = find_max_seq_length(
-            model=MODELS[model], device=DEVICES["a800-80g"], gpus=gpus, method=method,
-            host_memory_bytes=HOST_BYTES_PER_NODE, space=SearchSpace(pp=pp),
-            base=Layout(num_microbatches=pp), efficiency=efficiency,
-        )  # fmt: skip
+            model=MODELS[model],
+            device=DEVICES["a800-80g"],
+            gpus=gpus,
+            method=method,
+            host_memory_bytes=HOST_BYTES_PER_NODE,
+            space=SearchSpace(pp=pp),
+            batch=Batch(num_microbatches=pp),
+            efficiency=efficiency,
+        )
         if est is not None and (
             found is None or (est.seq_length, est.mfu) > (found.seq_length, found.mfu)
         ):  # noqa: E501
@@ -61,14 +67,27 @@ def main(argv: list[str] | None = None) -> int:
             est = best(model, gpus, method, efficiency)
             row = {"model": model, "gpus": gpus, "method": method}
             if est is not None:
-                row.update(max_seq_length=est.seq_length, mfu=est.mfu, alpha=est.alpha,
-                           keep_last_layers=est.keep_last_layers, **est.layout)  # fmt: skip
+                row.update(
+                    max_seq_length=est.seq_length,
+                    mfu=est.mfu,
+                    alpha=est.alpha,
+                    keep_last_layers=est.keep_last_layers,
+                    **est.layout,
+                )
                 lay = est.layout
-                where = (f"TP{lay['tp']}{'+SP' if lay['sp'] else ''} CP{lay['cp']} PP{lay['pp']}"
-                         f" DP{lay['dp']}" + (f" α={est.alpha:.2f} keep={est.keep_last_layers}"
-                                              if method == "memo" else ""))  # fmt: skip
-                print(f"{model:<8} {gpus:>4} {method:<6} {est.seq_length:>10,} "
-                      f"{100 * est.mfu:>6.1f}%  {where}")  # fmt: skip
+                where = (
+                    f"TP{lay['tp']}{'+SP' if lay['sp'] else ''} CP{lay['cp']} PP{lay['pp']}"
+                    f" DP{lay['dp']}"
+                    + (
+                        f" α={est.alpha:.2f} keep={est.keep_last_layers}"
+                        if method == "memo"
+                        else ""
+                    )
+                )
+                print(
+                    f"{model:<8} {gpus:>4} {method:<6} {est.seq_length:>10,} "
+                    f"{100 * est.mfu:>6.1f}%  {where}"
+                )
             else:
                 print(f"{model:<8} {gpus:>4} {method:<6} {'none':>10}")
             rows.append(row)
@@ -78,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         if "mfu" in f and "mfu" in m
     ]
     summary = {"memo_over_full_mfu_mean": sum(ratios) / len(ratios) if ratios else None}
-    print(f"MEMO / Megatron-full MFU, mean: {summary['memo_over_full_mfu_mean']:.2f}x "
-          "(paper: 1.97x against Megatron-LM)")  # fmt: skip
+    print(
+        f"MEMO / Megatron-full MFU, mean: {summary['memo_over_full_mfu_mean']:.2f}x "
+        "(paper: 1.97x against Megatron-LM)"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"rows": rows, "summary": summary, "paper": PAPER, "loss_chunks": args.loss_chunks}

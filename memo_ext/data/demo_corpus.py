@@ -6,7 +6,7 @@ with a long-tailed document-length distribution, one document per file. The file
 sorted order, tokenized with ``ByteTokenizer`` with an end-of-document id after each file, and
 written as a megatron-core indexed dataset:
 
-    from memo_ext.training.demo_corpus import build_demo_corpus
+    from memo_ext.data.demo_corpus import build_demo_corpus
     prefix = build_demo_corpus(out_dir=Path("data/demo"))  # → "data/demo/stdlib_text_document"
     # then: --data-path data/demo/stdlib_text_document --tokenizer-type ByteTokenizer
 
@@ -27,7 +27,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tqdm import tqdm
 
-from memo_ext.training.data import document_prefix, preprocess_jsonl
+from memo_ext.data.datasets import document_prefix, preprocess_jsonl
 
 logger = logging.getLogger(__name__)
 

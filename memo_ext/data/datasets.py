@@ -38,7 +38,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tqdm import tqdm
 
-from memo_ext.training.tokenizers import build_tokenizer
+from memo_ext.data.tokenizers import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def preprocess_jsonl(
     Args:
         input_path: The ``.jsonl`` file; each line a JSON object holding ``json_keys``.
         output_prefix: Outputs go to ``{output_prefix}_{key}_document.bin`` / ``.idx``.
-        tokenizer_type: See ``memo_ext.training.tokenizers.build_tokenizer``.
+        tokenizer_type: See ``memo_ext.data.tokenizers.build_tokenizer``.
         vocab_size: ``--vocab-size`` (``NullTokenizer`` only).
         tokenizer_model: ``--tokenizer-model`` (``HuggingFaceTokenizer`` only).
         vocab_file: ``--vocab-file`` (``GPT2BPETokenizer`` only).
@@ -217,7 +217,7 @@ def preprocess_jsonl(
     tokenizer_args = dict(
         tokenizer_type=tokenizer_type, vocab_size=vocab_size, tokenizer_model=tokenizer_model,
         vocab_file=vocab_file, merge_file=merge_file,
-    )  # fmt: skip
+    )
     tokenizer = build_tokenizer(**tokenizer_args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,7 @@ def preprocess_jsonl(
     progress = tqdm(
         total=input_path.stat().st_size, unit="B", unit_scale=True, disable=not show_progress,
         desc=f"tokenizing {input_path.name}",
-    )  # fmt: skip
+    )
     try:
         for nbytes, encoded in encoded_lines:
             if encoded is not None:

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from memo_ext.hotspa.documents import DocumentSource, global_batches
-from memo_ext.hotspa.packing import PackedRow, empty_row, pack_documents
+from memo_ext.data.documents import DocumentSource, global_batches
+from memo_ext.data.packing import PackedRow, empty_row, pack_documents
 
 
 def deal_rows(rows: list[PackedRow], *, dp_rank: int, dp_size: int, row_tokens: int) -> list:
@@ -65,8 +65,8 @@ def packed_step_batches(
     for documents in global_batches(
         source, global_batch_size=global_batch_size, seq_length=seq_length, seed=seed,
         consumed_documents=consumed_documents,
-    ):  # fmt: skip
+    ):
         rows = pack_documents([d for d in documents if len(d)], row_tokens=seq_length,
-                              pad_multiple=pad_multiple)  # fmt: skip
+                              pad_multiple=pad_multiple)
         dealt = deal_rows(rows, dp_rank=dp_rank, dp_size=dp_size, row_tokens=seq_length)
         yield [row_to_micro_batch(row) for row in dealt]

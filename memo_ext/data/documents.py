@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 
 class DocumentSource(Protocol):
@@ -39,8 +40,6 @@ class IndexedDocuments:
     """
 
     def __init__(self, prefix: str) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         if not os.path.isfile(f"{prefix}.idx") or not os.path.isfile(f"{prefix}.bin"):
             raise FileNotFoundError(
                 f"Dataset files {prefix}.bin / {prefix}.idx do not exist; create them with "

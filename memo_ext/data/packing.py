@@ -116,7 +116,7 @@ def pack_row(
     if not documents or sum(slots) > row_tokens or row_tokens % pad_multiple:
         raise ValueError(f"a row needs 1 or more documents of {row_tokens} tokens in all, "
                          f"got {len(documents)} documents in {sum(slots)} tokens of slots "
-                         f"(multiples of {pad_multiple})")  # fmt: skip
+                         f"(multiples of {pad_multiple})")
     tokens = np.full(row_tokens, PAD_TOKEN_ID, dtype=np.int64)
     labels = np.zeros(row_tokens, dtype=np.int64)
     loss_mask = np.zeros(row_tokens, dtype=np.float32)
@@ -149,7 +149,7 @@ def empty_row(*, row_tokens: int) -> PackedRow:
         loss_mask=torch.zeros(row_tokens, dtype=torch.float32),
         position_ids=torch.arange(row_tokens), cu_seqlens=torch.zeros(2, dtype=torch.int32),
         cu_seqlens_padded=torch.tensor([0, row_tokens], dtype=torch.int32), document_ids=[],
-    )  # fmt: skip
+    )
 
 
 def pack_documents(
@@ -171,7 +171,7 @@ def pack_documents(
     rows = []
     for group in groups:
         row = pack_row([np.asarray(documents[i]) for i in group], row_tokens=row_tokens,
-                       pad_multiple=pad_multiple)  # fmt: skip
+                       pad_multiple=pad_multiple)
         row.document_ids = list(group)
         rows.append(row)
     return rows

@@ -1,0 +1,217 @@
+"""Command-line flags generated from frozen config dataclasses.
+
+Every flag of the trainer and of the tools is a field of a dataclass, and only there:
+
+- its spelling is the field's name (``micro_batch_size`` → ``--micro-batch-size``, after the
+  section's flag prefix, ``alpha`` of MEMO → ``--memo-alpha``) unless ``metadata["flag"]`` spells it
+  (``--tensor-model-parallel-size``);
+- its help is the docstring under the field, its default the field's default, and a field with
+  no default is a required flag;
+- its type sets how the text is read: ``int``, ``float``, ``str``, ``X | None``, ``Literal[...]``
+  (the choices), ``list[X]`` (several values), ``bool`` (a switch: ``--x`` turns on a field that
+  defaults off; a field that defaults on is turned off by ``--no-x``, or by the flag its metadata
+  names, e.g. ``--disable-bias-linear``).
+
+A dataclass may name its flag prefix in a ``FLAG_PREFIX`` class variable. Field metadata keys:
+``flag`` (spelling), ``cli`` (``False``: not a flag, a derived or internal
+value), ``parse`` (a ``str -> value`` function for argparse), ``choices``, ``metavar``,
+``negatable`` (a switch with both ``--x`` and ``--no-x``).
+
+:func:`add_flags` adds a dataclass's flags to a parser (or group), :func:`from_flags` builds the
+dataclass back from the parsed namespace. With ``overrides=True`` every flag is optional and
+defaults to ``None`` (tools that start from a preset and change only what is given);
+:func:`overrides_from_flags` then returns just the given values.
+
+This module imports nothing else from the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from typing import Any, Literal
+
+METADATA_KEYS = frozenset({"flag", "cli", "parse", "choices", "metavar", "negatable"})
+"""Field metadata this module reads; anything else in a field's metadata is a mistake."""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (and of its dataclass bases), one line each."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def cli_fields(cls: type, only: tuple[str, ...] | None = None) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are flags, in declaration order; ``only`` names the fields to
+    take instead (a tool that needs a few of a section's flags, or a non-flag field)."""
+    if only is not None:
+        return [f for f in dataclasses.fields(cls) if f.name in only]
+    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("cli", True)]
+
+
+def flag_name(f: dataclasses.Field, *, prefix: str | None = None) -> str:
+    """The flag that sets ``f`` (a switch that defaults on is spelled ``--no-...``)."""
+    if "flag" in f.metadata:
+        return f.metadata["flag"]
+    words = f.name.replace("_", "-")
+    if prefix:
+        words = f"{prefix}-{words}"
+    if f.default is True and not f.metadata.get("negatable"):  # a switch that defaults on
+        return f"--no-{words}"
+    return f"--{words}"
+
+
+def _dest(section: str, f: dataclasses.Field) -> str:
+    return f"{section}.{f.name}"
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    """``X | None`` → ``X``; anything else unchanged."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _hint(cls: type, f: dataclasses.Field) -> Any:
+    return _unwrap_optional(typing.get_type_hints(cls)[f.name])
+
+
+def _is_switch(f: dataclasses.Field, cls: type) -> bool:
+    return _hint(cls, f) is bool
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _value_options(cls: type, f: dataclasses.Field, name: str) -> dict:
+    """argparse's type / choices / nargs / metavar for a non-switch field spelled ``name``."""
+    hint, meta = _hint(cls, f), f.metadata
+    options: dict[str, Any] = {}
+    if typing.get_origin(hint) in (list, tuple) and "parse" not in meta:
+        options["nargs"] = "*"
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) is Literal:
+        options["choices"] = typing.get_args(hint)
+        hint = type(options["choices"][0])
+    if "choices" in meta:
+        options["choices"] = tuple(meta["choices"])
+    options["type"] = meta.get("parse", hint if hint in (int, float) else str)
+    if "choices" not in options:
+        options["metavar"] = meta.get("metavar", name.lstrip("-").replace("-", "_").upper())
+    return options
+
+
+def _switch_options(f: dataclasses.Field, *, overrides: bool) -> dict:
+    turns_off = f.default is True
+    if f.metadata.get("negatable"):
+        return {
+            "action": argparse.BooleanOptionalAction,
+            "default": None if overrides else f.default,
+        }
+    if overrides:
+        return {"action": "store_const", "const": not turns_off, "default": None}
+    if turns_off:
+        return {"action": "store_false", "default": True}
+    return {"action": "store_true", "default": False}
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    section: str,
+    prefix: str | None = None,
+    overrides: bool = False,
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """Add one flag per field of ``cls`` (see the module docstring).
+
+    Args:
+        parser: a parser or an argument group of one.
+        cls: the dataclass.
+        section: namespace under which the values land (``args.<section>.<field>``); read them
+            back with :func:`from_flags` using the same name.
+        prefix: flag prefix of the section (``memo`` → ``--memo-alpha``).
+        overrides: every flag optional with default ``None`` (only given values count).
+        only: just these fields (see :func:`cli_fields`).
+    """
+    docs = field_docs(cls)
+    prefix = prefix if prefix is not None else getattr(cls, "FLAG_PREFIX", None)
+    for f in cli_fields(cls, only):
+        unknown = set(f.metadata) - METADATA_KEYS
+        if unknown:
+            raise TypeError(f"{cls.__name__}.{f.name}: unknown flag metadata {sorted(unknown)}")
+        help_text = docs.get(f.name, "").replace("%", "%%")
+        names = [flag_name(f, prefix=prefix)]
+        if _is_switch(f, cls):
+            options = _switch_options(f, overrides=overrides)
+        else:
+            options = _value_options(cls, f, names[0])
+            default = _default(f)
+            if overrides:
+                options["default"] = None
+            elif default is dataclasses.MISSING:
+                options["required"] = True
+            else:
+                options["default"] = default
+        parser.add_argument(*names, dest=_dest(section, f), help=help_text, **options)
+
+
+def flag_values(
+    cls: type, args: argparse.Namespace, *, section: str, only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The parsed values of ``cls``'s flags, by field name."""
+    values = {}
+    for f in cli_fields(cls, only):
+        value = getattr(args, _dest(section, f))
+        if typing.get_origin(_hint(cls, f)) is tuple and isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    return values
+
+
+def from_flags(
+    cls: type,
+    args: argparse.Namespace,
+    *,
+    section: str,
+    only: tuple[str, ...] | None = None,
+    **values: Any,
+):
+    """The ``cls`` instance of parsed flags; ``values`` set fields that are not flags."""
+    return cls(**flag_values(cls, args, section=section, only=only), **values)
+
+
+def overrides_from_flags(
+    cls: type, args: argparse.Namespace, *, section: str, only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The fields of ``cls`` given on the command line (``add_flags(..., overrides=True)``)."""
+    values = flag_values(cls, args, section=section, only=only)
+    return {name: value for name, value in values.items() if value is not None}

@@ -1,0 +1,136 @@
+"""The device table: accelerators, their peaks and links, and this machine's memory.
+
+:data:`DEVICES` is the one place device facts live: MFU in the training metrics divides by its
+peaks, the estimator and the preflight check runs against its memory and bandwidths, HotSPa's
+``auto`` plans for one of its entries. :func:`cuda_device` finds this process's entry by its CUDA
+name.
+
+This module imports nothing else from the package (but ``memo_ext.errors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from memo_ext.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+def parse_gib(text: str) -> int:
+    """A size in GiB (``80``, ``79.5``) as bytes."""
+    return int(float(text) * GIB)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator and the links around it (bandwidths achieved, not nominal)."""
+
+    name: str = dataclasses.field(metadata={"cli": False})
+    """Preset name (or ``custom``)."""
+    peak_tflops: float = dataclasses.field(metadata={"flag": "--device-peak-tflops"})
+    """Dense bf16 tensor-core peak, TFLOP/s."""
+    memory_bytes: int = dataclasses.field(
+        metadata={"flag": "--device-memory-gb", "parse": parse_gib, "metavar": "GIB"}
+    )
+    """Device memory capacity (given in GiB)."""
+    host_link_gbps: float
+    """Achieved device ↔ host copy bandwidth per GPU and direction, GB/s (1e9 bytes)."""
+    nvlink_gbps: float
+    """Achieved collective bus bandwidth inside a node, GB/s (NCCL ``busbw``)."""
+    internode_gbps: float
+    """Achieved network bandwidth per GPU between nodes, GB/s."""
+    gpus_per_node: int = 8
+    """GPUs sharing one node (one NVLink domain and one host memory)."""
+
+    @property
+    def cuda_name(self) -> str:
+        """What the CUDA device name contains for this part (``A100``, ``H200``)."""
+        return self.name.split("-")[0].upper()
+
+
+# Sources and assumptions, per figure:
+# - peak: NVIDIA data sheets, dense bf16 of the SXM parts: A100 / A800 312, H100 / H800 / H200 989
+#   TFLOP/s.
+# - memory: data sheets; "80 GB" parts have 80 GiB of HBM (81,920 MiB reported by nvidia-smi for
+#   A100 / A800; H100 / H800 report 81,559 MiB); H200 reports 143,771 MiB.
+# - host link: PCIe Gen4 x16 is 32 GB/s per direction nominal, about 25 GB/s achieved with pinned
+#   memory (A100 / A800); Gen5 x16 is 64 GB/s nominal, about 50 GB/s achieved (H100 / H800 /
+#   H200). Assumption: one x16 link per GPU, not shared (on boards where two GPUs share a PCIe
+#   switch uplink, halve it with --host-link-gbps).
+# - NVLink: per-direction NVLink bandwidth (A100 300, A800 and H800 200, H100 / H200 450 GB/s)
+#   times about 0.8, what NCCL's all-gather / reduce-scatter bus bandwidth reaches on 8 GPUs.
+# - network: assumption of one 200 Gb/s NIC per GPU (HDR InfiniBand, ~22 GB/s achieved) for
+#   A100 / A800 and one 400 Gb/s NIC per GPU (NDR, ~45 GB/s achieved) for the Hopper parts.
+DEVICES: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        DeviceSpec("a100-80g", 312.0, 80 * GIB, 25.0, 240.0, 22.0),
+        DeviceSpec("a800-80g", 312.0, 80 * GIB, 25.0, 160.0, 22.0),
+        DeviceSpec("h100-80g", 989.0, 81559 * 2**20, 50.0, 360.0, 45.0),
+        DeviceSpec("h800-80g", 989.0, 81559 * 2**20, 50.0, 160.0, 45.0),
+        DeviceSpec("h200-141g", 989.0, 143771 * 2**20, 50.0, 360.0, 45.0),
+    )
+}
+"""Device presets by name."""
+
+
+def device_spec(name: str, **overrides) -> DeviceSpec:
+    """A device preset with fields replaced by the non-``None`` ``overrides``.
+
+    Raises:
+        UsageError: for an unknown device name.
+    """
+    if name not in DEVICES:
+        raise UsageError(f"--gpu must be one of {', '.join(DEVICES)}, got {name!r}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(DEVICES[name], **changes)
+
+
+def cuda_device() -> DeviceSpec | None:
+    """This process's CUDA device as a preset with its real memory, or ``None`` (no CUDA, or a
+    device the table does not know)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    total = torch.cuda.get_device_properties(0).total_memory
+    for spec in DEVICES.values():
+        if spec.cuda_name in name:
+            return dataclasses.replace(spec, memory_bytes=total)
+    return None
+
+
+def device_peak_tflops(override: float | None = None) -> float | None:
+    """Dense peak of this process's device for MFU: the override, else the table's entry for the
+    CUDA device (``None`` on the CPU or for an unknown device, with a warning for the latter)."""
+    if override is not None:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    spec = cuda_device()
+    if spec is None:
+        logger.warning(
+            "no peak known for %s; pass --device-peak-tflops to get MFU",
+            torch.cuda.get_device_name(),
+        )
+        return None
+    return spec.peak_tflops
+
+
+def available_host_memory_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``, or total physical memory where that is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,130 @@
+"""Running megatron-core layers on fake tensors in a fake world, on any machine.
+
+The estimator and the planner trace real megatron-core layers at any scale under
+``FakeTensorMode``: nothing is allocated, and a fake process-group backend gives one process the
+shapes of any TP / SP / CP layout. What that needs from megatron-core's internals lives here:
+
+- :func:`fake_process_groups`: a ``ProcessGroupCollection`` of a fake ``tp × cp`` world;
+- :func:`fake_parallel_state`: megatron's *global* parallel state on a fake world (its
+  vocab-parallel loss reads it);
+- :func:`tracing_environment`: CPU redirections (``memo_ext.mcore.compat``) and a private
+  sequence-parallel gather buffer, so no fake tensor leaks into real runs;
+- :func:`frozen_rng`: random-state save / restore made no-ops (a fake generator state cannot be
+  restored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.utils import GlobalMemoryBuffer
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from memo_ext.mcore.compat import cpu_compat
+
+
+@contextlib.contextmanager
+def fake_process_groups(*, tp: int, cp: int):
+    """Yields a ``ProcessGroupCollection`` of a fake ``tp x cp`` world (rank 0's view).
+
+    The fake default group exists only inside the block, so real runs and other tests in the
+    same process never see it.
+
+    Raises:
+        RuntimeError: when a process group is already initialised.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "tracing builds its own fake process group; trace before torch.distributed is "
+            "initialised (or in a separate process)"
+        )
+    world = tp * cp
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        groups = ProcessGroupCollection()
+        groups.tp = dist.new_group(list(range(tp)))
+        groups.cp = dist.new_group(list(range(0, world, tp)))
+        groups.pp = dist.new_group([0])
+        groups.tp_cp = dist.new_group(list(range(world)))
+        yield groups
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def frozen_rng() -> Iterator[None]:
+    """Random-state save / restore and tracker forks made no-ops while tracing.
+
+    Under fake tensors a saved generator state is fake too and cannot be restored; the traced
+    layers draw no random numbers (dropout 0), so megatron's checkpoint has nothing to restore.
+    """
+
+    class _NoForkTracker:
+        def fork(self, name: str = ""):
+            return contextlib.nullcontext()
+
+        def get_states(self):
+            return {}
+
+        def set_states(self, states):
+            pass
+
+        def is_initialized(self):
+            return True
+
+    state = torch.get_rng_state()
+    saved = (torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER)
+    torch.get_rng_state = lambda: state
+    torch.set_rng_state = lambda new_state: None
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER = saved
+
+
+@contextlib.contextmanager
+def fake_parallel_state(tp: int) -> Iterator[None]:
+    """megatron's global parallel state on a fake ``tp``-rank world (its loss reads it)."""
+    if dist.is_initialized():
+        raise RuntimeError("estimating traces on a fake process group; call it before init")
+    buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = None
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    compat = cpu_compat() if not torch.cuda.is_available() else contextlib.nullcontext()
+    try:
+        with compat:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tp, create_gloo_process_groups=False
+            )
+            yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        parallel_state._GLOBAL_MEMORY_BUFFER = buffer
+
+
+@contextlib.contextmanager
+def tracing_environment() -> Iterator[None]:
+    """For tracing layers on fake tensors: CPU redirections of megatron's CUDA-isms (on
+    machines without CUDA) and a private sequence-parallel gather buffer.
+
+    Megatron keeps one global buffer for sequence-parallel all-gathers; a fresh one is installed
+    for the trace (so its fake tensor never leaks into real runs) and the old one put back.
+    """
+    saved = parallel_state._GLOBAL_MEMORY_BUFFER
+    parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    try:
+        if torch.cuda.is_available():
+            yield
+        else:
+            with cpu_compat():
+                yield
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = saved

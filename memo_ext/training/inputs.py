@@ -1,0 +1,100 @@
+"""The trainer's data: a resolved run's train and validation iterators.
+
+Fixed-length samples come from megatron-core's ``GPTDataset`` splits (``memo_ext.data.datasets``)
+in Megatron-LM's sampling order; whole documents (``--variable-seq-lengths``) are packed into rows
+per step (``memo_ext.data.batches``), and with HotSPa into each bucket's rows in the bucket's
+layout (``memo_ext.hotspa.buckets``). Every iterator starts where a checkpoint's consumed samples
+say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from memo_ext.config import RunConfig
+from memo_ext.data.batches import packed_step_batches
+from memo_ext.data.datasets import build_batch_iterator, build_gpt_datasets
+from memo_ext.data.documents import DocumentSource, IndexedDocuments, MockDocuments
+from memo_ext.hotspa.buckets import hotspa_step_batches
+from memo_ext.training.checkpointing import TrainProgress
+from memo_ext.training.initialize import ParallelContext
+
+
+def document_source(run: RunConfig, *, vocab_size: int) -> DocumentSource:
+    """The whole documents ``--variable-seq-lengths`` trains on."""
+    if run.data.mock_data:
+        return MockDocuments(
+            num_documents=run.train.train_iters * run.train.global_batch_size,
+            seq_length=run.data.seq_length,
+            vocab_size=vocab_size,
+            seed=run.train.seed,
+        )
+    return IndexedDocuments(run.data.data_path[0])
+
+
+def build_batches(
+    run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress
+) -> tuple[Iterator, Iterator | None]:
+    """Train and validation iterators, both positioned where ``progress`` says."""
+    if run.data.variable_seq_lengths:
+        return _packed_batches(run, ctx, tokenizer, progress), None
+    gbs = run.train.global_batch_size
+    evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
+    valid_samples = evals * run.evaluation.eval_iters * gbs
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        data_path=run.data.data_path or None,
+        split=run.data.split,
+        mock=run.data.mock_data,
+        seq_length=run.data.seq_length,
+        seed=run.train.seed,
+        tokenizer=tokenizer,
+        num_samples=(run.train.train_iters * gbs, valid_samples, 0),
+        cache_dir=run.data.data_cache_path,
+    )
+
+    def iterate(dataset, consumed: int) -> Iterator:
+        return build_batch_iterator(
+            dataset,
+            micro_batch_size=run.train.micro_batch_size,
+            data_parallel_rank=ctx.dp_rank,
+            data_parallel_size=ctx.dp_size,
+            consumed_samples=consumed,
+        )
+
+    valid = None
+    if evals:
+        if valid_ds is None:
+            raise ValueError("--eval-interval needs a validation split: give --split a valid part")
+        done = progress.iteration // run.evaluation.eval_interval
+        valid = iterate(valid_ds, done * run.evaluation.eval_iters * gbs)
+    return iterate(train_ds, progress.consumed_samples), valid
+
+
+def _packed_batches(
+    run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress
+) -> Iterator:
+    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents
+    (with HotSPa: this process's rows of each non-empty bucket, in the bucket's layout)."""
+    source = document_source(run, vocab_size=tokenizer.vocab_size)
+    if run.hotspa.enabled:
+        return hotspa_step_batches(
+            source,
+            bounds=run.hotspa.buckets,
+            layouts=run.hotspa.strategies,
+            rank=ctx.rank,
+            global_batch_size=run.train.global_batch_size,
+            seed=run.train.seed,
+            consumed_documents=progress.consumed_samples,
+            backfill=run.hotspa.backfill,
+        )
+    cp = run.layout.cp
+    return packed_step_batches(
+        source,
+        global_batch_size=run.train.global_batch_size,
+        seq_length=run.data.seq_length,
+        seed=run.train.seed,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        consumed_documents=progress.consumed_samples,
+        pad_multiple=2 * cp if cp > 1 else 1,
+    )

@@ -1,0 +1,227 @@
+"""Imports point down the declared layers, never form a cycle, and megatron-core's private names
+stay in ``memo_ext/mcore``.
+
+Every import of the package counts, wherever it stands (a function-level import cannot hide a
+cycle); only imports under ``if TYPE_CHECKING:`` are left out, since they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
+
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"errors"}),
+    frozenset({"shapes", "parallel", "hardware", "flags"}),
+    frozenset({"mcore", "data"}),
+    frozenset({"config"}),
+    frozenset({"planner", "offload", "allocator"}),
+    frozenset({"estimate"}),
+    frozenset({"hotspa"}),
+    frozenset({"arguments", "training"}),
+)
+"""Components of ``memo_ext``, lowest first. A component may import components of lower layers
+only: not of its own layer (across), not of a higher one (up)."""
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def package_imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """The package modules a module imports (``from a import b``: ``a.b`` when it is a module)."""
+    found = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module in modules:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+    return found
+
+
+def read_package(root: Path = PACKAGE) -> dict[str, ast.AST]:
+    """Module name → syntax tree, for every module of the package."""
+    return {module_name(p, root): ast.parse(p.read_text()) for p in sorted(root.rglob("*.py"))}
+
+
+def component(module: str) -> str:
+    """``memo_ext.offload.runtime`` → ``offload``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_of(name: str) -> int | None:
+    return next((k for k, layer in enumerate(LAYERS) if name in layer), None)
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up or across the layers, and modules of no declared component."""
+    problems = []
+    for source, targets in sorted(graph.items()):
+        here = component(source)
+        if here and layer_of(here) is None:
+            problems.append(f"{source}: component {here!r} is in no layer of LAYERS")
+            continue
+        for target in sorted(targets):
+            there = component(target)
+            if not here or not there or there == here or layer_of(there) is None:
+                continue
+            if layer_of(there) >= layer_of(here):
+                way = "across" if layer_of(there) == layer_of(here) else "up"
+                problems.append(f"{source} imports {target} ({way}: {here} -> {there})")
+    return problems
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1 or node in graph.get(node, ()):
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def private_megatron_uses(tree: ast.AST) -> list[str]:
+    """``_names`` imported from megatron-core, or read off a name bound to megatron-core."""
+    bound: set[str] = set()
+    found = []
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "megatron":
+                    bound.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"from {node.module} import {alias.name}")
+                bound.add(alias.asname or alias.name)
+    for node in _runtime_nodes(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+    return found
+
+
+@pytest.fixture(scope="module")
+def package() -> dict[str, ast.AST]:
+    return read_package()
+
+
+@pytest.fixture(scope="module")
+def graph(package) -> dict[str, set[str]]:
+    modules = set(package)
+    return {name: package_imports(tree, modules) - {name} for name, tree in package.items()}
+
+
+def test_every_component_has_a_layer(package):
+    components = {component(m) for m in package} - {""}
+    declared = set().union(*LAYERS)
+    assert components == declared, (
+        f"undeclared: {sorted(components - declared)}; gone: {sorted(declared - components)}"
+    )
+
+
+def test_imports_point_down_the_layers(graph):
+    assert layering_violations(graph) == []
+
+
+def test_no_import_cycles(graph):
+    assert import_cycles(graph) == []
+
+
+def test_megatron_private_names_only_in_mcore(package):
+    uses = {
+        name: private_megatron_uses(tree)
+        for name, tree in package.items()
+        if not name.startswith("memo_ext.mcore")
+    }
+    assert {name: found for name, found in uses.items() if found} == {}
+
+
+def test_the_checks_catch_what_they_are_for():
+    # an upward import, an import across one layer, a cycle and a private megatron name, each
+    # planted in a copy of a real graph and source, must be reported
+    modules = {
+        "memo_ext.estimate.model",
+        "memo_ext.training.loop",
+        "memo_ext.planner.plan",
+        "memo_ext.offload.runtime",
+    }
+    source = "def f():\n    from memo_ext.training.loop import train\n"
+    planted = {"memo_ext.estimate.model": package_imports(ast.parse(source), modules)}
+    assert layering_violations(planted) == [
+        "memo_ext.estimate.model imports memo_ext.training.loop (up: estimate -> training)"
+    ]
+    across = {"memo_ext.planner.plan": {"memo_ext.offload.runtime"}}
+    assert "across" in layering_violations(across)[0]
+    cycle = {
+        "memo_ext.planner.plan": {"memo_ext.planner.trace"},
+        "memo_ext.planner.trace": {"memo_ext.planner.plan"},
+    }
+    assert import_cycles(cycle) == [["memo_ext.planner.plan", "memo_ext.planner.trace"]]
+    hidden = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import memo_ext.training.loop\n"
+    )
+    assert package_imports(ast.parse(hidden), modules) == set()
+    private = "from megatron.core import parallel_state\nx = parallel_state._GLOBAL_MEMORY_BUFFER\n"
+    assert private_megatron_uses(ast.parse(private)) == [
+        "parallel_state._GLOBAL_MEMORY_BUFFER (line 2)"
+    ]
