@@ -369,8 +369,8 @@ class PreflightConfig:
     """The memory check made before the model is built (``memo_ext.estimate.preflight``)."""
 
     enabled: bool = field(default=True, metadata={"flag": "--skip-preflight"})
-    """Estimate device and host memory first and refuse a run that cannot fit (--skip-preflight:
-    run even if it cannot fit)."""
+    """Estimate device and host memory first and refuse a run that cannot fit; --skip-preflight
+    runs it even if it cannot fit."""
     device: str | None = field(
         default=None, metadata={"flag": "--preflight-device", "choices": sorted(DEVICES)}
     )
@@ -536,8 +536,8 @@ class HotSPaConfig:
     without one)."""
     backfill: bool = True
     """Fill the room long documents leave in longer buckets' rows with shorter documents before
-    opening shorter rows (--no-hotspa-backfill: keep every document in the smallest bucket that
-    holds it)."""
+    opening shorter rows; --no-hotspa-backfill keeps every document in the smallest bucket that
+    holds it."""
     mode: Literal["switch", "dynamic-cp"] = "switch"
     """switch: each bucket may use any DP × TP × PP × CP layout (weights re-sharded when TP or PP
     differ from home); dynamic-cp: every bucket keeps home's TP and PP and only the CP degree

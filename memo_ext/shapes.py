@@ -39,7 +39,7 @@ class ModelShape:
     swiglu: bool = False
     """Gated SiLU MLP (three matrices) instead of GeLU (two)."""
     add_bias_linear: bool = field(default=True, metadata={"flag": "--disable-bias-linear"})
-    """Biases in the linear layers (--disable-bias-linear: none)."""
+    """Biases in the linear layers; --disable-bias-linear drops them."""
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     """Learned absolute positions (a [seq, h] table) or rotary embeddings."""
     vocab_size: int = field(default=0, metadata={"cli": False})

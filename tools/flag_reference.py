@@ -26,7 +26,7 @@ def _default(action: argparse.Action) -> str:
             not action.default if isinstance(action, argparse._StoreFalseAction) else action.default
         )
         return "on" if given else "off"
-    if action.default in (None, []):
+    if action.default in (None, [], ()):
         return "—"
     return f"`{action.default}`"
 
