@@ -13,9 +13,11 @@ Launch with torchrun and Megatron-style flags, for example on 2 CPU processes::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import warnings
 
 # megatron-core announces at import that optional fused kernels (apex / TE) are absent; the
@@ -40,12 +42,22 @@ def _configure_logging() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
+def _tell_torchrun(message: str) -> None:
+    """Under torchrun, put the sentence in the failure summary torchrun prints last (its error
+    file, read as a plain message) instead of its "To enable traceback see ..." line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     try:
         summary = train(parse_args(argv))
     except ReportedError as err:  # bad input (exit 2) or a failure the message explains (1)
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
+        _tell_torchrun(str(err))
         return err.exit_status
     if int(os.environ.get("RANK", "0")) == 0 and summary.losses:
         logging.getLogger("pretrain_gpt_memo").info(

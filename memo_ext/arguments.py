@@ -27,6 +27,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("model", c.ModelConfig, "model"),
     ("train", c.TrainConfig, "training"),
     ("layout", ParallelLayout, "parallelism"),
+    ("distributed", c.DistributedConfig, "parallelism"),
     ("recompute", c.RecomputeConfig, "activation recomputation (Megatron baselines)"),
     ("data", c.DataConfig, "data"),
     ("logging", c.LoggingConfig, "logging"),

@@ -25,12 +25,17 @@ from typing import ClassVar, Literal
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from memo_ext.data.datasets import check_split, parse_blend
+from memo_ext.data.datasets import (
+    check_indexed_dataset,
+    check_split,
+    check_split_documents,
+    parse_blend,
+)
 from memo_ext.data.tokenizers import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, build_tokenizer
 from memo_ext.errors import UsageError
 from memo_ext.hardware import DEVICES
 from memo_ext.mcore.config import transformer_config
-from memo_ext.mcore.specs import ATTENTION_BACKENDS
+from memo_ext.mcore.specs import ATTENTION_BACKENDS, resolve_attention_backend
 from memo_ext.parallel import LayoutError, ParallelLayout, parse_strategies
 from memo_ext.shapes import ModelShape
 
@@ -43,6 +48,23 @@ data loader, the optimizer's host state and the operating system."""
 def _at_least(value: float | None, low: float, flag: str) -> None:
     if value is not None and value < low:
         raise UsageError(f"{flag} must be at least {low:g}, got {value}")
+
+
+def check_writable_directory(path: str, *, flag: str) -> None:
+    """``path`` is a directory this process can write, or can be created as one: a wrong path
+    fails now, not at the first save.
+
+    Raises:
+        UsageError: naming the path and what is wrong with it.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is" if existing == os.path.abspath(path) else f"lies under {existing}, which is"
+        raise UsageError(f"{flag} {path} {where} a file, not a directory; give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {existing} is not writable by this user")
 
 
 def _fraction(value: float, flag: str) -> None:
@@ -90,6 +112,34 @@ class ModelConfig:
         _fraction(self.attention_dropout, "--attention-dropout")
         _fraction(self.hidden_dropout, "--hidden-dropout")
         _at_least(self.make_vocab_size_divisible_by, 1, "--make-vocab-size-divisible-by")
+        for flag, value in (
+            ("--init-method-std", self.init_method_std),
+            ("--norm-epsilon", self.norm_epsilon),
+            ("--rotary-base", self.rotary_base),
+        ):
+            if not value > 0:
+                raise UsageError(f"{flag} must be positive, got {value}")
+        try:
+            resolve_attention_backend(self.attention_backend)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How the processes of a job talk."""
+
+    FLAG_PREFIX: ClassVar[str] = "distributed"
+
+    timeout_minutes: float = 10.0
+    """A collective that waits longer than this (a stalled or dead rank) fails the job instead of
+    hanging it (Megatron-LM's default, 10)."""
+
+    def check(self) -> None:
+        if not self.timeout_minutes > 0:
+            raise UsageError(
+                f"--distributed-timeout-minutes must be positive, got {self.timeout_minutes}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +224,9 @@ class TrainConfig:
 
     def check(self) -> None:
         _at_least(self.micro_batch_size, 1, "--micro-batch-size")
+        _at_least(self.global_batch_size, 1, "--global-batch-size")
         _at_least(self.train_iters, 1, "--train-iters")
+        self._check_optimizer()
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 are exclusive; choose one")
         cuda = torch.cuda.is_available()
@@ -194,10 +246,26 @@ class TrainConfig:
             raise UsageError(
                 f"--lr-warmup-iters {self.lr_warmup_iters} must be in [0, --train-iters]"
             )
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise UsageError(
+                f"--lr-decay-iters {self.lr_decay_iters} must be larger than --lr-warmup-iters "
+                f"{self.lr_warmup_iters} (the decay starts after the warm-up)"
+            )
         if self.clip_grad < 0:
             raise UsageError(
                 f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}"
             )
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be in [0, 2**32) (numpy's range), got {self.seed}")
+
+    def _check_optimizer(self) -> None:
+        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0.0 <= value < 1.0:
+                raise UsageError(f"{flag} must be in [0, 1), got {value}")
+        if not self.adam_eps > 0:
+            raise UsageError(f"--adam-eps must be positive, got {self.adam_eps}")
+        if self.weight_decay < 0:
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -252,15 +320,12 @@ class DataConfig:
         try:
             check_split(self.split)
             prefixes = parse_blend(self.data_path)[0] if self.data_path else []
-        except ValueError as err:
+            for prefix in prefixes:
+                documents = check_indexed_dataset(prefix)
+                if not self.variable_seq_lengths:  # whole documents take no --split
+                    check_split_documents(prefix, self.split, documents=documents)
+        except (ValueError, FileNotFoundError) as err:
             raise UsageError(str(err)) from None
-        for prefix in prefixes:
-            for suffix in (".bin", ".idx"):
-                if not os.path.isfile(prefix + suffix):
-                    raise UsageError(
-                        f"dataset file {prefix + suffix} does not exist; preprocess it with "
-                        "tools/preprocess_data.py or fix --data-path"
-                    )
 
     def _check_file_tokenizer(self) -> None:
         """Load a file-based tokenizer now: a bad path or a size mismatch fails before any work."""
@@ -348,10 +413,31 @@ class CheckpointConfig:
     """Save and stop after N minutes."""
     exit_signal_handler: bool = False
     """On SIGTERM / SIGINT save at the next step boundary and exit 0."""
+    override_opt_param_scheduler: bool = field(
+        default=False, metadata={"flag": "--override-opt_param-scheduler"}
+    )
+    """On resume, train with the LR / weight-decay schedule of these flags, not the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = field(
+        default=False, metadata={"flag": "--use-checkpoint-opt_param-scheduler"}
+    )
+    """On resume, keep the checkpoint's LR / weight-decay schedule whatever these flags say.
+    Without either flag a resumed run whose schedule differs from its checkpoint's stops and
+    names the difference (as Megatron-LM does)."""
 
     def check(self) -> None:
         _at_least(self.save_interval, 1, "--save-interval")
         _at_least(self.exit_interval, 1, "--exit-interval")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise UsageError(
+                f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}"
+            )
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise UsageError(
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+                "exclusive; choose the flags' schedule or the checkpoint's"
+            )
+        if self.save:
+            check_writable_directory(self.save, flag="--save")
         if self.save_interval and not self.save:
             raise UsageError("--save-interval needs --save DIR")
         if self.load and not os.path.isdir(self.load):
@@ -617,6 +703,7 @@ class RunConfig:
     layout: ParallelLayout
     """This run's process layout (with HotSPa: the home layout once resolved)."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     train: TrainConfig
     data: DataConfig
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -684,13 +771,10 @@ class RunConfig:
         self._check_batch()
         self.recompute.check(stage_layers=self.shape.num_layers // self.layout.pp)
         self.logging.check()
+        self.distributed.check()
         self.memo.check()
         if self.memo.enabled:
-            self.memo.check_combination(
-                hidden_dropout=self.model.hidden_dropout,
-                recompute_granularity=self.recompute.granularity,
-                attention_backend=self.model.attention_backend,
-            )
+            self._check_memo()
         self.evaluation.check()
         self._check_evaluation_split()
         self.checkpoint.check()
@@ -698,8 +782,27 @@ class RunConfig:
         self.hotspa.check()
         self._check_hotspa()
 
+    def _check_memo(self) -> None:
+        self.memo.check_combination(
+            hidden_dropout=self.model.hidden_dropout,
+            recompute_granularity=self.recompute.granularity,
+            attention_backend=self.model.attention_backend,
+        )
+        stage_layers = self.shape.num_layers // self.layout.pp
+        if self.memo.keep_last_layers >= stage_layers:
+            raise UsageError(
+                f"--memo would offload no layer: each pipeline stage has {stage_layers} layers and "
+                f"--memo-keep-last-layers {self.memo.keep_last_layers} keeps them all on the "
+                "device; lower --memo-keep-last-layers or drop --memo"
+            )
+
     def _check_sequence(self) -> None:
         seq = self.data.seq_length
+        if self.shape.position_embedding_type == "rope" and self.shape.head_dim % 2:
+            raise UsageError(
+                f"rotary embeddings rotate channel pairs: the head dim {self.shape.head_dim} "
+                "(--hidden-size / --num-attention-heads, or --kv-channels) must be even"
+            )
         if (self.model.max_position_embeddings or seq) < seq:
             raise UsageError(
                 f"--max-position-embeddings {self.model.max_position_embeddings} is shorter than "

@@ -32,6 +32,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from memo_ext.config import DataConfig, MemoConfig, TrainConfig
+from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, trace_layer
 from memo_ext.flags import add_flags, flag_values
 from memo_ext.parallel import ParallelLayout
@@ -81,6 +82,19 @@ class Setup:
     micro_batches: int
     fp32: bool
     keep_last_layers: int
+
+    def check(self) -> None:
+        """Raises UsageError for a shape or layout megatron-core cannot build."""
+        self.shape.check()
+        self.layout.check_fits(self.shape, self.seq_length)
+        for flag, value in (
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--num-micro-batches", self.micro_batches),
+        ):
+            if value < 1:
+                raise UsageError(f"{flag} must be positive, got {value}")
+        if self.keep_last_layers < 0:
+            raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Setup:
@@ -162,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
+    try:
+        setup.check()
+    except UsageError as err:
+        print(f"memory_report: error: {err}", file=sys.stderr)
+        return 2
     if setup.layout.cp > 1:
         # SDPAttention's CP path builds torch's CausalBias, a tensor subclass FakeTensorMode
         # cannot wrap; trace the same tokens per rank with TP / SP instead

@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS")
     args = parser.parse_args(argv)
     try:
-        s = summarize(read_metrics(args.metrics_file))
+        records = read_metrics(args.metrics_file)
+        missing = {"loss", "step_time_s", "tokens_per_s"} - set(records[0])
+        if missing:
+            raise UsageError(f"{args.metrics_file} records lack {', '.join(sorted(missing))}")
+        s = summarize(records)
     except UsageError as err:
         print(f"summarize_metrics: error: {err}", file=sys.stderr)
         return 2
@@ -46,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(-{s['loss_drop']:.3f} nats) | {s['median_tokens_per_s']:,.0f} tokens/s | "
         f"{s['median_step_time_s'] * 1e3:.0f} ms/step (medians)"
     )
-    if args.require_loss_drop is not None and s["loss_drop"] <= args.require_loss_drop:
+    if args.require_loss_drop is not None and not s["loss_drop"] > args.require_loss_drop:
+        # "not >": a NaN loss (or drop) fails the check instead of passing it
         print(f"loss fell by {s['loss_drop']:.3f} nats, not more than {args.require_loss_drop}")
         return 1
     return 0

@@ -33,7 +33,11 @@ import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tqdm import tqdm
@@ -240,6 +244,11 @@ def preprocess_jsonl(
             if encoded is not None:
                 _write_document(writers, encoded, summary)
             progress.update(nbytes)
+        if summary.tokens == 0:
+            raise ValueError(
+                f"{input_path} holds no document with text under --json-keys "
+                f"{', '.join(json_keys)}; nothing to write"
+            )
     except BaseException:
         for writer in writers.values():
             writer.abort()
@@ -305,6 +314,54 @@ def check_data_files(prefixes: Iterable[str]) -> None:
                     f"Dataset file {prefix + suffix} does not exist; create it with "
                     f"tools/preprocess_data.py or fix --data-path."
                 )
+
+
+def check_indexed_dataset(prefix: str) -> int:
+    """Open ``prefix``'s index and check that its ``.bin`` holds every token the index lists;
+    returns the number of documents.
+
+    A garbage ``.idx`` or a truncated ``.bin`` would otherwise pass start-up and fail inside a
+    training step.
+
+    Raises:
+        ValueError: naming the file and what is wrong with it.
+    """
+    check_data_files([prefix])
+    try:
+        dataset = IndexedDataset(prefix)
+    except Exception as err:  # noqa: BLE001 - megatron's reader fails in many ways on bad bytes
+        raise ValueError(
+            f"{prefix}.idx is not a readable megatron-core index ({type(err).__name__}: "
+            f"{str(err)[:200]}); make it again with tools/preprocess_data.py"
+        ) from None
+    index = dataset.index
+    expected = int(index.sequence_lengths.sum(dtype=np.int64)) * index.dtype_size
+    actual = os.path.getsize(prefix + ".bin")
+    if actual < expected:
+        raise ValueError(
+            f"{prefix}.bin holds {actual} bytes but its index lists {expected} (a truncated copy?); "
+            "copy it again or make it again with tools/preprocess_data.py"
+        )
+    return len(dataset.document_indices) - 1
+
+
+def check_split_documents(prefix: str, split: str, *, documents: int) -> None:
+    """Every part of ``--split`` with a weight must get at least one document of ``prefix``:
+    megatron-core loops forever on an empty part.
+
+    Raises:
+        ValueError: naming the part and the counts.
+    """
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bounds in zip(("train", "validation", "test"), matrix):
+        if bounds is None:
+            continue
+        count = int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+        if count < 1:
+            raise ValueError(
+                f"--split {split} gives the {name} part 0 of the {documents} documents in "
+                f"{prefix}; give that part weight 0 (or more weight), or use more documents"
+            )
 
 
 def check_split(split: str) -> None:

@@ -81,14 +81,26 @@ def trace_from_cuda_snapshot(snapshot: object, *, device: int = 0) -> Trace:
     return Trace(events=events, meta=meta)
 
 
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """A snapshot is dicts, lists, strings and numbers: a pickle that names any class or function
+    (which unpickling would import and may call) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(
+            f"it names {module}.{name}; a memory snapshot holds only plain data, and loading "
+            "what it names could run code"
+        )
+
+
 def load_cuda_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     """Reads a snapshot pickled by ``torch.cuda.memory._dump_snapshot`` as a trace.
 
-    Only load snapshots you made: unpickling runs code the file names.
+    Only plain data is unpickled (:class:`_DataOnlyUnpickler`): a file that names a class or
+    function is refused, so a crafted file cannot run code.
     """
     try:
         with Path(path).open("rb") as handle:
-            snapshot = pickle.load(handle)
+            snapshot = _DataOnlyUnpickler(handle).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
         raise PlannerInputError(f"{str(path)!r} is not a pickled memory snapshot ({err})") from None
     trace = trace_from_cuda_snapshot(snapshot, device=device)

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from memo_ext.planner.errors import PlannerInputError, PlanValidationError
-from memo_ext.planner.problem import find_conflicts, lower_bound, peak_of, problem_from_trace
-from memo_ext.planner.trace import Trace, trace_digest
+from memo_ext.planner.problem import first_conflict, lower_bound, peak_of, problem_from_trace
+from memo_ext.planner.trace import MAX_BYTES, Trace, trace_digest
 
 PLAN_FORMAT = "memo-plan/1"
 PLAN_STATUSES = ("optimal", "feasible")
@@ -154,16 +154,24 @@ def validate(trace: Trace, plan: Plan) -> None:
     """
     ids, problem = problem_from_trace(trace, alignment=plan.alignment)
     _check_ids(ids, plan)
-    offsets = np.asarray([plan.offsets[key] for key in ids], dtype=np.int64)
+    raw = [plan.offsets[key] for key in ids]
+    bad = [(key, o) for key, o in zip(ids, raw) if not 0 <= o <= MAX_BYTES]
+    if bad:
+        key, offset = bad[0]
+        raise PlanValidationError(
+            f"id {key!r} has offset {offset}, outside [0, 2**62] (offsets are byte positions in "
+            "one region)"
+        )
+    offsets = np.asarray(raw, dtype=np.int64)
     misaligned = np.nonzero(offsets % plan.alignment)[0]
     if len(misaligned):
         i = misaligned[0]
         raise PlanValidationError(
             f"id {ids[i]!r} has offset {offsets[i]}, not a multiple of {plan.alignment}"
         )
-    conflicts = find_conflicts(problem, offsets)
-    if len(conflicts):
-        i, j = conflicts[0]
+    conflict = first_conflict(problem, offsets)
+    if conflict is not None:
+        i, j = conflict
         raise PlanValidationError(
             f"ids {ids[i]!r} and {ids[j]!r} are live at the same time but their bytes overlap "
             f"([{offsets[i]}, {offsets[i] + problem.sizes[i]}) and "

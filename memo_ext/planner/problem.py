@@ -8,6 +8,7 @@ aligned neighbour of a tensor of size ``s`` can never start before ``align_up(s)
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from math import gcd
 
@@ -136,6 +137,39 @@ def find_conflicts(problem: DsaProblem, offsets: np.ndarray) -> np.ndarray:
         offsets[j] < offsets[i] + problem.sizes[i]
     )
     return pairs[clash]
+
+
+def first_conflict(problem: DsaProblem, offsets: np.ndarray) -> tuple[int, int] | None:
+    """A pair of tensors live at the same time whose byte ranges overlap, or ``None``.
+
+    A sweep over time: O(n log n) plus a list insertion per tensor, where :func:`find_conflicts`
+    enumerates every pair of overlapping lifetimes (tens of millions in a dense trace). While no
+    conflict is found the live ranges are disjoint, so a new range overlaps one of them exactly
+    when it overlaps its neighbour below or above in offset order.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    # frees (kind 0) before allocations (kind 1) at one instant: [start, end) lifetimes
+    lives = [i for i in range(problem.n) if problem.start[i] < problem.end[i]]
+    events = sorted(
+        [(int(problem.end[i]), 0, i) for i in lives]
+        + [(int(problem.start[i]), 1, i) for i in lives]
+    )
+    live: list[tuple[int, int]] = []  # (offset, tensor), sorted
+    for _, kind, i in events:
+        key = (int(offsets[i]), i)
+        if kind == 0:
+            del live[bisect.bisect_left(live, key)]
+            continue
+        at = bisect.bisect_left(live, key)
+        low, high = int(offsets[i]), int(offsets[i]) + int(problem.sizes[i])
+        if at > 0:
+            below = live[at - 1][1]
+            if offsets[below] + problem.sizes[below] > low:
+                return min(below, i), max(below, i)
+        if at < len(live) and live[at][0] < high:
+            return min(live[at][1], i), max(live[at][1], i)
+        live.insert(at, key)
+    return None
 
 
 def time_components(problem: DsaProblem) -> list[np.ndarray]:

@@ -26,6 +26,9 @@ import numpy as np
 from memo_ext.planner.errors import PlannerInputError
 
 TRACE_FORMAT = "memo-trace/1"
+MAX_BYTES = 2**62
+"""The most bytes a trace's tensors may add up to: every offset and end of a placement then fits
+a signed 64-bit integer with room to spare (sums of two stay below 2**63)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ def check_events(events: list[Event]) -> None:
     """
     live: set[str] = set()
     seen: set[str] = set()
+    total = 0
     for k, event in enumerate(events):
         if isinstance(event, Alloc):
             if event.id in seen:
@@ -127,6 +131,12 @@ def check_events(events: list[Event]) -> None:
                 )
             seen.add(event.id)
             live.add(event.id)
+            total += event.size
+            if total > MAX_BYTES:
+                raise PlannerInputError(
+                    f"event {k}: the tensors up to id {event.id!r} add up to {total} bytes, more "
+                    "than 2**62; no device holds that, and offsets would overflow 64 bits"
+                )
         elif event.id in live:
             live.remove(event.id)
         elif event.id in seen:

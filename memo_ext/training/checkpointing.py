@@ -23,6 +23,7 @@ megatron reads it, and the RNG files are tensors read with ``weights_only=True``
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -30,6 +31,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel import random as mrandom
 
-from memo_ext.errors import ReportedError
+from memo_ext.errors import ReportedError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +252,53 @@ def _layout() -> dict:
     }
 
 
+def prepare_save_dir(save_dir: str) -> None:
+    """Create ``save_dir`` and write a file there now, so that a directory that cannot hold
+    checkpoints (read-only, on a full disk, not a directory) stops the run before training.
+
+    Raises:
+        UsageError: naming the directory and the system's reason.
+    """
+    error = None
+    if _rank() == 0:
+        probe = Path(save_dir) / ".write_test"
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"0")
+            probe.unlink()
+        except OSError as err:
+            error = f"--save {save_dir} cannot hold checkpoints: {_os_reason(err)}"
+    box = [error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise UsageError(box[0])
+
+
+def _os_reason(err: OSError) -> str:
+    if err.errno == errno.ENOSPC:
+        return f"no space left on the disk ({err.strerror})"
+    return err.strerror or str(err)
+
+
 def save_checkpoint(*, save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -> Path:
-    """Write the checkpoint of ``progress.iteration`` atomically; return its directory."""
+    """Write the checkpoint of ``progress.iteration`` atomically; return its directory.
+
+    Raises:
+        CheckpointError: the save failed (a full disk is named as such); the previous checkpoint
+            is untouched.
+    """
+    try:
+        return _save(save_dir, progress, model, optimizer, scheduler)
+    except OSError as err:
+        previous = latest_iteration(Path(save_dir))
+        kept = f"iteration {previous} is still the latest" if previous else "no earlier checkpoint"
+        raise CheckpointError(
+            f"saving iteration {progress.iteration} to {save_dir} failed: {_os_reason(err)}; {kept}"
+        ) from err
+
+
+def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -> Path:
     root = Path(save_dir)
     final = iteration_dir(root, progress.iteration)
     staging = final.with_name(final.name + ".tmp")
@@ -296,17 +343,44 @@ def _broadcast_error(error: str | None) -> None:
         raise CheckpointError(box[0])
 
 
-def load_checkpoint(*, load_dir: str, model, optimizer, scheduler) -> TrainProgress:
+_ITERATION_DIR = re.compile(r"iter_\d{7}")
+
+
+def _check_untracked(root: Path) -> None:
+    """A ``--load`` directory without a tracker must not hold checkpoints either: starting from
+    scratch there would quietly drop them."""
+    if _ITERATION_DIR.fullmatch(root.name) or (root / MANIFEST).is_file():
+        raise UsageError(
+            f"--load {root} is one checkpoint's directory; give the directory that holds it "
+            f"(--load {root.parent})"
+        )
+    found = sorted(p.name for p in root.iterdir() if _ITERATION_DIR.fullmatch(p.name))
+    if found:
+        raise UsageError(
+            f"--load {root} holds checkpoints ({', '.join(found)}) but no {TRACKER}; write the "
+            f"iteration to resume in it (e.g. {int(found[-1][5:])}) to resume from it"
+        )
+
+
+def load_checkpoint(
+    *, load_dir: str, model, optimizer, scheduler, schedule: str = "strict"
+) -> TrainProgress:
     """Restore the latest checkpoint in ``load_dir``; a directory without one starts from zero.
+
+    ``schedule`` says whose LR / weight-decay schedule wins when the checkpoint's differs from
+    ``scheduler``'s: ``strict`` (refuse), ``flags`` or ``checkpoint``.
 
     Raises:
         CheckpointError: a missing directory, or a checkpoint that is incomplete or corrupt.
+        UsageError: a checkpoint that does not fit this run (model, schedule), or a directory
+            that holds checkpoints without a tracker.
     """
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"--load directory {root} does not exist")
     iteration = latest_iteration(root)
     if iteration is None:
+        _check_untracked(root)
         logger.warning("no checkpoint in %s (no %s); starting from scratch", root, TRACKER)
         return TrainProgress()
     directory = iteration_dir(root, iteration)
@@ -318,13 +392,56 @@ def load_checkpoint(*, load_dir: str, model, optimizer, scheduler) -> TrainProgr
             error = str(err)
     _broadcast_error(error)
     template = _sharded_state(model, optimizer, scheduler, TrainProgress(), is_loading=True)
-    loaded = dist_checkpointing.load(template, str(directory))
-    _unwrap(model).load_state_dict(loaded["model"])
+    try:
+        loaded = dist_checkpointing.load(template, str(directory))
+        _unwrap(model).load_state_dict(loaded["model"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(
+            f"the checkpoint in {directory} does not fit this model (another shape or "
+            f"architecture?): {first[:300]}"
+        ) from None
     optimizer.load_sharded_state_dict(loaded["optimizer"])
+    _check_schedule(scheduler, loaded["scheduler"], directory=directory, schedule=schedule)
     scheduler.load_state_dict(loaded["scheduler"])
     _maybe_restore_rng(directory)
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
     return TrainProgress(loaded["iteration"], loaded["consumed_samples"])
+
+
+_SCHEDULE_KEYS = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+)
+
+
+def _check_schedule(scheduler, saved: dict, *, directory: Path, schedule: str) -> None:
+    """Refuse (``strict``) or report a checkpoint whose LR schedule differs from the flags'."""
+    current = scheduler.state_dict()
+    differ = [
+        f"{key} {saved.get(key)!r} vs {current[key]!r}"
+        for key in _SCHEDULE_KEYS
+        if key in saved and saved[key] != current[key]
+    ]
+    if not differ:
+        logger.info("LR schedule: the flags' and the checkpoint's agree")
+        return
+    text = ", ".join(differ)
+    if schedule == "strict":
+        raise UsageError(
+            f"the checkpoint in {directory} was trained with another LR schedule than these flags "
+            f"give (checkpoint vs flags: {text}); resume with --override-opt_param-scheduler to "
+            "follow the flags or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        )
+    whose = "these flags'" if schedule == "flags" else "the checkpoint's"
+    logger.warning("LR schedule: %s (checkpoint vs flags: %s)", whose, text)
 
 
 def _maybe_restore_rng(directory: Path) -> None:

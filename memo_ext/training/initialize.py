@@ -8,6 +8,7 @@ world into TP × CP × DP × PP groups in its default ``tp-cp-ep-dp-pp`` order.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import random
@@ -59,8 +60,9 @@ def device_environment() -> Iterator[torch.device]:
         yield torch.device("cpu")
 
 
-def init_distributed() -> None:
-    """Create the default process group from torchrun's environment (or a 1-process group)."""
+def init_distributed(*, timeout_minutes: float = 10.0) -> None:
+    """Create the default process group from torchrun's environment (or a 1-process group);
+    a collective that waits ``timeout_minutes`` fails instead of hanging the job."""
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -68,11 +70,14 @@ def init_distributed() -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def init_model_parallel(*, layout: ParallelLayout, seed: int) -> ParallelContext:
-    """Initialise megatron's parallel state and seed every generator.
+def init_model_parallel(
+    *, layout: ParallelLayout, seed: int, timeout_minutes: float = 10.0
+) -> ParallelContext:
+    """Initialise megatron's parallel state and seed every generator; its groups' collectives
+    fail after ``timeout_minutes`` of waiting.
 
     The data-parallel and model seeds follow Megatron-LM: one base seed for all ranks (so that
     CPU-initialised weights are identical everywhere before slicing) and a TP-rank offset for
@@ -83,6 +88,7 @@ def init_model_parallel(*, layout: ParallelLayout, seed: int) -> ParallelContext
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        distributed_timeout_minutes=timeout_minutes,
     )
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     random.seed(seed)

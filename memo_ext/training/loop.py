@@ -25,7 +25,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.config import RunConfig
-from memo_ext.errors import ReportedError
+from memo_ext.errors import ReportedError, UsageError
 from memo_ext.estimate.preflight import check_preflight
 from memo_ext.hardware import device_peak_tflops, device_spec
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
@@ -36,6 +36,7 @@ from memo_ext.training.checkpointing import (
     TrainProgress,
     latest_iteration,
     load_checkpoint,
+    prepare_save_dir,
     save_checkpoint,
 )
 from memo_ext.training.control import StopConditions
@@ -94,10 +95,14 @@ def train(run: RunConfig) -> TrainSummary:
     if _is_logging_process():
         logger.info("run configuration:\n%s", describe_run(run))
     _maybe_preflight(run)
-    init_distributed()
+    init_distributed(timeout_minutes=run.distributed.timeout_minutes)
     try:
         with device_environment():
-            ctx = init_model_parallel(layout=run.layout, seed=run.train.seed)
+            ctx = init_model_parallel(
+                layout=run.layout,
+                seed=run.train.seed,
+                timeout_minutes=run.distributed.timeout_minutes,
+            )
             return _train(run, ctx, tokenizer)
     finally:
         shutdown()
@@ -129,13 +134,21 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
     optimizer = build_optimizer(
         model_chunks=[model], train=run.train, bf16=run.train.bf16, fp16=run.train.fp16
     )
-    scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train)
+    schedule = _schedule_policy(run)
+    scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train, schedule=schedule)
     _connect_schedule_hooks(config, model, optimizer, hotspa=run.hotspa.enabled)
+    if run.checkpoint.save:
+        prepare_save_dir(run.checkpoint.save)
     progress = TrainProgress()
     if run.checkpoint.load:
         progress = load_checkpoint(
-            load_dir=run.checkpoint.load, model=model, optimizer=optimizer, scheduler=scheduler
+            load_dir=run.checkpoint.load,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            schedule=schedule,
         )
+        _check_progress(run, progress)
     session = _Session(
         run=run,
         ctx=ctx,
@@ -143,7 +156,7 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
         optimizer=optimizer,
         scheduler=scheduler,
         forward_backward=get_forward_backward_func(),
-        forward_step=build_forward_step(ctx.device),
+        forward_step=build_forward_step(ctx.device, vocab_size=run.shape.vocab_size),
     )
     session.train_batches, session.valid_batches = build_batches(run, ctx, tokenizer, progress)
     if run.memo.enabled:
@@ -157,6 +170,26 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
         )
     with StopConditions(run.checkpoint) as stop:
         return _run_steps(session, progress, stop)
+
+
+def _schedule_policy(run: RunConfig) -> str:
+    """Whose LR schedule a resumed run follows when its checkpoint's differs."""
+    if run.checkpoint.override_opt_param_scheduler:
+        return "flags"
+    if run.checkpoint.use_checkpoint_opt_param_scheduler:
+        return "checkpoint"
+    return "strict"
+
+
+def _check_progress(run: RunConfig, progress: TrainProgress) -> None:
+    """A checkpoint past --train-iters would train nothing and exit as if it had."""
+    if progress.iteration > run.train.train_iters:
+        raise UsageError(
+            f"the checkpoint in {run.checkpoint.load} is at iteration {progress.iteration}, past "
+            f"--train-iters {run.train.train_iters}; raise --train-iters to train further"
+        )
+    if progress.iteration == run.train.train_iters:
+        logger.info("the checkpoint is at iteration %d: training is complete", progress.iteration)
 
 
 def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model, home_config) -> HotSPaEngine:

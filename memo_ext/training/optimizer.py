@@ -197,9 +197,13 @@ def build_optimizer(
 
 
 def build_lr_scheduler(
-    *, optimizer: TrainingOptimizer, train: TrainConfig
+    *, optimizer: TrainingOptimizer, train: TrainConfig, schedule: str = "strict"
 ) -> OptimizerParamScheduler:
-    """megatron-core's scheduler, stepping once per optimizer step."""
+    """megatron-core's scheduler, stepping once per optimizer step.
+
+    ``schedule`` is whose schedule a checkpoint load keeps: ``flags``, ``checkpoint``, or
+    ``strict`` (they must agree; ``memo_ext.training.checkpointing`` refuses them otherwise).
+    """
     decay_iters = train.lr_decay_iters or train.train_iters
     return OptimizerParamScheduler(
         optimizer,
@@ -213,4 +217,6 @@ def build_lr_scheduler(
         end_wd=train.weight_decay,
         wd_incr_steps=max(train.train_iters, 1),
         wd_incr_style="constant",
+        override_opt_param_scheduler=schedule == "flags",
+        use_checkpoint_opt_param_scheduler=schedule == "checkpoint",
     )

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
 
+from memo_ext.errors import UsageError
 from memo_ext.mcore.packed import build_packed_seq_params, cp_chunk_positions
 
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -28,16 +29,40 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> LossOutpu
     return loss_sum, num_tokens, {"lm loss": logged}
 
 
+def check_token_ids(batch: dict[str, torch.Tensor], *, vocab_size: int) -> None:
+    """Token ids must lie in the tokenizer's vocabulary: larger ones would train rows of the
+    embedding table that are only padding (data made with another tokenizer).
+
+    Raises:
+        UsageError: naming the id and the vocabulary.
+    """
+    largest = max(int(batch[key].max()) for key in ("tokens", "labels") if batch[key].numel())
+    if largest >= vocab_size:
+        raise UsageError(
+            f"the data holds token id {largest}, outside the tokenizer's {vocab_size}-token "
+            "vocabulary; it was made with another tokenizer: give that one (--tokenizer-type, "
+            "--tokenizer-model, --vocab-size) or make the data again with this one"
+        )
+
+
 def load_micro_batch(
-    data_iterator: Iterator[dict[str, torch.Tensor]], *, device: torch.device, cp_group=None
+    data_iterator: Iterator[dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    cp_group=None,
+    vocab_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Next micro-batch on ``device``, cut to this context-parallel rank's two chunks.
+    """Next micro-batch on ``device``, cut to this context-parallel rank's two chunks; with
+    ``vocab_size`` its token ids are checked first (on the host, before the copy).
 
     Packed rows (with ``cu_seqlens``) are cut per document slot (``cp_chunk_positions``) over
     ``cp_group`` (the model's); their boundaries stay whole. Plain rows use megatron's cut over
     the global CP group.
     """
-    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    host = next(data_iterator)
+    if vocab_size is not None:
+        check_token_ids(host, vocab_size=vocab_size)
+    batch = {k: v.to(device, non_blocking=True) for k, v in host.items()}
     if "cu_seqlens" not in batch:
         return get_batch_on_this_cp_rank(batch)
     if cp_group is None or cp_group.size() == 1:
@@ -55,9 +80,12 @@ def forward_step(
     model: torch.nn.Module,
     *,
     device: torch.device,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
     """megatron-core's ``forward_step_func``: model output and the loss closure."""
-    batch = load_micro_batch(data_iterator, device=device, cp_group=_cp_group(model))
+    batch = load_micro_batch(
+        data_iterator, device=device, cp_group=_cp_group(model), vocab_size=vocab_size
+    )
     packed = None
     if "cu_seqlens" in batch:  # a packed row [1, t] of whole documents
         packed = build_packed_seq_params(
@@ -82,6 +110,7 @@ def _cp_group(model: torch.nn.Module):
     return getattr(pgs, "cp", None)
 
 
-def build_forward_step(device: torch.device) -> Callable:
-    """``forward_step`` bound to a device, in the two-argument form the schedules call."""
-    return partial(forward_step, device=device)
+def build_forward_step(device: torch.device, *, vocab_size: int | None = None) -> Callable:
+    """``forward_step`` bound to a device (and the vocabulary its token ids must lie in), in the
+    two-argument form the schedules call."""
+    return partial(forward_step, device=device, vocab_size=vocab_size)

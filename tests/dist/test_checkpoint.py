@@ -147,20 +147,17 @@ def saved_checkpoint(tmp_path) -> Path:
     return save
 
 
-def load_fails(save: Path, tmp_path: Path) -> str:
-    cmd = [
-        sys.executable,
-        str(ROOT / "pretrain_gpt_memo.py"),
-        *MODEL,
-        "--train-iters",
-        "4",
-        "--load",
-        str(save),
-    ]
+def run_fails(args: list[str], *, status: int) -> str:
+    """One process of the trainer that must fail with ``status``; its last stderr line."""
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == status, proc.stderr[-3000:]
     return proc.stderr.strip().splitlines()[-1]
+
+
+def load_fails(save: Path, tmp_path: Path) -> str:
+    return run_fails([*MODEL, "--train-iters", "2", "--load", str(save)], status=1)
 
 
 def _refresh_manifest(directory: Path) -> None:
@@ -208,3 +205,38 @@ def test_pickled_payload_is_refused_without_running(saved_checkpoint, tmp_path):
     message = load_fails(saved_checkpoint, tmp_path)
     assert "refusing to load it" in message and ".metadata" in message
     assert not marker.exists()
+
+
+def test_resume_with_another_schedule_needs_a_choice(saved_checkpoint, tmp_path):
+    # the checkpoint decays its lr over 2 steps; these flags ask for 4: Megatron-LM's rule
+    longer = [*MODEL, "--train-iters", "4", "--load", str(saved_checkpoint)]
+    message = run_fails(longer, status=2)
+    assert "another LR schedule" in message and "lr_decay_steps 2 vs 4" in message
+    assert "--override-opt_param-scheduler" in message
+    flags = run_pretrain(
+        [*longer, "--override-opt_param-scheduler"], nproc=1, workdir=tmp_path, name="flags"
+    )
+    kept = run_pretrain(
+        [*longer, "--use-checkpoint-opt_param-scheduler"], nproc=1, workdir=tmp_path, name="kept"
+    )
+    assert [r["iteration"] for r in flags] == [3, 4] == [r["iteration"] for r in kept]
+    # the flags' schedule still has lr to spend at step 3; the checkpoint's has decayed to 0
+    assert flags[0]["lr"] > 0 and kept[0]["lr"] == 0.0
+
+
+def test_load_and_train_iters_that_cannot_resume_are_refused(saved_checkpoint):
+    iteration_dir = saved_checkpoint / "iter_0000002"
+    message = run_fails([*MODEL, *ITERS, "--load", str(iteration_dir)], status=2)
+    assert f"give the directory that holds it (--load {saved_checkpoint})" in message
+    past = run_fails([*MODEL, "--train-iters", "1", "--load", str(saved_checkpoint)], status=2)
+    assert "is at iteration 2, past --train-iters 1" in past
+    other = [a if a != "36" else "48" for a in MODEL]  # another hidden size
+    shape = run_fails([*other, "--train-iters", "2", "--load", str(saved_checkpoint)], status=2)
+    assert "does not fit this model" in shape
+
+
+def test_save_to_a_file_is_refused_before_training(tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("")
+    message = run_fails([*MODEL, *ITERS, "--save", str(target / "ckpt")], status=2)
+    assert "is a file, not a directory" in message

@@ -1,17 +1,19 @@
 """Every backend reaches the optimum on instances whose optimum is known by construction."""
 
 import importlib.util
+import time
 from collections import Counter
 from itertools import permutations
 
 import numpy as np
 import pytest
 
-from memo_ext.planner import SolverUnavailableError
+from memo_ext.planner import PlannerConfig, SolverUnavailableError, plan_trace, validate
 from memo_ext.planner.packable import packable_instance
 from memo_ext.planner.problem import DsaProblem, find_conflicts, lower_bound, peak_of
 from memo_ext.planner.solvers import SOLVERS, SolveOptions, solve_dsa
 from memo_ext.planner.solvers.greedy import place_in_order
+from memo_ext.planner.trace import trace_from_intervals
 from tests.unit.canonical_reference import ReferenceSearch
 
 EXACT = ["cpsat", "canonical", "highs"]
@@ -340,3 +342,22 @@ def test_exact_cover_tiles_a_cut_rectangle_and_leaves_a_partial_when_stopped():
     completed = search.complete_deepest()
     assert (completed[placed] == partial[placed]).all()
     assert len(find_conflicts(problem, completed)) == 0
+
+
+def test_a_dense_trace_is_planned_within_its_time_limit():
+    # 3,000 tensors, each overlapping about a fifth of the others: every greedy placement, search
+    # state and completion costs O(n²); before they were budgeted a 6 s limit took 30 s. The
+    # bound is loose (a time test on a shared machine), the failure it catches is not.
+    rng = np.random.default_rng(0)
+    n, horizon = 3000, 2000
+    start = rng.integers(0, horizon, n)
+    end = np.minimum(horizon, start + rng.integers(1, horizon // 4, n))
+    buffers = [
+        (f"b{i}", int(s), int(e), int(z))
+        for i, (s, e, z) in enumerate(zip(start, end, rng.integers(1, 1 << 20, n)))
+    ]
+    trace = trace_from_intervals(buffers)
+    t0 = time.perf_counter()
+    plan = plan_trace(trace, config=PlannerConfig(time_limit_s=4.0))
+    assert time.perf_counter() - t0 < 8.0
+    validate(trace, plan)

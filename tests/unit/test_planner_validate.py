@@ -1,5 +1,6 @@
 """The validator refuses every kind of broken plan."""
 
+import numpy as np
 import pytest
 
 from memo_ext.planner import Alloc, Free, Plan, PlanValidationError, Trace, validate
@@ -56,3 +57,26 @@ def test_plan_of_another_trace_is_caught():
     plan.trace_digest = "sha256:0000"
     with pytest.raises(PlanValidationError, match="different trace"):
         validate(TRACE, plan)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sweep_finds_a_conflict_exactly_when_the_pairs_do(seed):
+    # the sweep (validate's check) against every overlapping pair, on placements that are
+    # valid, nearly valid and random
+    from memo_ext.planner.problem import DsaProblem, find_conflicts, first_conflict
+    from memo_ext.planner.solvers.greedy import solve_greedy
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 60))
+    start = rng.integers(0, 40, n)
+    problem = DsaProblem(
+        sizes=rng.integers(1, 9, n), start=start, end=start + rng.integers(1, 20, n)
+    )
+    placed = solve_greedy(problem).offsets
+    nudged = placed.copy()
+    nudged[rng.integers(n)] += int(rng.integers(-3, 4))
+    for offsets in (placed, nudged, rng.integers(0, 30, n)):
+        pairs = {tuple(p) for p in find_conflicts(problem, offsets).tolist()}
+        found = first_conflict(problem, offsets)
+        assert (found is None) == (not pairs)
+        assert found is None or found in pairs

@@ -28,7 +28,7 @@ from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of, size_unit
 from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.canonical import solve_canonical
 from memo_ext.planner.solvers.cpsat import solve_cpsat
-from memo_ext.planner.solvers.greedy import solve_greedy
+from memo_ext.planner.solvers.greedy import GREEDY_SHARE, solve_greedy
 from memo_ext.planner.solvers.gurobi import import_gurobi, solve_gurobi
 from memo_ext.planner.solvers.highs import solve_highs
 from memo_ext.planner.solvers.levels import solve_by_levels
@@ -47,6 +47,13 @@ __all__ = ["SOLVERS", "Solution", "SolveOptions", "solve_dsa"]
 
 LEVELS_SHARE = 0.25
 """Fraction of a group's time the level-by-level attempt may spend before the backend."""
+PLACEMENTS_PER_STAGE = 3
+"""The level-by-level stage runs only with time for this many greedy placements of its group:
+it places the group at least once whatever its share, which at 20,000 tensors takes seconds."""
+BACKEND_PLACEMENTS = 12
+"""The backend runs only with time for this many placements: before its time limit starts to
+bind it places the group and builds its search state (the canonical search's sections, forwards
+and backwards in time), together about that much work, which its time limit cannot interrupt."""
 
 
 def _scaled(problem: DsaProblem, unit: int) -> DsaProblem:
@@ -56,27 +63,42 @@ def _scaled(problem: DsaProblem, unit: int) -> DsaProblem:
 def _solve_groups(
     problem: DsaProblem, groups: list[np.ndarray], solver: str, options: SolveOptions
 ) -> tuple[np.ndarray, bool, dict]:
-    """Greedy on every group, then the backend on groups above the overall lower bound."""
+    """Greedy on every group, then the backend on groups above the overall lower bound, all
+    within ``options.time_limit_s`` (the greedy pass takes at most ``GREEDY_SHARE`` of it, or
+    all of it for the heuristic backend)."""
+    started = time.perf_counter()
+    deadline = started + options.time_limit_s
+    greedy_s = options.time_limit_s * (1.0 if solver == "heuristic" else GREEDY_SHARE)
     offsets = np.zeros(problem.n, dtype=np.int64)
     target = lower_bound(problem)
-    hard = []
-    for group in groups:
+    hard, placement_s = [], {}
+    for k, group in enumerate(groups):
+        share = (started + greedy_s - time.perf_counter()) / (len(groups) - k)
         sub = problem.subproblem(group)
-        first = solve_greedy(sub)
+        first = solve_greedy(sub, SolveOptions(time_limit_s=max(share, 0.0)))
         offsets[group] = first.offsets
         if first.peak > target:
             hard.append(group)
+            placement_s[id(group)] = first.details["placement_s"]
     proven = not hard
     details: dict = {"groups": len(groups), "hard_groups": len(hard)}
+    _log_progress("greedy", offsets, problem, target, started, options.time_limit_s)
     if solver == "heuristic" or not hard:
         return offsets, proven or peak_of(problem, offsets) == target, details
-    deadline = time.perf_counter() + options.time_limit_s
     proven = True
     backend = SOLVERS[solver]
     for k, group in enumerate(sorted(hard, key=len)):
         share = (deadline - time.perf_counter()) / (len(hard) - k)
+        # every stage places the group at least once and the exact backends build search
+        # state of about that cost: with less time than that the group keeps its greedy
+        # placement, so the time limit holds
+        if share < BACKEND_PLACEMENTS * placement_s[id(group)]:
+            details["out_of_time"] = details.get("out_of_time", 0) + 1
+            proven = False
+            continue
         sub = problem.subproblem(group)
-        if options.levels:
+        levels_s = LEVELS_SHARE * share
+        if options.levels and levels_s >= PLACEMENTS_PER_STAGE * placement_s[id(group)]:
             placed = _solve_levels(sub, backend, options, capacity=target, seconds=share)
             details.setdefault("levels", []).append(placed is not None)
             if placed is not None:
@@ -86,10 +108,26 @@ def _solve_groups(
         hint = offsets[group] if options.hint is None else options.hint[group]
         sub_options = dataclasses.replace(options, time_limit_s=max(share, 0.01), hint=hint)
         result = backend(sub, sub_options)
-        offsets[group] = result.offsets
+        if peak_of(sub, result.offsets) <= peak_of(sub, offsets[group]):
+            offsets[group] = result.offsets
         proven &= result.optimal or result.peak <= target
         details.setdefault("backend", []).append(result.details)
+        _log_progress(
+            f"group {k + 1} of {len(hard)}", offsets, problem, target, started, options.time_limit_s
+        )
     return offsets, proven or peak_of(problem, offsets) == target, details
+
+
+def _log_progress(stage, offsets, problem, target, started, limit_s) -> None:
+    """One line per stage of a long plan (INFO; every stage of a large one is seconds long)."""
+    logger.info(
+        "%s: %d tensors, %.2f%% above the lower bound, %.1f of %.0f s",
+        stage,
+        problem.n,
+        100 * (peak_of(problem, offsets) / max(target, 1) - 1),
+        time.perf_counter() - started,
+        limit_s,
+    )
 
 
 def _solve_levels(
@@ -103,7 +141,7 @@ def _solve_levels(
     """Level by level within ``capacity``; each leaf by greedy, then by the backend."""
 
     def leaf(piece: DsaProblem, room: int, time_limit_s: float) -> np.ndarray:
-        first = solve_greedy(piece)
+        first = solve_greedy(piece, SolveOptions(time_limit_s=GREEDY_SHARE * time_limit_s))
         if first.peak <= room:
             return first.offsets
         piece_options = dataclasses.replace(

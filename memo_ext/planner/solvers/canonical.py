@@ -44,7 +44,12 @@ import memo_ext.planner.solvers.canonical_kernel as kernel
 from memo_ext.planner.problem import DsaProblem, lower_bound, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.cover_kernel import cover_kernel
-from memo_ext.planner.solvers.greedy import greedy_orders, place_in_order, solve_greedy
+from memo_ext.planner.solvers.greedy import (
+    GREEDY_SHARE,
+    greedy_orders,
+    place_in_order,
+    solve_greedy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +138,10 @@ def cover_orders(problem: DsaProblem, rng: np.random.Generator):
 
 
 _REPORT_EVERY_S = 10.0
+PROBE_NODE_TENSORS = 1_000_000
+"""Nodes × tensors of a run before its rate is known: about a second at any size (no limit on
+problems below a few hundred tensors, whose node budgets are smaller)."""
+
 """A long search logs its incumbent's gap this often."""
 
 _TABLE_SLOTS = 1 << 21
@@ -228,6 +237,11 @@ class CanonicalSearch:
             raise _Deadline
         if seconds > 0.05 and np.isfinite(left):
             node_limit = min(node_limit, max(64, int(left * nodes / seconds)))
+        elif np.isfinite(left):
+            # no rate measured yet, and a node costs time in proportion to the tensors (about
+            # a microsecond each): a first run on a large problem is kept short, so that it
+            # measures the rate instead of running far past the deadline
+            node_limit = min(node_limit, max(64, PROBE_NODE_TENSORS // self.problem.n))
         return node_limit
 
     def run(
@@ -334,13 +348,16 @@ class CanonicalSearch:
 
         A run aimed at a tight capacity packs the bottom of the region densely before it gets
         stuck; stacking the tensors it did not reach on top is often far better than a greedy
-        placement from scratch.
+        placement from scratch. Past the search's deadline only the first greedy order runs
+        (each costs O(n²)).
         """
         partial = self.deepest_offsets
         left = np.flatnonzero(partial < 0)
         best, best_peak = partial, None
         for order in greedy_orders(self.problem.subproblem(left)).values():
             for best_fit in (False, True):
+                if best_peak is not None and time.perf_counter() > self.deadline:
+                    return best
                 offsets = place_in_order(
                     self.problem, left[order], best_fit=best_fit, offsets=partial
                 )
@@ -496,14 +513,19 @@ def solve_canonical(
     """
     options = options or SolveOptions()
     deadline = time.perf_counter() + options.time_limit_s
-    best = solve_greedy(problem).offsets
+    greedy = SolveOptions(time_limit_s=GREEDY_SHARE * options.time_limit_s)
+    best = solve_greedy(problem, greedy).offsets
     if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, best):
         best = np.asarray(options.hint, dtype=np.int64)
     bound = lower_bound(problem)
-    searches = [
-        CanonicalSearch(problem=p, deadline=deadline, stop=stop)
-        for p in (problem, time_reversed(problem))
-    ]
+    searches = []
+    for p in (problem, time_reversed(problem)):
+        if time.perf_counter() > deadline:  # building a search costs O(n · times) itself
+            break
+        searches.append(CanonicalSearch(problem=p, deadline=deadline, stop=stop))
+    if not searches:
+        peak = peak_of(problem, best)
+        return Solution(best, peak, peak == bound, "canonical", {"bound": int(bound)})
     best, bound, proven, details = _schedule(
         problem, searches, best, bound, seed=options.seed, improve=improve
     )

@@ -74,11 +74,14 @@ def solve_cpsat_model(
     """
     from ortools.sat.python import cp_model
 
+    entered = time.perf_counter()
     hint = options.hint
     upper = peak_of(problem, hint) if hint is not None else int(problem.sizes.sum())
     model, offset_vars, _ = build_cpsat_model(problem, upper=upper, lower=bound, hint=hint)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(options.time_limit_s, 0.01)
+    # the model's construction (seconds on large traces) counts against the limit too
+    left = options.time_limit_s - (time.perf_counter() - entered)
+    solver.parameters.max_time_in_seconds = max(left, 0.01)
     solver.parameters.num_workers = max(options.workers, 1)
     solver.parameters.random_seed = options.seed
     if running is not None:
@@ -142,7 +145,7 @@ def solve_cpsat(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
         stop=stop,
         improve=True,
     )
-    if second.optimal and running:
+    if running:  # the canonical search is done (proof or deadline): CP-SAT stops too
         running[0].stop_search()
     thread.join()
     best = min([second, results.get("cpsat", second)], key=lambda s: s.peak)

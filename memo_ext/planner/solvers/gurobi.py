@@ -12,7 +12,7 @@ import numpy as np
 from memo_ext.planner.errors import SolverUnavailableError
 from memo_ext.planner.problem import DsaProblem, find_conflicts, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import mip_start
+from memo_ext.planner.solvers.greedy import GREEDY_SHARE, mip_start
 
 
 def import_gurobi():
@@ -31,7 +31,9 @@ def solve_gurobi(problem: DsaProblem, options: SolveOptions | None = None) -> So
     """Solves the big-M MIP with Gurobi from the greedy (or hinted) placement."""
     gp = import_gurobi()
     options = options or SolveOptions()
-    start, upper, bound = mip_start(problem, options.hint)
+    start, upper, bound = mip_start(
+        problem, options.hint, time_limit_s=GREEDY_SHARE * options.time_limit_s
+    )
     if upper == bound:
         return Solution(start, upper, True, "gurobi", {"bound": bound})
     try:

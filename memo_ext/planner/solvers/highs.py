@@ -15,7 +15,7 @@ import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, find_conflicts, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import mip_start
+from memo_ext.planner.solvers.greedy import GREEDY_SHARE, mip_start
 
 
 def _start_values(problem: DsaProblem, pairs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -28,7 +28,9 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     import highspy
 
     options = options or SolveOptions()
-    start, upper, bound = mip_start(problem, options.hint)
+    start, upper, bound = mip_start(
+        problem, options.hint, time_limit_s=GREEDY_SHARE * options.time_limit_s
+    )
     if upper == bound:
         return Solution(start, upper, True, "highs", {"bound": bound})
     pairs = overlap_pairs(problem)

@@ -1,0 +1,272 @@
+"""Bad input ends in one sentence that names the problem: flags, data files, metrics files, plans.
+
+Each case here once ran on silently, hung, or ended in a raw traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from memo_ext.arguments import parse_args
+from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.errors import UsageError
+from memo_ext.planner import (
+    Alloc,
+    Free,
+    Plan,
+    PlannerInputError,
+    PlanValidationError,
+    Trace,
+    validate,
+)
+from memo_ext.training.step import check_token_ids
+from tests.launch import ROOT, cli
+
+BASE = cli(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=8,
+    seq_length=128,
+    micro_batch_size=2,
+    train_iters=10,
+    lr="1e-3",
+    mock_data=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--global-batch-size", "0"], "--global-batch-size must be at least 1"),
+        (["--global-batch-size", "-4"], "--global-batch-size must be at least 1"),
+        (["--lr-decay-iters", "-1"], "must be larger than --lr-warmup-iters 0"),
+        (["--lr-warmup-iters", "5", "--lr-decay-iters", "3"], "--lr-decay-iters 3 must be larger"),
+        (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins must be positive"),
+        (["--adam-beta1", "1.0"], "--adam-beta1 must be in [0, 1)"),
+        (["--adam-beta2", "-0.1"], "--adam-beta2 must be in [0, 1)"),
+        (["--adam-eps", "0"], "--adam-eps must be positive"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+        (["--init-method-std", "-0.02"], "--init-method-std must be positive"),
+        (["--kv-channels", "0"], "--kv-channels must be at least 1"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+        (["--position-embedding-type", "rope", "--kv-channels", "9"], "must be even"),
+        (["--attention-backend", "flash"], "needs CUDA and the flash_attn package"),
+        (["--memo", "--memo-keep-last-layers", "4"], "--memo would offload no layer"),
+        (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be positive"),
+        (
+            ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+            "are exclusive",
+        ),
+    ],
+)
+def test_flags_that_ran_on_silently_are_refused(extra, message):
+    with pytest.raises(UsageError) as err:
+        parse_args([*BASE, *extra], world_size=1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_save_must_be_a_writable_directory(tmp_path):
+    parse_args([*BASE, "--save", str(tmp_path / "new" / "ckpt")], world_size=1)  # made later
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    for path, message in [(a_file, "is a file"), (a_file / "ckpt", f"lies under {a_file}")]:
+        with pytest.raises(UsageError, match=message):
+            parse_args([*BASE, "--save", str(path)], world_size=1)
+
+
+def test_disk_full_names_the_disk_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    from memo_ext.training import checkpointing
+
+    (tmp_path / checkpointing.TRACKER).write_text("3\n")
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpointing, "_save", full)
+    with pytest.raises(checkpointing.CheckpointError) as err:
+        checkpointing.save_checkpoint(
+            save_dir=str(tmp_path),
+            progress=checkpointing.TrainProgress(6, 24),
+            model=None,
+            optimizer=None,
+            scheduler=None,
+        )
+    assert "no space left on the disk" in str(err.value)
+    assert "iteration 3 is still the latest" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# data files
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> str:
+    """Ten documents of 40-80 bytes, ByteTokenizer."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": "x" * int(n)}) for n in rng.integers(40, 80, size=10)]
+    (root / "in.jsonl").write_text("\n".join(lines) + "\n")
+    summary = preprocess_jsonl(
+        input_path=root / "in.jsonl", output_prefix=str(root / "c"), tokenizer_type="ByteTokenizer"
+    )
+    return summary.prefixes["text"]
+
+
+def _data_args(prefix: str, *extra: str) -> list[str]:
+    return [a for a in BASE if a != "--mock-data"] + ["--data-path", prefix, *extra]
+
+
+def test_an_empty_split_part_is_refused_not_looped_on(small_corpus):
+    # the default 969,30,1 gives the validation part documents [round(9.69), round(9.99)) of 10:
+    # none, which megatron-core's GPTDataset loops on forever
+    with pytest.raises(UsageError, match="gives the validation part 0 of the 10 documents"):
+        parse_args(_data_args(small_corpus), world_size=1)
+    parse_args(_data_args(small_corpus, "--split", "8,2,0"), world_size=1)
+
+
+def test_truncated_bin_and_garbage_idx_are_named(small_corpus, tmp_path):
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"c{suffix}").write_bytes(Path(small_corpus + suffix).read_bytes())
+    copy = str(tmp_path / "c")
+    blob = Path(copy + ".bin").read_bytes()
+    Path(copy + ".bin").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(UsageError, match=r"c\.bin holds \d+ bytes but its index lists"):
+        parse_args(_data_args(copy, "--split", "1,0,0"), world_size=1)
+    Path(copy + ".bin").write_bytes(blob)
+    Path(copy + ".idx").write_bytes(b"not an index at all")
+    with pytest.raises(UsageError, match=r"c\.idx is not a readable megatron-core index"):
+        parse_args(_data_args(copy, "--split", "1,0,0"), world_size=1)
+
+
+def test_preprocessing_an_empty_input_is_refused(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no document"):
+        preprocess_jsonl(
+            input_path=tmp_path / "empty.jsonl",
+            output_prefix=str(tmp_path / "e"),
+            tokenizer_type="ByteTokenizer",
+        )
+    assert not list(tmp_path.glob("e_*"))  # nothing half-written is left
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    batch = {"tokens": torch.tensor([[1, 2, 300]]), "labels": torch.tensor([[2, 300, 5]])}
+    with pytest.raises(UsageError, match="token id 300, outside the tokenizer's 257-token"):
+        check_token_ids(batch, vocab_size=257)
+    check_token_ids(batch, vocab_size=301)
+
+
+# ---------------------------------------------------------------------------------------------
+# tools
+# ---------------------------------------------------------------------------------------------
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_summarize_metrics_fails_on_nan_and_names_bad_files(tmp_path):
+    path = tmp_path / "m.jsonl"
+    records = [
+        {"iteration": i, "loss": v, "step_time_s": 1.0, "tokens_per_s": 1.0}
+        for i, v in ((1, 5.0), (2, float("nan")))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    nan = _tool("tools.summarize_metrics", str(path), "--require-loss-drop", "1.0")
+    assert nan.returncode == 1
+    path.write_text('{"iteration": 1}\nnot json\n')
+    garbage = _tool("tools.summarize_metrics", str(path))
+    assert garbage.returncode == 2 and "line 2 is not a metrics record" in garbage.stderr
+    assert len(garbage.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            [
+                "tools.memory_report",
+                *cli(num_layers=2, hidden_size=64, num_attention_heads=3, seq_length=64),
+            ],
+            "not divisible by 3 attention heads",
+        ),
+        (
+            [
+                "tools.memory_report",
+                *cli(
+                    num_layers=2,
+                    hidden_size=64,
+                    num_attention_heads=4,
+                    seq_length=66,
+                    tensor_model_parallel_size=4,
+                    sequence_parallel=True,
+                ),
+            ],
+            "not divisible by TP",
+        ),
+        (
+            ["tools.estimate", "--model", "gpt-7b", "--matmul-efficiency", "2"],
+            "--matmul-efficiency must be in (0, 1]",
+        ),
+    ],
+)
+def test_tools_end_bad_input_in_one_sentence(args, message):
+    result = _tool(*args)
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner
+# ---------------------------------------------------------------------------------------------
+
+
+def test_planner_refuses_sizes_beyond_64_bits():
+    huge = [Alloc(id=f"t{k}", size=2**62) for k in range(3)]
+    with pytest.raises(PlannerInputError, match="more than 2\\*\\*62"):
+        Trace(events=huge)
+
+
+def test_validate_refuses_negative_offsets():
+    trace = Trace(events=[Alloc("a", 512), Alloc("b", 512), Free("a"), Free("b")])
+    plan = Plan(offsets={"a": -512, "b": 0}, peak_bytes=512, lower_bound_bytes=1024, alignment=512)
+    with pytest.raises(PlanValidationError, match="outside \\[0, 2\\*\\*62\\]"):
+        validate(trace, plan)
+
+
+class _Payload:
+    """Unpickling this calls os.system: what a hostile snapshot would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_snapshot_pickles_cannot_run_code(tmp_path):
+    marker = tmp_path / "payload-ran"
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[]], "x": _Payload(marker)}))
+    result = _tool("tools.plan_memory", "--trace", str(path), "--out", str(tmp_path / "p.json"))
+    assert result.returncode == 2 and "could run code" in result.stderr
+    assert not marker.exists()
