@@ -47,8 +47,11 @@ def _tell_torchrun(message: str) -> None:
     file, read as a plain message) instead of its "To enable traceback see ..." line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):
+        # the layout torch's own error handler writes: torchrun shows "py_callstack" and can
+        # record the exit code in it
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # CPU demo: a small GPT (RoPE, RMSNorm, SwiGLU, GQA) trained on the standard-library corpus.
 # Hardware: 2 CPU cores, no GPU. Expected time: ~5 minutes (plus ~5 s to build the corpus once).
-# Two torchrun processes, data-parallel; the metrics land in runs/demo/metrics.jsonl.
+# Two processes (torchrun via memo_ext.launch), data-parallel; metrics in runs/demo/metrics.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
+TORCHRUN=${TORCHRUN:-"$PYTHON -m memo_ext.launch"}
 OUT=${OUT:-runs/demo}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 
@@ -49,7 +49,7 @@ LOGGING_ARGS=(
 )
 
 mkdir -p "$OUT"
-OMP_NUM_THREADS=1 "$TORCHRUN" --nproc-per-node 2 --master-port "${MASTER_PORT:-29510}" \
+OMP_NUM_THREADS=1 $TORCHRUN --nproc-per-node 2 --master-port "${MASTER_PORT:-29510}" \
     pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${LOGGING_ARGS[@]}"
 

@@ -29,6 +29,19 @@ def cli(**flags: object) -> list[str]:
     return argv
 
 
+SMALL_GPT = cli(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=8,
+    seq_length=128,
+    micro_batch_size=2,
+    train_iters=10,
+    lr="1e-3",
+    mock_data=True,
+)
+"""A small GPT on mock data: the flags the argument tests start from."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

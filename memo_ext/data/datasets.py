@@ -298,11 +298,25 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None
     if not data_path:
         raise ValueError("--data-path is empty; give at least one dataset prefix.")
     prefixes, weights = get_blend_from_list(list(data_path))
+    numbers = [p for p in prefixes if _is_number(p) and not os.path.isfile(p + ".bin")]
+    if weights is None and numbers:
+        raise ValueError(
+            f"--data-path reads {numbers[0]} as a dataset prefix: weights and prefixes go in "
+            f"pairs (0.7 a 0.3 b), or give prefixes only; got {len(data_path)} items."
+        )
     if weights is not None and (min(weights) < 0 or sum(weights) <= 0):
         raise ValueError(
             f"--data-path weights must be non-negative with a positive sum, got {weights}."
         )
     return prefixes, weights
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_data_files(prefixes: Iterable[str]) -> None:

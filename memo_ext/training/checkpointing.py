@@ -40,7 +40,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.tensor_parallel import random as mrandom
+from torch.distributed.checkpoint.api import CheckpointException
 
 from memo_ext.errors import ReportedError, UsageError
 
@@ -395,8 +397,8 @@ def load_checkpoint(
     try:
         loaded = dist_checkpointing.load(template, str(directory))
         _unwrap(model).load_state_dict(loaded["model"])
-    except (RuntimeError, ValueError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (RuntimeError, ValueError, KeyError, CheckpointingException, CheckpointException) as err:
+        first = _first_line(err)
         raise UsageError(
             f"the checkpoint in {directory} does not fit this model (another shape or "
             f"architecture?): {first[:300]}"
@@ -407,6 +409,14 @@ def load_checkpoint(
     _maybe_restore_rng(directory)
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
     return TrainProgress(loaded["iteration"], loaded["consumed_samples"])
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of what went wrong; for torch's per-rank wrapper, of the first rank's."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 _SCHEDULE_KEYS = (

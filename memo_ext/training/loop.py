@@ -141,6 +141,7 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
         prepare_save_dir(run.checkpoint.save)
     progress = TrainProgress()
     if run.checkpoint.load:
+        _check_resumable(run)
         progress = load_checkpoint(
             load_dir=run.checkpoint.load,
             model=model,
@@ -148,7 +149,7 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
             scheduler=scheduler,
             schedule=schedule,
         )
-        _check_progress(run, progress)
+
     session = _Session(
         run=run,
         ctx=ctx,
@@ -181,15 +182,17 @@ def _schedule_policy(run: RunConfig) -> str:
     return "strict"
 
 
-def _check_progress(run: RunConfig, progress: TrainProgress) -> None:
-    """A checkpoint past --train-iters would train nothing and exit as if it had."""
-    if progress.iteration > run.train.train_iters:
+def _check_resumable(run: RunConfig) -> None:
+    """A checkpoint past --train-iters would train nothing and exit as if it had (checked on
+    the tracker, before the checkpoint is read)."""
+    iteration = latest_iteration(Path(run.checkpoint.load))
+    if iteration is not None and iteration > run.train.train_iters:
         raise UsageError(
-            f"the checkpoint in {run.checkpoint.load} is at iteration {progress.iteration}, past "
+            f"the checkpoint in {run.checkpoint.load} is at iteration {iteration}, past "
             f"--train-iters {run.train.train_iters}; raise --train-iters to train further"
         )
-    if progress.iteration == run.train.train_iters:
-        logger.info("the checkpoint is at iteration %d: training is complete", progress.iteration)
+    if iteration == run.train.train_iters:
+        logger.info("the checkpoint is at iteration %d: training is complete", iteration)
 
 
 def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model, home_config) -> HotSPaEngine:

@@ -156,8 +156,8 @@ def run_fails(args: list[str], *, status: int) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
-def load_fails(save: Path, tmp_path: Path) -> str:
-    return run_fails([*MODEL, "--train-iters", "2", "--load", str(save)], status=1)
+def load_fails(save: Path, tmp_path: Path, train_iters: int = 2) -> str:
+    return run_fails([*MODEL, "--train-iters", str(train_iters), "--load", str(save)], status=1)
 
 
 def _refresh_manifest(directory: Path) -> None:
@@ -182,7 +182,8 @@ def test_corrupt_and_partial_checkpoints_are_named(saved_checkpoint, tmp_path):
     assert "manifest.json is missing" in load_fails(saved_checkpoint, tmp_path)
 
     (saved_checkpoint / "latest_checkpointed_iteration.txt").write_text("7\n")
-    assert "iter_0000007/manifest.json is missing" in load_fails(saved_checkpoint, tmp_path)
+    message = load_fails(saved_checkpoint, tmp_path, train_iters=8)
+    assert "iter_0000007/manifest.json is missing" in message
 
 
 class _Payload:
@@ -208,10 +209,10 @@ def test_pickled_payload_is_refused_without_running(saved_checkpoint, tmp_path):
 
 
 def test_resume_with_another_schedule_needs_a_choice(saved_checkpoint, tmp_path):
-    # the checkpoint decays its lr over 2 steps; these flags ask for 4: Megatron-LM's rule
+    # the checkpoint decays its lr until step 3 (2 warm-up steps + 1); these flags until step 4
     longer = [*MODEL, "--train-iters", "4", "--load", str(saved_checkpoint)]
     message = run_fails(longer, status=2)
-    assert "another LR schedule" in message and "lr_decay_steps 2 vs 4" in message
+    assert "another LR schedule" in message and "lr_decay_steps 3 vs 4" in message
     assert "--override-opt_param-scheduler" in message
     flags = run_pretrain(
         [*longer, "--override-opt_param-scheduler"], nproc=1, workdir=tmp_path, name="flags"
@@ -220,15 +221,18 @@ def test_resume_with_another_schedule_needs_a_choice(saved_checkpoint, tmp_path)
         [*longer, "--use-checkpoint-opt_param-scheduler"], nproc=1, workdir=tmp_path, name="kept"
     )
     assert [r["iteration"] for r in flags] == [3, 4] == [r["iteration"] for r in kept]
-    # the flags' schedule still has lr to spend at step 3; the checkpoint's has decayed to 0
-    assert flags[0]["lr"] > 0 and kept[0]["lr"] == 0.0
+    # step 3 applies the peak lr under both; at step 4 the checkpoint's schedule has decayed
+    # to 0 while the flags' still has lr to spend
+    assert flags[0]["lr"] == kept[0]["lr"] == 2e-3
+    assert flags[1]["lr"] > 0 and kept[1]["lr"] == 0.0
 
 
 def test_load_and_train_iters_that_cannot_resume_are_refused(saved_checkpoint):
     iteration_dir = saved_checkpoint / "iter_0000002"
     message = run_fails([*MODEL, *ITERS, "--load", str(iteration_dir)], status=2)
     assert f"give the directory that holds it (--load {saved_checkpoint})" in message
-    past = run_fails([*MODEL, "--train-iters", "1", "--load", str(saved_checkpoint)], status=2)
+    shorter = [*MODEL, "--train-iters", "1", "--lr-warmup-iters", "0"]
+    past = run_fails([*shorter, "--load", str(saved_checkpoint)], status=2)
     assert "is at iteration 2, past --train-iters 1" in past
     other = [a if a != "36" else "48" for a in MODEL]  # another hidden size
     shape = run_fails([*other, "--train-iters", "2", "--load", str(saved_checkpoint)], status=2)

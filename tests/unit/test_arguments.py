@@ -6,18 +6,9 @@ import pytest
 
 from memo_ext.arguments import parse_args
 from memo_ext.errors import UsageError
-from tests.launch import cli
+from tests.launch import SMALL_GPT, cli
 
-BASE = cli(
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=8,
-    seq_length=128,
-    micro_batch_size=2,
-    train_iters=10,
-    lr="1e-3",
-    mock_data=True,
-)
+BASE = SMALL_GPT
 
 
 HOT = ["--hotspa", "--variable-seq-lengths", "--micro-batch-size", "1"]

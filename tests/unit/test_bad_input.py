@@ -30,18 +30,9 @@ from memo_ext.planner import (
     validate,
 )
 from memo_ext.training.step import check_token_ids
-from tests.launch import ROOT, cli
+from tests.launch import ROOT, SMALL_GPT, cli
 
-BASE = cli(
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=8,
-    seq_length=128,
-    micro_batch_size=2,
-    train_iters=10,
-    lr="1e-3",
-    mock_data=True,
-)
+BASE = SMALL_GPT
 
 
 @pytest.mark.parametrize(

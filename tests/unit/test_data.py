@@ -97,6 +97,8 @@ def test_parse_blend():
         parse_blend(["-1", "a", "2", "b"])
     with pytest.raises(ValueError, match="empty"):
         parse_blend([])
+    with pytest.raises(ValueError, match="reads 0.5 as a dataset prefix: weights and prefixes"):
+        parse_blend(["0.5", "a", "0.5"])  # a weight lost its prefix
 
 
 @pytest.mark.parametrize("split", ["abc", "1,-1", "0,0,0", "1,2,3,4", ""])

@@ -22,7 +22,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"planner", "offload", "allocator"}),
     frozenset({"estimate"}),
     frozenset({"hotspa"}),
-    frozenset({"arguments", "training"}),
+    frozenset({"arguments", "training", "launch"}),
 )
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers
 only: not of its own layer (across), not of a higher one (up)."""

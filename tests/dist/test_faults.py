@@ -1,0 +1,135 @@
+"""Faults during a run end it with one sentence instead of a hang or a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from memo_ext.data.datasets import preprocess_jsonl
+from tests.launch import ROOT, cli, free_port
+
+pytestmark = pytest.mark.dist
+
+MODEL = cli(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=32,
+    micro_batch_size=2,
+    train_iters=2,
+    lr="1e-3",
+)
+
+
+def _stalled_rank(rank: int, port: int, result_path: str) -> None:
+    from memo_ext.training.initialize import init_distributed
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    init_distributed(timeout_minutes=0.05)  # 3 s
+    if rank == 1:
+        time.sleep(20)  # a stalled rank: it never joins the collective in time
+        return
+    start = time.perf_counter()
+    try:
+        dist.barrier()
+        outcome = "returned"
+    except RuntimeError as err:
+        outcome = f"raised: {str(err).splitlines()[0][:200]}"
+    with open(result_path, "w") as f:
+        json.dump({"outcome": outcome, "seconds": time.perf_counter() - start}, f)
+
+
+def test_a_stalled_rank_fails_the_collective_within_the_timeout(tmp_path):
+    result = tmp_path / "rank0.json"
+    mp.spawn(_stalled_rank, args=(free_port(), str(result)), nprocs=2, join=True)
+    found = json.loads(result.read_text())
+    # gloo's own default would have waited 30 minutes
+    assert found["outcome"].startswith("raised") and found["seconds"] < 15, found
+
+
+def _train(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_host_budget_memo_cannot_fit_is_one_sentence():
+    run = _train(
+        [
+            *MODEL,
+            "--mock-data",
+            "--memo",
+            "--memo-keep-last-layers",
+            "0",
+            "--memo-host-memory-gb",
+            "0.000001",
+        ]
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert "MEMO needs at least" in last and "raise --memo-host-memory-gb" in last
+    assert "Traceback" not in run.stderr
+
+
+def test_data_made_with_another_tokenizer_is_named(tmp_path):
+    # bytes (ids up to 256) read with a 100-token vocabulary
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"text": "é" * 60}) + "\n" for _ in range(40))
+    )
+    prefix = preprocess_jsonl(
+        input_path=tmp_path / "in.jsonl",
+        output_prefix=str(tmp_path / "c"),
+        tokenizer_type="ByteTokenizer",
+    ).prefixes["text"]
+    run = _train(
+        [
+            *MODEL,
+            "--data-path",
+            prefix,
+            "--split",
+            "1,0,0",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+        ]
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "outside the tokenizer's 101-token vocabulary" in run.stderr.strip().splitlines()[-1]
+
+
+def _launch(args: list[str], nproc: int = 2, script=ROOT / "pretrain_gpt_memo.py"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "memo_ext.launch", *launcher, "--master-port", str(free_port())]
+    cmd += [str(script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_launcher_ends_with_the_workers_sentence_and_status():
+    # torchrun itself would exit 1 after a traceback of its own
+    memo = ["--memo", "--memo-keep-last-layers", "0", "--memo-host-memory-gb", "0.000001"]
+    run = _launch([*MODEL, "--mock-data", *memo])
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("pretrain_gpt_memo.py: rank "), last
+    assert "failed: MEMO needs at least" in last
+    assert "ChildFailedError" not in run.stderr
+
+
+def test_the_launcher_names_a_killed_rank(tmp_path):
+    # a worker killed by a signal writes no sentence: the launcher names the signal
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    run = _launch([], nproc=1, script=script)
+    assert run.returncode == 128 + 9, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].endswith("killed by SIGKILL")
