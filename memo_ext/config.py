@@ -303,6 +303,8 @@ class DataConfig:
     def check(self) -> None:
         """Flags, then the files they name: a missing dataset or tokenizer fails here."""
         _at_least(self.seq_length, 1, "--seq-length")
+        if self.data_cache_path:
+            check_writable_directory(self.data_cache_path, flag="--data-cache-path")
         if self.mock_data == bool(self.data_path):
             raise UsageError("give exactly one of --data-path PREFIX… or --mock-data")
         if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
@@ -377,6 +379,13 @@ class LoggingConfig:
             raise UsageError(
                 "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
             )
+        if self.tensorboard_dir:
+            check_writable_directory(self.tensorboard_dir, flag="--tensorboard-dir")
+        if self.metrics_file:
+            if os.path.isdir(self.metrics_file):
+                raise UsageError(f"--metrics-file {self.metrics_file} is a directory; give a file")
+            parent = os.path.dirname(os.path.abspath(self.metrics_file))
+            check_writable_directory(parent, flag=f"--metrics-file {self.metrics_file}: folder")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -512,7 +521,8 @@ class MemoConfig:
                 if f.name != "enabled" and getattr(self, f.name) != f.default
             ]
             if given:
-                raise UsageError(f"{', '.join(given)} only apply with --memo; add --memo")
+                verb = "applies" if len(given) == 1 else "apply"
+                raise UsageError(f"{', '.join(given)} only {verb} with --memo; add --memo")
             return
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise UsageError(f"--memo-alpha must be in [0, 1] or 'auto', got {self.alpha}")
@@ -763,9 +773,9 @@ class RunConfig:
             UsageError: the first problem, in one sentence that says what to change.
         """
         self.shape.check()
+        self.data.check()  # before the model's: --max-position-embeddings defaults to its length
         self.model.check()
         self.train.check()
-        self.data.check()
         self.layout.check_fits(self.shape, self.data.seq_length)
         self._check_sequence()
         self._check_batch()

@@ -87,13 +87,16 @@ class MetricsWriter:
         self.path = Path(path) if path else None
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume_from and self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if line.strip() and json.loads(line)["iteration"] <= resume_from:
-                    kept.append(line + "\n")
-        self.path.write_text("".join(kept))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if resume_from and self.path.is_file():
+                for line in self.path.read_text().splitlines():
+                    if line.strip() and json.loads(line)["iteration"] <= resume_from:
+                        kept.append(line + "\n")
+            self.path.write_text("".join(kept))
+        except OSError as err:
+            raise UsageError(f"--metrics-file {path}: cannot write it ({err})") from None
 
     def write(self, record: dict) -> None:
         if self.path is None:
@@ -113,7 +116,10 @@ class TensorBoardWriter:
             # tensorboard takes a second to import: only runs that write to it pay for it
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir)
+            try:
+                self.writer = SummaryWriter(log_dir=log_dir)
+            except OSError as err:
+                raise UsageError(f"--tensorboard-dir {log_dir}: cannot write it ({err})") from None
 
     def write(self, record: dict) -> None:
         if self.writer is None:

@@ -75,6 +75,32 @@ def test_save_must_be_a_writable_directory(tmp_path):
             parse_args([*BASE, "--save", str(path)], world_size=1)
 
 
+@pytest.mark.parametrize(
+    "flag, under_file, message",
+    [
+        ("--tensorboard-dir", "", "--tensorboard-dir {f} is a file"),
+        ("--data-cache-path", "", "--data-cache-path {f} is a file"),
+        ("--metrics-file", "m.jsonl", "folder {f} is a file"),
+    ],
+)
+def test_output_paths_are_checked_before_training(tmp_path, flag, under_file, message):
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    path = a_file / under_file if under_file else a_file
+    with pytest.raises(UsageError, match=message.format(f=a_file)):
+        parse_args([*BASE, flag, str(path)], world_size=1)
+
+
+def test_a_metrics_file_that_cannot_be_written_is_named(tmp_path):
+    from memo_ext.training.metrics import MetricsWriter
+
+    (tmp_path / "ro").mkdir()
+    target = tmp_path / "ro" / "m.jsonl"
+    target.mkdir()  # a directory in the file's place: writing it fails as any OS error would
+    with pytest.raises(UsageError, match=f"--metrics-file {target}: cannot write it"):
+        MetricsWriter(str(target))
+
+
 def test_disk_full_names_the_disk_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     from memo_ext.training import checkpointing
 

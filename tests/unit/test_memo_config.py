@@ -57,7 +57,7 @@ def test_default_budget_shares_available_memory(monkeypatch):
         (["--memo", "--memo-alpha", "1.5"], {}, r"--memo-alpha must be in \[0, 1\]"),
         (["--memo", "--memo-host-memory-gb", "0"], {}, "must be positive"),
         (["--memo", "--memo-keep-last-layers", "-1"], {}, ">= 0"),
-        (["--memo-alpha", "0.5"], {}, "only apply with --memo"),
+        (["--memo-alpha", "0.5"], {}, "only applies with --memo"),
         (["--memo"], dict(hidden_dropout=0.1), "hidden-dropout"),
         (["--memo"], dict(recompute_granularity="full"), "recompute-granularity"),
         (["--memo"], dict(attention_backend="te"), "attention-backend sdpa or flash"),
