@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test lint format clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the CPU wheel; an unpinned torch would pull GBs of CUDA wheels
