@@ -13,10 +13,16 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
+import torch
+
 from memo_ext import config as c
+from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, from_flags
+from memo_ext.mcore.batches import parse_step_schedule
+from memo_ext.megatron_lm.translate import translate
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
@@ -26,11 +32,13 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("shape", ModelShape, "model"),
     ("model", c.ModelConfig, "model"),
     ("train", c.TrainConfig, "training"),
+    ("cleanup", c.CleanupConfig, "training"),
     ("layout", ParallelLayout, "parallelism"),
     ("distributed", c.DistributedConfig, "parallelism"),
     ("recompute", c.RecomputeConfig, "activation recomputation (Megatron baselines)"),
     ("data", c.DataConfig, "data"),
     ("logging", c.LoggingConfig, "logging"),
+    ("profile", c.ProfileConfig, "profiling"),
     ("memo", c.MemoConfig, "MEMO (token-wise activation swapping and recomputation)"),
     ("hotspa", c.HotSPaConfig, "HotSPa (length buckets with per-bucket parallel layouts)"),
     ("evaluation", c.EvaluationConfig, "evaluation"),
@@ -40,9 +48,16 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
 """(RunConfig field, its dataclass, argument group), in the order ``--help`` lists them."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one-sentence :class:`UsageError` (no usage dump)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full flag set of ``pretrain_gpt_memo.py``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="GPT pretraining on megatron-core with MEMO and HotSPa.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
@@ -57,10 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = None) -> c.RunConfig:
     """Parse and check flags; ``world_size`` defaults to torchrun's ``WORLD_SIZE``.
 
+    A command line written for Megatron-LM's ``pretrain_gpt.py`` is translated first
+    (``memo_ext.megatron_lm``): every Megatron-LM flag is ours, accepted, mapped onto ours, or
+    refused by name, all refused flags in one message.
+
     Raises:
         UsageError: for any invalid value or combination, in one sentence.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    translation = translate(
+        list(sys.argv[1:] if argv is None else argv), ours=parser._option_string_actions
+    )
+    translation.check()
+    for notice in translation.notices:
+        logger.info("Megatron-LM flag %s", notice)
+    args = parser.parse_args(translation.argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     sections = {name: from_flags(cls, args, section=name) for name, cls, _ in SECTIONS}
@@ -69,6 +95,17 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     sections["layout"] = sections["layout"].with_world(world_size)
     run = c.RunConfig(**_with_derived_defaults(sections), world_size=world_size)
     run.check()
+    if run.train.use_distributed_optimizer and not torch.cuda.is_available():
+        # a memory saving of CUDA's optimizer: the same updates without it
+        logger.info(
+            "--use-distributed-optimizer is not applicable on CPU; training goes on with the "
+            "plain optimizer"
+        )
+        run = dataclasses.replace(
+            run, train=dataclasses.replace(run.train, use_distributed_optimizer=False)
+        )
+    # a sample-based run's optimizer steps, derived once: every reader of train_iters sees them
+    run = dataclasses.replace(run, train=run.train.with_derived_iters())
     if run.hotspa.enabled:
         hotspa = run.hotspa.parsed(
             seq_length=run.data.seq_length, world_size=world_size, shape=run.shape
@@ -78,9 +115,18 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
 
 
 def _with_derived_defaults(sections: dict) -> dict:
-    """Defaults that depend on other flags: the global batch (mbs × DP) and the position table
-    (--seq-length)."""
+    """Defaults that depend on other flags: the global batch (mbs × DP, or the largest batch of
+    --step-batch-size-schedule) and the position table (--seq-length)."""
     train, model, layout = sections["train"], sections["model"], sections["layout"]
+    train = dataclasses.replace(train, seq_length_for_schedule=sections["data"].seq_length)
+    if train.global_batch_size is None and train.step_batch_size_schedule is not None:
+        try:
+            schedule = parse_step_schedule(train.step_batch_size_schedule)
+        except ValueError:
+            schedule = None  # TrainConfig.check says what is wrong
+        if schedule:
+            train = dataclasses.replace(train, global_batch_size=max(b for _, b in schedule))
+    sections["train"] = train
     if train.global_batch_size is None:
         gbs = train.micro_batch_size * layout.dp
         sections["train"] = dataclasses.replace(train, global_batch_size=gbs)

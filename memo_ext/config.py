@@ -19,10 +19,12 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
+from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from memo_ext.data.datasets import (
@@ -33,7 +35,9 @@ from memo_ext.data.datasets import (
 )
 from memo_ext.data.tokenizers import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, build_tokenizer
 from memo_ext.errors import UsageError
+from memo_ext.flags import flag_name
 from memo_ext.hardware import DEVICES
+from memo_ext.mcore.batches import batch_at, parse_step_schedule
 from memo_ext.mcore.config import transformer_config
 from memo_ext.mcore.specs import ATTENTION_BACKENDS, resolve_attention_backend
 from memo_ext.parallel import LayoutError, ParallelLayout, parse_strategies
@@ -65,6 +69,14 @@ def check_writable_directory(path: str, *, flag: str) -> None:
         raise UsageError(f"{flag} {path} {where} a file, not a directory; give a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: {existing} is not writable by this user")
+
+
+def _installed(module: str) -> bool:
+    """``module`` can be imported (or already is: a module put in ``sys.modules`` may have no
+    spec; one set to ``None`` there is blocked)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _fraction(value: float, flag: str) -> None:
@@ -104,6 +116,12 @@ class ModelConfig:
     flash on CUDA when installed, else sdpa)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the embedding table to a multiple of lcm(this, TP)."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm gains, as Megatron-LM: every norm (LayerNorm or RMSNorm) stores γ − 1,
+    initialised to 0, and scales by weight + 1 (megatron-core's layernorm_zero_centered_gamma)."""
+    cross_entropy_loss_fusion: bool = False
+    """megatron-core's fused vocab-parallel cross entropy (CUDA; on CPU and with --hotspa the
+    unfused loss runs and the log says so)."""
     padded_vocab_size: int = field(default=0, metadata={"cli": False})
     """Embedding rows after padding (set when the run is resolved against its tokenizer)."""
 
@@ -134,11 +152,25 @@ class DistributedConfig:
     timeout_minutes: float = 10.0
     """A collective that waits longer than this (a stalled or dead rank) fails the job instead of
     hanging it (Megatron-LM's default, 10)."""
+    overlap_grad_reduce: bool = field(default=False, metadata={"flag": "--overlap-grad-reduce"})
+    """Overlap the data-parallel gradient reduction with the backward pass, bucket by bucket
+    (megatron-core DDP; CUDA only: on CPU, and with --hotspa, the log says it does not apply)."""
+    overlap_param_gather: bool = field(default=False, metadata={"flag": "--overlap-param-gather"})
+    """Overlap the distributed optimizer's parameter all-gather with the next forward pass (CUDA;
+    needs --use-distributed-optimizer and --overlap-grad-reduce)."""
+    grad_reduce_in_bf16: bool = field(default=False, metadata={"flag": "--grad-reduce-in-bf16"})
+    """With --bf16, accumulate and reduce gradients in bf16 instead of fp32: half the DP traffic,
+    the optimizer still keeps fp32 master weights (fp32 weights make it a no-op)."""
 
-    def check(self) -> None:
+    def check(self, *, distributed_optimizer: bool = False) -> None:
+        """``distributed_optimizer``: --use-distributed-optimizer is on."""
         if not self.timeout_minutes > 0:
             raise UsageError(
                 f"--distributed-timeout-minutes must be positive, got {self.timeout_minutes}"
+            )
+        if self.overlap_param_gather and not (distributed_optimizer and self.overlap_grad_reduce):
+            raise UsageError(
+                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
             )
 
 
@@ -179,6 +211,54 @@ class RecomputeConfig:
             )
 
 
+def sample_based_steps(
+    *,
+    train_samples: int,
+    global_batch_size: int,
+    rampup_batch_size: tuple[int, ...] | None,
+    step_schedule: tuple[tuple[int, int], ...] | None = None,
+    seq_length: int = 1,
+) -> tuple[int, int]:
+    """(optimizer steps, samples they consume) of a run of ``train_samples`` samples, counted as
+    Megatron-LM's ``update_train_iters`` counts them.
+
+    Without a ramp-up: whole global batches, the last partial one dropped. With one (START INCR
+    SAMPLES): while at most SAMPLES and at most ``train_samples`` samples are consumed, each step
+    takes the batch megatron-core's ramp-up calculator gives for the samples consumed so far
+    (the last of these steps may pass ``train_samples``); then whole full batches. With a step
+    schedule (tokens → batch): each step takes the batch of the tokens consumed before it, as
+    long as it fits in ``train_samples``.
+    """
+    if step_schedule is not None:
+        steps = consumed = 0
+        while consumed + (batch := batch_at(step_schedule, consumed, seq_length)) <= train_samples:
+            steps, consumed = steps + 1, consumed + batch
+        return steps, consumed
+    if rampup_batch_size is None:
+        steps = train_samples // global_batch_size
+        return steps, steps * global_batch_size
+    start, increment, ramp_samples = rampup_batch_size
+    ramp = RampupBatchsizeNumMicroBatchesCalculator(
+        global_batch_size=global_batch_size,
+        micro_batch_size=1,  # the batch sizes do not depend on the split; nothing is checked
+        data_parallel_size=1,
+        decrease_batch_size_if_needed=False,
+        rank=-1,  # a dry run: no log lines
+        start_global_batch_size=start,
+        batch_size_increment=increment,
+        ramup_samples=ramp_samples,
+    )
+    steps = consumed = 0
+    while consumed <= ramp_samples and consumed <= train_samples:
+        ramp.update(consumed, consistency_check=False)
+        consumed += ramp.get_current_global_batch_size()
+        steps += 1
+    if train_samples > consumed:
+        full = (train_samples - consumed) // global_batch_size
+        steps, consumed = steps + full, consumed + full * global_batch_size
+    return steps, consumed
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Optimisation schedule, batch sizes and precision."""
@@ -187,20 +267,61 @@ class TrainConfig:
     """Sequences per forward/backward pass on each DP rank."""
     global_batch_size: int | None = None
     """Sequences per optimizer step over all DP ranks; mbs × DP if unset."""
-    train_iters: int
-    """Optimizer steps."""
+    rampup_batch_size: tuple[int, ...] | None = field(default=None, metadata={"metavar": "N"})
+    """START INCR SAMPLES: start at a global batch of START sequences and grow it by INCR in equal
+    shares of the first SAMPLES samples up to --global-batch-size (Megatron-LM's ramp-up; needs
+    --train-samples; START and INCR multiples of --micro-batch-size × DP)."""
+    step_batch_size_schedule: str | None = None
+    """"TOKENS:BATCH ...", e.g. "0:768 250B:1536": the global batch steps up once the tokens
+    trained reach each threshold (K, M, B, T suffixes; the first threshold 0); needs
+    --train-samples, and --global-batch-size is the largest batch (Megatron-LM's step
+    schedule)."""
+    train_iters: int | None = None
+    """Optimizer steps; give this or --train-samples."""
+    train_samples: int | None = None
+    """Samples to train on, instead of --train-iters: the steps are derived (a last partial batch
+    dropped, --rampup-batch-size's smaller batches counted) and the LR and weight-decay schedules
+    count samples (--lr-warmup-samples, --lr-decay-samples, --lr-wsd-decay-samples)."""
     lr: float
     """Peak learning rate."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay."""
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "linear"
-    """LR decay after warm-up (megatron-core's scheduler)."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """LR decay after warm-up (megatron-core's scheduler); WSD holds --lr and anneals to --min-lr
+    over the last --lr-wsd-decay-iters / --lr-wsd-decay-samples of the decay span."""
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """Shape of WSD's anneal (--lr-decay-style WSD)."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as this fraction of the decay span (--lr-decay-iters / --lr-decay-samples), in
+    [0, 1); instead of --lr-warmup-iters / --lr-warmup-samples."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps from 0 to --lr."""
+    lr_warmup_samples: int = 0
+    """Linear warm-up samples from 0 to --lr (with --train-samples)."""
     lr_decay_iters: int | None = None
-    """Steps over which the rate decays to --min-lr; --train-iters if unset."""
+    """Steps over which the rate decays to --min-lr, warm-up included; --train-iters if unset."""
+    lr_decay_samples: int | None = None
+    """Samples over which the rate decays to --min-lr, warm-up included (with --train-samples);
+    --train-samples if unset."""
+    lr_wsd_decay_iters: int | None = None
+    """Steps of WSD's anneal, at the end of the decay span."""
+    lr_wsd_decay_samples: int | None = None
+    """Samples of WSD's anneal, at the end of the decay span (with --train-samples)."""
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding and output layer weights, on the same schedule
+    (megatron-core's decoupled LR)."""
+    decoupled_min_lr: float | None = None
+    """Learning rate at the end of the decay for the embedding and output layer (needs
+    --decoupled-lr; --min-lr if unset)."""
     weight_decay: float = 0.01
     """AdamW weight decay (not on biases and norms)."""
+    start_weight_decay: float | None = None
+    """Weight decay at the start of training (--weight-decay-incr-style linear / cosine)."""
+    end_weight_decay: float | None = None
+    """Weight decay at the end of training (--weight-decay-incr-style linear / cosine)."""
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How the weight decay grows from --start-weight-decay to --end-weight-decay over the
+    training span (constant: --weight-decay throughout)."""
     adam_beta1: float = 0.9
     """Adam beta1."""
     adam_beta2: float = 0.999
@@ -219,14 +340,34 @@ class TrainConfig:
     """bf16 weights and activations (CUDA)."""
     fp16: bool = False
     """fp16 with loss scaling (CUDA)."""
+    loss_scale: float | None = None
+    """--fp16: a fixed loss scale (a power of 2); dynamic loss scaling if unset."""
+    initial_loss_scale: float = 2.0**32
+    """--fp16, dynamic scaling: the first loss scale."""
+    min_loss_scale: float = 1.0
+    """--fp16, dynamic scaling: the scale never drops below this."""
+    loss_scale_window: float = 1000
+    """--fp16, dynamic scaling: steps without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """--fp16, dynamic scaling: overflowing steps tolerated before the scale halves."""
     use_distributed_optimizer: bool = field(default=False, metadata={"negatable": True})
-    """Shard optimizer state over DP ranks (megatron's distributed optimizer, CUDA)."""
+    """Shard optimizer state over DP ranks (megatron's distributed optimizer, CUDA; not applicable
+    on CPU, where the run goes on with the plain optimizer, the same numbers)."""
+    iters_from_samples: bool = field(default=False, metadata={"cli": False})
+    """``train_iters`` was derived from --train-samples (:meth:`with_derived_iters`), not given."""
+    seq_length_for_schedule: int = field(default=1, metadata={"cli": False})
+    """--seq-length, which turns --step-batch-size-schedule's token thresholds into samples."""
 
     def check(self) -> None:
+        """The flags as given (and a config whose ``train_iters`` :meth:`with_derived_iters`
+        filled in)."""
         _at_least(self.micro_batch_size, 1, "--micro-batch-size")
         _at_least(self.global_batch_size, 1, "--global-batch-size")
-        _at_least(self.train_iters, 1, "--train-iters")
+        self._check_training_length()
+        self._check_rampup()
+        self._check_step_schedule()
         self._check_optimizer()
+        self._check_loss_scale()
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 are exclusive; choose one")
         cuda = torch.cuda.is_available()
@@ -234,29 +375,31 @@ class TrainConfig:
             raise UsageError(
                 "--bf16 / --fp16 need CUDA (megatron's mixed-precision optimizer); drop the flag"
             )
-        if self.use_distributed_optimizer and not cuda:
-            raise UsageError(
-                "--use-distributed-optimizer needs CUDA (megatron's optimizer); drop the flag"
-            )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise UsageError(
                 f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min-lr={self.min_lr}"
             )
-        if self.lr_warmup_iters < 0 or self.lr_warmup_iters > self.train_iters:
-            raise UsageError(
-                f"--lr-warmup-iters {self.lr_warmup_iters} must be in [0, --train-iters]"
-            )
-        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
-            raise UsageError(
-                f"--lr-decay-iters {self.lr_decay_iters} must be larger than --lr-warmup-iters "
-                f"{self.lr_warmup_iters} (the decay starts after the warm-up)"
-            )
+        self._check_lr_schedule()
+        self._check_weight_decay_schedule()
+        self._check_decoupled_lr()
         if self.clip_grad < 0:
             raise UsageError(
                 f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}"
             )
         if not 0 <= self.seed < 2**32:
             raise UsageError(f"--seed must be in [0, 2**32) (numpy's range), got {self.seed}")
+
+    def _check_loss_scale(self) -> None:
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise UsageError(f"--loss-scale must be positive, got {self.loss_scale}")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise UsageError(
+                f"need 0 < --min-loss-scale <= --initial-loss-scale, got {self.min_loss_scale} "
+                f"and {self.initial_loss_scale}"
+            )
+        _at_least(self.hysteresis, 1, "--hysteresis")
+        if not self.loss_scale_window >= 1:
+            raise UsageError(f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
 
     def _check_optimizer(self) -> None:
         for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
@@ -266,6 +409,197 @@ class TrainConfig:
             raise UsageError(f"--adam-eps must be positive, got {self.adam_eps}")
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+
+    @property
+    def sample_based(self) -> bool:
+        """Training length and LR / weight-decay spans counted in samples (--train-samples)."""
+        return self.train_samples is not None
+
+    def _check_training_length(self) -> None:
+        """Exactly one of --train-iters / --train-samples, and no flag that counts the other
+        unit (Megatron-LM asserts the same)."""
+        iters_given = self.train_iters is not None and not self.iters_from_samples
+        if iters_given == self.sample_based:
+            raise UsageError(
+                "give exactly one of --train-iters (optimizer steps) or --train-samples "
+                "(samples to train on)"
+            )
+        _at_least(self.train_iters, 1, "--train-iters")
+        _at_least(self.train_samples, 1, "--train-samples")
+        if self.sample_based:
+            mixed = {
+                "--lr-warmup-iters": self.lr_warmup_iters != 0,
+                "--lr-decay-iters": self.lr_decay_iters is not None,
+                "--lr-wsd-decay-iters": self.lr_wsd_decay_iters is not None,
+            }
+            counted, wanted = "optimizer steps", "with --train-samples give the -samples flags"
+        else:
+            mixed = {
+                "--lr-warmup-samples": self.lr_warmup_samples != 0,
+                "--lr-decay-samples": self.lr_decay_samples is not None,
+                "--lr-wsd-decay-samples": self.lr_wsd_decay_samples is not None,
+                "--rampup-batch-size": self.rampup_batch_size is not None,
+                "--step-batch-size-schedule": self.step_batch_size_schedule is not None,
+            }
+            counted, wanted = "samples", "they need --train-samples instead of --train-iters"
+        given = [flag for flag, present in mixed.items() if present]
+        if given:
+            raise UsageError(f"{', '.join(given)} count {counted}: {wanted}")
+        gbs = self.global_batch_size
+        ramp = self.rampup_batch_size
+        if self.sample_based and ramp is None and gbs and self.train_samples < gbs:
+            raise UsageError(
+                f"--train-samples {self.train_samples} is less than one global batch ({gbs}): "
+                "no optimizer step would run"
+            )
+
+    @property
+    def step_schedule(self) -> tuple[tuple[int, int], ...] | None:
+        """--step-batch-size-schedule as (tokens, global batch) pairs."""
+        if self.step_batch_size_schedule is None:
+            return None
+        try:
+            return parse_step_schedule(self.step_batch_size_schedule)
+        except ValueError as err:
+            raise UsageError(f"--step-batch-size-schedule: {err}") from None
+
+    def _check_step_schedule(self) -> None:
+        schedule = self.step_schedule
+        if schedule is None:
+            return
+        if self.rampup_batch_size is not None:
+            raise UsageError(
+                "--step-batch-size-schedule and --rampup-batch-size both set the batch of each "
+                "step; give one"
+            )
+        largest = max(batch for _, batch in schedule)
+        if self.global_batch_size is not None and self.global_batch_size != largest:
+            raise UsageError(
+                f"--global-batch-size {self.global_batch_size} differs from the largest batch "
+                f"of --step-batch-size-schedule ({largest}); drop --global-batch-size"
+            )
+
+    def _check_rampup(self) -> None:
+        """Megatron-LM's ramp-up rules; divisibility by micro-batch × DP is the run's
+        (:meth:`RunConfig._check_batch`)."""
+        ramp = self.rampup_batch_size
+        if ramp is None:
+            return
+        if len(ramp) != 3 or min(ramp) < 1:
+            raise UsageError(
+                "--rampup-batch-size takes three positive numbers, START INCR SAMPLES, got "
+                f"{' '.join(map(str, ramp)) or 'none'}"
+            )
+        start, incr, _ = ramp
+        gbs = self.global_batch_size
+        if gbs is not None and (start >= gbs or (gbs - start) % incr):
+            raise UsageError(
+                f"--rampup-batch-size must climb from START {start} to --global-batch-size {gbs} "
+                f"in whole steps of INCR {incr}: START below it and {gbs} - {start} a multiple "
+                f"of {incr}"
+            )
+
+    def _check_lr_schedule(self) -> None:
+        unit = "samples" if self.sample_based else "iters"
+        warmup = self.lr_warmup_samples if self.sample_based else self.lr_warmup_iters
+        decay = self.lr_decay_samples if self.sample_based else self.lr_decay_iters
+        length = self.train_samples if self.sample_based else self.train_iters
+        if warmup < 0 or warmup > length:
+            raise UsageError(f"--lr-warmup-{unit} {warmup} must be in [0, --train-{unit}]")
+        if decay is not None and decay <= warmup:
+            raise UsageError(
+                f"--lr-decay-{unit} {decay} must be larger than --lr-warmup-{unit} {warmup} "
+                "(the decay starts after the warm-up)"
+            )
+        if self.lr_warmup_fraction is not None:
+            if warmup:
+                raise UsageError(
+                    f"--lr-warmup-fraction and --lr-warmup-{unit} are exclusive; give one"
+                )
+            if not 0.0 <= self.lr_warmup_fraction < 1.0:
+                raise UsageError(
+                    "--lr-warmup-fraction must be in [0, 1) (a share of the decay span), got "
+                    f"{self.lr_warmup_fraction}"
+                )
+        anneal = self.lr_wsd_decay_samples if self.sample_based else self.lr_wsd_decay_iters
+        if self.lr_decay_style != "WSD":
+            if anneal is not None or self.lr_wsd_decay_style != "exponential":
+                raise UsageError(
+                    "--lr-wsd-decay-style / --lr-wsd-decay-iters / --lr-wsd-decay-samples apply "
+                    "only with --lr-decay-style WSD"
+                )
+        elif anneal is None or anneal < 0:
+            raise UsageError(
+                f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} >= 0, the length of its "
+                f"anneal to --min-lr (got {anneal})"
+            )
+
+    def _check_weight_decay_schedule(self) -> None:
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant":
+            if ends != (None, None):
+                raise UsageError(
+                    "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style "
+                    "linear or cosine (the constant style uses --weight-decay)"
+                )
+            return
+        start, end = ends
+        if start is None or end is None:
+            raise UsageError(
+                f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
+                "--start-weight-decay and --end-weight-decay"
+            )
+        if not 0 <= start <= end:
+            raise UsageError(
+                "need 0 <= --start-weight-decay <= --end-weight-decay (megatron-core's schedule "
+                f"only increases it), got {start} and {end}"
+            )
+
+    def _check_decoupled_lr(self) -> None:
+        if self.decoupled_lr is None:
+            if self.decoupled_min_lr is not None:
+                raise UsageError("--decoupled-min-lr applies only with --decoupled-lr; add it")
+            return
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        if not 0 <= low <= self.decoupled_lr:
+            raise UsageError(
+                "need 0 <= --decoupled-min-lr <= --decoupled-lr (--decoupled-min-lr defaults to "
+                f"--min-lr), got decoupled-lr={self.decoupled_lr} decoupled-min-lr={low}"
+            )
+
+    @property
+    def weight_decay_span(self) -> tuple[float, float]:
+        """(start, end) of the weight-decay schedule: --weight-decay twice when constant."""
+        if self.weight_decay_incr_style == "constant":
+            return self.weight_decay, self.weight_decay
+        return self.start_weight_decay, self.end_weight_decay
+
+    def with_derived_iters(self) -> TrainConfig:
+        """This config with ``train_iters`` derived from --train-samples
+        (:func:`sample_based_steps`); an iteration-based one unchanged. Call it after
+        :meth:`check`."""
+        if not self.sample_based or self.iters_from_samples:
+            return self
+        steps, _ = self._sample_based_steps()
+        return dataclasses.replace(self, train_iters=steps, iters_from_samples=True)
+
+    @property
+    def total_train_samples(self) -> int:
+        """Training samples the data must supply: --train-iters × the global batch, or
+        --train-samples and at least what the derived steps consume (a ramp-up's last step may
+        pass it)."""
+        if not self.sample_based:
+            return self.train_iters * self.global_batch_size
+        return max(self.train_samples, self._sample_based_steps()[1])
+
+    def _sample_based_steps(self) -> tuple[int, int]:
+        return sample_based_steps(
+            train_samples=self.train_samples,
+            global_batch_size=self.global_batch_size,
+            rampup_batch_size=self.rampup_batch_size,
+            step_schedule=self.step_schedule,
+            seq_length=self.seq_length_for_schedule,
+        )
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -299,10 +633,23 @@ class DataConfig:
     """GPT-2 BPE merges.txt (GPT2BPETokenizer)."""
     data_cache_path: str | None = None
     """Where dataset index caches go (default: beside the data)."""
+    num_workers: int = 2
+    """Data loader processes per rank that read and collate fixed-length samples ahead of the
+    step (Megatron-LM's default, 2); 0 reads them in the training process. Same batches either
+    way. Whole documents (--variable-seq-lengths) are packed in the training process."""
+    mmap_bin_files: bool = True
+    """Memory-map the datasets' .bin files; --no-mmap-bin-files reads each sample with a plain file
+    read instead (file systems where mmap is slow)."""
+    create_attention_mask_in_dataloader: bool = False
+    """Build Megatron-LM's [b, 1, s, s] causal mask in the data loader and hand it to the model
+    (Megatron-LM's default). Off here: the core attentions mask causally by themselves, so the
+    results are the same, and the mask costs s² bytes per sample (1 TiB at 1M tokens); Megatron-LM's
+    --no-create-attention-mask-in-dataloader is therefore this trainer's behaviour."""
 
     def check(self) -> None:
         """Flags, then the files they name: a missing dataset or tokenizer fails here."""
         _at_least(self.seq_length, 1, "--seq-length")
+        _at_least(self.num_workers, 0, "--num-workers")
         if self.data_cache_path:
             check_writable_directory(self.data_cache_path, flag="--data-cache-path")
         if self.mock_data == bool(self.data_path):
@@ -368,9 +715,28 @@ class LoggingConfig:
     """Device dense peak for MFU; looked up from the CUDA device's name when unset."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (rank 0)."""
+    log_throughput: bool = False
+    """Show TFLOP/s per device and MFU in the console line (the metrics file, TensorBoard and W&B
+    always get them)."""
+    log_params_norm: bool = False
+    """Log the L2 norm of all weights after each step as params_norm (every weight counted once
+    over the TP / PP ranks; an all-reduce per step, as Megatron-LM)."""
+    log_num_zeros_in_grad: bool = False
+    """Log the zero elements of each step's reduced gradient as num_zeros_in_grad (every weight
+    counted once over the TP / PP ranks)."""
+    wandb_project: str | None = None
+    """Also send every record of the metrics file to this Weights & Biases project (rank 0; needs
+    pip install wandb; WANDB_MODE=offline writes the run locally)."""
+    wandb_exp_name: str | None = None
+    """Name of the W&B run; required with --wandb-project, as in Megatron-LM."""
+    wandb_save_dir: str | None = None
+    """Where W&B keeps its local files (default: --save/wandb, else ./wandb)."""
+    wandb_entity: str | None = None
+    """W&B team or user the run belongs to (default: the login's)."""
 
     def check(self) -> None:
         _at_least(self.log_interval, 1, "--log-interval")
+        self._check_wandb()
         if self.device_peak_tflops is not None and self.device_peak_tflops <= 0:
             raise UsageError(
                 f"--device-peak-tflops must be positive, got {self.device_peak_tflops}"
@@ -386,6 +752,17 @@ class LoggingConfig:
                 raise UsageError(f"--metrics-file {self.metrics_file} is a directory; give a file")
             parent = os.path.dirname(os.path.abspath(self.metrics_file))
             check_writable_directory(parent, flag=f"--metrics-file {self.metrics_file}: folder")
+
+    def _check_wandb(self) -> None:
+        """W&B is on when --wandb-project is given and not empty (Megatron-LM's '' means off)."""
+        if not self.wandb_project:
+            return
+        if not self.wandb_exp_name:
+            raise UsageError("--wandb-project needs --wandb-exp-name NAME, the name of the run")
+        if not _installed("wandb"):
+            raise UsageError("--wandb-project needs the wandb package: pip install wandb")
+        if self.wandb_save_dir:
+            check_writable_directory(self.wandb_save_dir, flag="--wandb-save-dir")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -404,6 +781,87 @@ class EvaluationConfig:
     def check(self) -> None:
         _at_least(self.eval_interval, 1, "--eval-interval")
         _at_least(self.eval_iters, 0, "--eval-iters")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanupConfig:
+    """When the trainer hands cached device memory back and collects Python garbage."""
+
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Return the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 0 never, 1 after
+    each step's forward / backward passes and each validation batch, 2 also after the optimizer
+    step. Less fragmentation, slower steps; nothing to free on CPU."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off while training and collect at fixed points
+    instead (every --manual-gc-interval steps, around evaluations), so no rank stalls the others
+    at a random step."""
+    manual_gc_interval: int = 0
+    """With --manual-gc, collect every N steps (0: never between steps)."""
+    manual_gc_eval: bool = True
+    """With --manual-gc, collect before each evaluation and the evaluation's garbage after it;
+    --no-manual-gc-eval skips both."""
+
+    def check(self) -> None:
+        _at_least(self.manual_gc_interval, 0, "--manual-gc-interval")
+        if not self.manual_gc and (self.manual_gc_interval or not self.manual_gc_eval):
+            raise UsageError(
+                "--manual-gc-interval / --no-manual-gc-eval apply with --manual-gc; add --manual-gc"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """Profiling a window of training steps on some ranks."""
+
+    FLAG_PREFIX: ClassVar[str] = "profile"
+
+    enabled: bool = field(default=False, metadata={"flag": "--profile"})
+    """Profile iterations --profile-step-start to --profile-step-end − 1 on the --profile-ranks:
+    a torch.profiler trace (Chrome trace JSON for Perfetto or TensorBoard) in --tensorboard-dir,
+    else ./profile, with --use-pytorch-profiler or on CPU; on CUDA without it, an nsys capture
+    range (run under nsys profile --capture-range=cudaProfilerApi)."""
+    step_start: int = 10
+    """First profiled iteration; the one before it warms the profiler up."""
+    step_end: int = 12
+    """Profiling stops before this iteration."""
+    ranks: tuple[int, ...] = (0,)
+    """Global ranks that profile."""
+    use_pytorch_profiler: bool = field(default=False, metadata={"flag": "--use-pytorch-profiler"})
+    """Profile with torch.profiler instead of an nsys range (always so on CPU)."""
+
+    @property
+    def first_iteration(self) -> int:
+        """The first profiled iteration (iterations count from 1)."""
+        return max(self.step_start, 1)
+
+    def check(self, *, train_iters: int | None, world_size: int) -> None:
+        if not self.enabled:
+            given = [
+                flag_name(f, prefix=self.FLAG_PREFIX)
+                for f in dataclasses.fields(self)
+                if f.name != "enabled" and getattr(self, f.name) != f.default
+            ]
+            if given:
+                verb = "applies" if len(given) == 1 else "apply"
+                raise UsageError(f"{', '.join(given)} only {verb} with --profile; add --profile")
+            return
+        _at_least(self.step_start, 0, "--profile-step-start")
+        if self.step_end <= self.first_iteration:
+            raise UsageError(
+                f"--profile-step-end {self.step_end} must be larger than --profile-step-start "
+                f"{self.step_start} (and than 1): iterations [start, end) are profiled"
+            )
+        if train_iters is not None and self.first_iteration > train_iters:
+            raise UsageError(
+                f"--profile-step-start {self.step_start} is past --train-iters {train_iters}: "
+                "nothing would be profiled"
+            )
+        outside = [r for r in self.ranks if not 0 <= r < world_size]
+        if not self.ranks or outside:
+            raise UsageError(
+                f"--profile-ranks must name ranks in [0, {world_size}), got "
+                f"{' '.join(map(str, self.ranks)) or 'none'}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -449,7 +907,9 @@ class CheckpointConfig:
             check_writable_directory(self.save, flag="--save")
         if self.save_interval and not self.save:
             raise UsageError("--save-interval needs --save DIR")
-        if self.load and not os.path.isdir(self.load):
+        same = self.save and os.path.abspath(self.load or "") == os.path.abspath(self.save)
+        if self.load and not os.path.isdir(self.load) and not same:
+            # --load DIR --save DIR on a first run (Megatron-LM scripts' pattern) starts fresh
             raise UsageError(f"--load directory {self.load} does not exist")
         stops = self.exit_interval or self.exit_duration_in_mins or self.exit_signal_handler
         if stops and not self.save:
@@ -507,6 +967,23 @@ class MemoConfig:
     keep_last_layers: int = 2
     """Layers at the end of each pipeline stage that keep their activations on the device: their
     backward starts right after their forward, so a round trip to the host would not pay."""
+    allocator: Literal["off", "plan"] = "off"
+    """plan: serve each offloaded layer's forward / backward transients at the offsets the memory
+    planner computed for its recorded request sequence, inside one arena (no fragmentation); off:
+    the default allocator."""
+    plan_cache: str | None = None
+    """Directory of cached pass plans (by digest of the request sequence and the run's shapes).
+    Default: $XDG_CACHE_HOME/memo_ext/plans (~/.cache/memo_ext/plans)."""
+    plan_time_limit: float = 30.0
+    """Seconds the planner may spend on one pass sequence."""
+
+    @property
+    def plan_cache_dir(self) -> str:
+        """Where pass plans are cached."""
+        if self.plan_cache:
+            return self.plan_cache
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "memo_ext", "plans")
 
     @property
     def auto_alpha(self) -> bool:
@@ -530,6 +1007,8 @@ class MemoConfig:
             raise UsageError(f"--memo-host-memory-gb must be positive, got {self.host_memory_gb}")
         if self.keep_last_layers < 0:
             raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
+        if self.plan_time_limit <= 0:
+            raise UsageError(f"--memo-plan-time-limit must be positive, got {self.plan_time_limit}")
 
     @staticmethod
     def check_combination(
@@ -720,6 +1199,8 @@ class RunConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    cleanup: CleanupConfig = field(default_factory=CleanupConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     """MEMO's token-wise activation offloading (off by default)."""
     hotspa: HotSPaConfig = field(default_factory=HotSPaConfig)
@@ -738,6 +1219,19 @@ class RunConfig:
         a model that megatron's schedules configure gets its own copy,
         :meth:`transformer_config`)."""
         return self.transformer_config()
+
+    @property
+    def fused_cross_entropy(self) -> bool:
+        """--cross-entropy-loss-fusion where megatron-core's fused loss runs: on CUDA, and not
+        under HotSPa (its bucket models take explicit process groups, the fused loss does not)."""
+        fusion = self.model.cross_entropy_loss_fusion
+        return fusion and torch.cuda.is_available() and not self.hotspa.enabled
+
+    @property
+    def profile_dir(self) -> str:
+        """Where --profile writes torch.profiler traces: --tensorboard-dir (TensorBoard's profiler
+        plugin reads them there, as Megatron-LM writes them), else ./profile."""
+        return self.logging.tensorboard_dir or "profile"
 
     def transformer_config(self, layout: ParallelLayout | None = None) -> TransformerConfig:
         """A fresh megatron-core config of this run's model in ``layout`` (default: the run's)."""
@@ -758,6 +1252,8 @@ class RunConfig:
             pipeline_dtype=t.params_dtype,
             # the loss is a mean over every real token of the global batch, however it is split
             calculate_per_token_loss=True,
+            layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+            cross_entropy_loss_fusion=self.fused_cross_entropy,
             # memo_ext.mcore.init redraws every weight after the model is built, independently
             # of the parallel layout. megatron's own draw still runs: with it off, its layers
             # also skip tagging weights as tensor-parallel, which gradient norms and checkpoints
@@ -781,7 +1277,11 @@ class RunConfig:
         self._check_batch()
         self.recompute.check(stage_layers=self.shape.num_layers // self.layout.pp)
         self.logging.check()
-        self.distributed.check()
+        self.distributed.check(distributed_optimizer=self.train.use_distributed_optimizer)
+        self.cleanup.check()
+        self.profile.check(train_iters=self.train.train_iters, world_size=self.world_size)
+        if self.profile.enabled:
+            check_writable_directory(self.profile_dir, flag="--profile: trace folder")
         self.memo.check()
         if self.memo.enabled:
             self._check_memo()
@@ -798,12 +1298,30 @@ class RunConfig:
             recompute_granularity=self.recompute.granularity,
             attention_backend=self.model.attention_backend,
         )
+        if self.memo.allocator == "plan":
+            self._check_planned_allocator()
         stage_layers = self.shape.num_layers // self.layout.pp
         if self.memo.keep_last_layers >= stage_layers:
             raise UsageError(
                 f"--memo would offload no layer: each pipeline stage has {stage_layers} layers and "
                 f"--memo-keep-last-layers {self.memo.keep_last_layers} keeps them all on the "
                 "device; lower --memo-keep-last-layers or drop --memo"
+            )
+
+    def _check_planned_allocator(self) -> None:
+        """What cannot run under a process-wide plan-serving allocator, one sentence each."""
+        if self.data.variable_seq_lengths:
+            raise UsageError(
+                "--memo-allocator plan serves one recorded request sequence per layer pass, and "
+                "packed documents (--variable-seq-lengths, --hotspa) change it every step; drop "
+                "one of them"
+            )
+        if torch.cuda.is_available() and "expandable_segments" in os.environ.get(
+            "PYTORCH_CUDA_ALLOC_CONF", ""
+        ):
+            raise UsageError(
+                "--memo-allocator plan replaces PyTorch's caching allocator, so "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot apply; unset it"
             )
 
     def _check_sequence(self) -> None:
@@ -833,6 +1351,22 @@ class RunConfig:
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size × DP = "
                 f"{mbs}×{dp}"
             )
+        schedule = self.train.step_schedule or ()
+        uneven = [batch for _, batch in schedule if batch % (mbs * dp)]
+        if uneven:
+            raise UsageError(
+                f"--step-batch-size-schedule batch {uneven[0]} is not divisible by "
+                f"--micro-batch-size × DP = {mbs}×{dp}"
+            )
+        ramp = self.train.rampup_batch_size
+        if self.data.variable_seq_lengths:  # refused there (_check_variable_lengths)
+            ramp = None
+        if ramp is not None and (ramp[0] % (mbs * dp) or ramp[1] % (mbs * dp)):
+            # every batch of the ramp, START + k × INCR, must split into whole micro-batches
+            raise UsageError(
+                f"--rampup-batch-size START {ramp[0]} and INCR {ramp[1]} must be multiples of "
+                f"--micro-batch-size × DP = {mbs}×{dp}"
+            )
 
     def _check_evaluation_split(self) -> None:
         if not self.evaluation.enabled or self.data.mock_data:
@@ -852,6 +1386,10 @@ class RunConfig:
             != 1,
             "--memo": self.memo.enabled,
             "--eval-interval": bool(self.evaluation.eval_interval),
+            # rows are packed from global_batch_size documents per step (with HotSPa, split
+            # into buckets from them): a growing batch is not wired through either
+            "--rampup-batch-size": self.train.rampup_batch_size is not None,
+            "--step-batch-size-schedule": self.train.step_batch_size_schedule is not None,
             "a blend of several --data-path prefixes": len(self.data.data_path) > 1,
         }
         for what, present in unsupported.items():

@@ -19,7 +19,9 @@ TRAINING_ARGS=(
     --micro-batch-size 1 --global-batch-size 8 --train-iters 20 --bf16
     --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --lr-decay-style cosine --clip-grad 1.0
 )
-DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256)
+# no [s, s] attention mask in the data loader: the attention kernels mask causally themselves
+DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256
+    --no-create-attention-mask-in-dataloader)
 LOGGING_ARGS=(--log-interval 1 --metrics-file "${OUT:-runs/gpt7b_cp2}/metrics.jsonl")
 
 torchrun --nproc-per-node 8 pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" \

@@ -19,7 +19,7 @@ pip install --quiet --no-index --find-links wheels megatron-core einops psutil t
     2>&1 | tail -3
 pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | tail -3
 
-python -m pytest -q tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
+python -m pytest -q -rP tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 
 # ~1B GPT (16 layers, h 2048, 16 heads) at $SEQ tokens, bf16, SDPA flash kernels
 MODEL=(
@@ -27,6 +27,7 @@ MODEL=(
     --seq-length "$SEQ" --position-embedding-type rope --micro-batch-size 1
     --global-batch-size 1 --train-iters 6 --lr 1e-4 --bf16 --mock-data
     --tokenizer-type NullTokenizer --vocab-size 50256 --loss-chunks 8 --log-interval 1
+    --no-create-attention-mask-in-dataloader --log-throughput
 )
 run() {  # name, extra flags...
     local name=$1

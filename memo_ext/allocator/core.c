@@ -127,6 +127,16 @@ typedef struct {
 } pass_t;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* fork() copies only the forking thread: were another thread inside the core at that moment, the
+ * child (a data-loader worker, say) would find the lock held forever. Take it around fork, as
+ * malloc implementations do. */
+static void fork_prepare(void) { pthread_mutex_lock(&lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&lock); }
+static void fork_child(void) { pthread_mutex_unlock(&lock); }
+__attribute__((constructor)) static void register_fork_handlers(void) {
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
 /* Per thread, so a failing call reads its own sentence. */
 static _Thread_local char last_error[512] = "no error";
 static int backend = BACKEND_NONE;

@@ -24,6 +24,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,11 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizerBase
@@ -219,8 +220,11 @@ def preprocess_jsonl(
         )
     json_keys = tuple(json_keys)
     tokenizer_args = dict(
-        tokenizer_type=tokenizer_type, vocab_size=vocab_size, tokenizer_model=tokenizer_model,
-        vocab_file=vocab_file, merge_file=merge_file,
+        tokenizer_type=tokenizer_type,
+        vocab_size=vocab_size,
+        tokenizer_model=tokenizer_model,
+        vocab_file=vocab_file,
+        merge_file=merge_file,
     )
     tokenizer = build_tokenizer(**tokenizer_args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
@@ -236,7 +240,10 @@ def preprocess_jsonl(
         init_args=(tokenizer_args, json_keys, append_eod),
     )
     progress = tqdm(
-        total=input_path.stat().st_size, unit="B", unit_scale=True, disable=not show_progress,
+        total=input_path.stat().st_size,
+        unit="B",
+        unit_scale=True,
+        disable=not show_progress,
         desc=f"tokenizing {input_path.name}",
     )
     try:
@@ -353,8 +360,8 @@ def check_indexed_dataset(prefix: str) -> int:
     actual = os.path.getsize(prefix + ".bin")
     if actual < expected:
         raise ValueError(
-            f"{prefix}.bin holds {actual} bytes but its index lists {expected} (a truncated copy?); "
-            "copy it again or make it again with tools/preprocess_data.py"
+            f"{prefix}.bin holds {actual} bytes but its index lists {expected} (a truncated "
+            "copy?); copy it again or make it again with tools/preprocess_data.py"
         )
     return len(dataset.document_indices) - 1
 
@@ -421,6 +428,8 @@ def build_gpt_datasets(
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
     is_built_on_rank: Callable[[], bool] = _build_on_every_rank,
+    mmap_bin_files: bool = True,
+    create_attention_mask: bool = False,
 ) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
     """Build the train, valid and test datasets with megatron-core's blended dataset builder.
 
@@ -441,6 +450,9 @@ def build_gpt_datasets(
         cache_dir: ``--data-cache-path`` for the shuffle indices; ``None`` lets megatron-core use
             ``{prefix}/cache`` next to the data (mock data is then not cached).
         is_built_on_rank: Returns False on ranks that need no data (they get ``None``).
+        mmap_bin_files: ``--no-mmap-bin-files`` turns it off: samples are read with file reads.
+        create_attention_mask: Each sample also holds megatron's causal ``attention_mask``
+            ``[1, s, s]`` (bool, True = masked), one tensor shared by all samples.
 
     Returns:
         ``(train, valid, test)``.
@@ -467,7 +479,8 @@ def build_gpt_datasets(
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        create_attention_mask=False,
+        create_attention_mask=create_attention_mask,
+        mmap_bin_files=mmap_bin_files,
     )
     dataset_cls = MockGPTDataset if mock else GPTDataset
     builder = BlendedMegatronDatasetBuilder(
@@ -516,12 +529,31 @@ def micro_batch_indices(
         yield list(range(first, first + micro_batch_size))
 
 
+class MicroBatchSampler:
+    """:func:`micro_batch_indices` as a torch batch sampler: a ``DataLoader`` with it yields this
+    rank's micro-batches in the contract's order, with or without worker processes."""
+
+    def __init__(self, **indices_args) -> None:
+        self.indices_args = indices_args
+        next(micro_batch_indices(**indices_args), None)  # bad arguments raise here, not later
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return micro_batch_indices(**self.indices_args)
+
+    def __len__(self) -> int:
+        a = self.indices_args
+        step = a["micro_batch_size"] * a["data_parallel_size"]
+        return len(range(a.get("consumed_samples", 0), a["num_samples"] - step + 1, step))
+
+
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack samples into ``[b, s]`` tensors: int64 ids and positions, float32 loss mask."""
-    batch = {key: torch.stack([sample[key] for sample in samples]) for key in _BATCH_KEYS}
+    """Stack samples into ``[b, s]`` tensors: int64 ids and positions, float32 loss mask; and
+    megatron's ``attention_mask`` ``[b, 1, s, s]`` (bool) when the dataset makes one."""
+    keys = _BATCH_KEYS + (("attention_mask",) if "attention_mask" in samples[0] else ())
+    batch = {key: torch.stack([sample[key] for sample in samples]) for key in keys}
     batch["loss_mask"] = batch["loss_mask"].to(torch.float32)
     for key in ("tokens", "labels", "position_ids"):
         batch[key] = batch[key].to(torch.int64)
@@ -535,6 +567,8 @@ def build_batch_iterator(
     data_parallel_rank: int,
     data_parallel_size: int,
     consumed_samples: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Iterate over this data-parallel rank's micro-batches, in the contract's global order.
 
@@ -546,17 +580,39 @@ def build_batch_iterator(
         data_parallel_size: Size of the data-parallel group.
         consumed_samples: Global samples already trained on (from a checkpoint); iteration
             continues exactly where a run that consumed them left off.
+        num_workers: ``--num-workers``: processes of a torch ``DataLoader`` that read and
+            collate micro-batches ahead (kept for the whole iteration); 0 reads them here. The
+            batches and their order are the same for any number.
+        pin_memory: Put batches in page-locked host memory (CUDA: asynchronous copies).
 
     Yields:
         ``{"tokens", "labels", "position_ids"}`` as int64 ``[b, s]`` and ``"loss_mask"`` as
-        float32 ``[b, s]``, where ``labels[:, t]`` is the token after ``tokens[:, t]``.
+        float32 ``[b, s]``, where ``labels[:, t]`` is the token after ``tokens[:, t]`` (and
+        ``"attention_mask"`` when the dataset makes one).
     """
-    batches = micro_batch_indices(
+    sampler = MicroBatchSampler(
         num_samples=len(dataset),
         micro_batch_size=micro_batch_size,
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
         consumed_samples=consumed_samples,
     )
-    for indices in batches:
-        yield _collate([dataset[index] for index in indices])
+    # workers are forked, as torch (and Megatron-LM) do on Linux: they only index the dataset
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=_collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        worker_init_fn=_leave_stop_signals_to_the_trainer if num_workers else None,
+    )
+    return iter(loader)
+
+
+def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
+    """A scheduler's SIGTERM (or a terminal's SIGINT) reaches every process of the job: a loader
+    process that died of it would fail the next batch of a trainer that is saving before it
+    stops (--exit-signal-handler). The trainer ends its loader processes itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -37,15 +37,16 @@ class IndexedDocuments:
 
     A document is the concatenation of its sequences (``tools/preprocess_data.py`` writes one
     sequence per document, ending with the end-of-document id under ``--append-eod``).
+    ``mmap`` False reads documents with file reads (``--no-mmap-bin-files``).
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, *, mmap: bool = True) -> None:
         if not os.path.isfile(f"{prefix}.idx") or not os.path.isfile(f"{prefix}.bin"):
             raise FileNotFoundError(
                 f"Dataset files {prefix}.bin / {prefix}.idx do not exist; create them with "
                 f"tools/preprocess_data.py or fix --data-path."
             )
-        self._dataset = IndexedDataset(prefix)
+        self._dataset = IndexedDataset(prefix, mmap=mmap)
         # sequence s of the dataset is a part of document d when bounds[d] <= s < bounds[d + 1]
         self._bounds = np.asarray(self._dataset.document_indices, dtype=np.int64)
 

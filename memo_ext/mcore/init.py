@@ -120,8 +120,9 @@ def init_weights_layout_independent(
         global_name = names[name]
         std = _std_for(global_name, config)
         if std is None:
+            # a norm's gain is 1; zero-centred gains (--apply-layernorm-1p) store γ − 1
             is_gain = _is_norm(global_name) and global_name.endswith("weight")
-            param.fill_(1.0 if is_gain else 0.0)
+            param.fill_(1.0 if is_gain and not config.layernorm_zero_centered_gamma else 0.0)
             continue
         generator = torch.Generator(device=param.device).manual_seed(_seed_for(seed, global_name))
         full = torch.empty(_full_shape(param, tp), dtype=torch.float32, device=param.device)

@@ -19,7 +19,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,20 @@ class _Slot:
     sources: list[Tensor] = field(default_factory=list)
 
 
+class PassObserver(Protocol):
+    """Told where each offloaded layer's passes start and end (the planned allocator).
+
+    A forward pass is one offloaded layer's forward, copies issued; it is ended by
+    :meth:`end_pass`. A backward pass starts when an offloaded layer's backward starts (its
+    recompute first) and lasts until the next pass begins or the caller closes it: passes
+    never overlap.
+    """
+
+    def begin_pass(self, name: str) -> None: ...
+
+    def end_pass(self) -> None: ...
+
+
 class MemoRuntime:
     """MEMO for the layers of one model in this process (see the module docstring)."""
 
@@ -77,6 +91,8 @@ class MemoRuntime:
         self.slot_bytes = 0
         """Largest device memory one ping-pong slot has pinned (the storages of its sources)."""
         self.live: weakref.WeakSet[LayerActivations] = weakref.WeakSet()
+        self.passes: PassObserver | None = None
+        """Told where layer passes start and end (``--memo-allocator plan``)."""
 
     # ------------------------------------------------------------------------------ forward
 
@@ -86,6 +102,15 @@ class MemoRuntime:
 
     def forward_layer(self, layer: torch.nn.Module, kwargs: dict[str, Any]):
         """Run one offloaded layer's forward under MEMO; returns what the layer returns."""
+        if self.passes is None:
+            return self._forward_layer(layer, kwargs)
+        self.passes.begin_pass("forward")
+        try:
+            return self._forward_layer(layer, kwargs)
+        finally:
+            self.passes.end_pass()
+
+    def _forward_layer(self, layer: torch.nn.Module, kwargs: dict[str, Any]):
         x = kwargs["hidden_states"]
         self._ensure_engine(x.device)
         groups = _sp_groups(layer)
@@ -179,6 +204,8 @@ class MemoRuntime:
 
     def begin_backward(self, acts: LayerActivations) -> None:
         """A layer's backward starts: free copied sources, prefetch the layer before it."""
+        if self.passes is not None:
+            self.passes.begin_pass("backward")
         for i, slot in enumerate(self._slots):
             if slot is not None:
                 self.engine.wait(slot.completion)

@@ -24,12 +24,12 @@ def document_source(run: RunConfig, *, vocab_size: int) -> DocumentSource:
     """The whole documents ``--variable-seq-lengths`` trains on."""
     if run.data.mock_data:
         return MockDocuments(
-            num_documents=run.train.train_iters * run.train.global_batch_size,
+            num_documents=run.train.total_train_samples,
             seq_length=run.data.seq_length,
             vocab_size=vocab_size,
             seed=run.train.seed,
         )
-    return IndexedDocuments(run.data.data_path[0])
+    return IndexedDocuments(run.data.data_path[0], mmap=run.data.mmap_bin_files)
 
 
 def build_batches(
@@ -48,8 +48,11 @@ def build_batches(
         seq_length=run.data.seq_length,
         seed=run.train.seed,
         tokenizer=tokenizer,
-        num_samples=(run.train.train_iters * gbs, valid_samples, 0),
+        # --train-samples (Megatron-LM's count), or steps × batch; at least what the steps take
+        num_samples=(run.train.total_train_samples, valid_samples, 0),
         cache_dir=run.data.data_cache_path,
+        mmap_bin_files=run.data.mmap_bin_files,
+        create_attention_mask=run.data.create_attention_mask_in_dataloader,
     )
 
     def iterate(dataset, consumed: int) -> Iterator:
@@ -59,6 +62,8 @@ def build_batches(
             data_parallel_rank=ctx.dp_rank,
             data_parallel_size=ctx.dp_size,
             consumed_samples=consumed,
+            num_workers=run.data.num_workers,
+            pin_memory=ctx.device.type == "cuda",
         )
 
     valid = None

@@ -5,11 +5,13 @@ One step = ``num_microbatches`` forward/backward passes through megatron-core's 
 grads over TP, tied embeddings over PP, division by the global token count), then the
 optimizer and the LR schedule. Around it: evaluation on the validation split, checks for
 non-finite losses and gradients, checkpoints and early stops, metrics to the console, the
-metrics file and TensorBoard.
+metrics file, TensorBoard and W&B, and the housekeeping of ``memo_ext.training.housekeeping``
+(garbage collection, cache emptying, profiling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -22,15 +24,24 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    get_current_global_batch_size,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+    update_num_microbatches,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from memo_ext.allocator.core import AllocatorCore
 from memo_ext.config import RunConfig
 from memo_ext.errors import ReportedError, UsageError
 from memo_ext.estimate.preflight import check_preflight
 from memo_ext.hardware import device_peak_tflops, device_spec
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
+from memo_ext.mcore.batches import StepBatchSizeCalculator, install_step_schedule
 from memo_ext.mcore.specs import resolve_attention_backend
-from memo_ext.offload.policy import format_memo_metrics, memo_step_metrics
+from memo_ext.offload.policy import format_memo_metrics, memo_runtime_of, memo_step_metrics
 from memo_ext.shapes import packed_train_flops, train_flops
 from memo_ext.training.checkpointing import (
     TrainProgress,
@@ -40,6 +51,11 @@ from memo_ext.training.checkpointing import (
     save_checkpoint,
 )
 from memo_ext.training.control import StopConditions
+from memo_ext.training.housekeeping import (
+    Housekeeping,
+    maybe_empty_cache,
+    notices_for_this_machine,
+)
 from memo_ext.training.initialize import (
     ParallelContext,
     device_environment,
@@ -48,9 +64,27 @@ from memo_ext.training.initialize import (
     shutdown,
 )
 from memo_ext.training.inputs import build_batches
-from memo_ext.training.metrics import MetricsWriter, StepMetrics, TensorBoardWriter, cuda_memory
-from memo_ext.training.model import build_gpt_model, count_parameters, wrap_for_data_parallel
-from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer
+from memo_ext.training.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    TensorBoardWriter,
+    WandbWriter,
+    cuda_memory,
+)
+from memo_ext.training.model import (
+    build_gpt_model,
+    count_parameters,
+    params_in_sync,
+    wrap_for_data_parallel,
+)
+from memo_ext.training.model_stats import params_l2_norm
+from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer, lr_for_logging
+from memo_ext.training.planned_memory import (
+    PlannedMemory,
+    format_plan_metrics,
+    install_allocator,
+    shape_key,
+)
 from memo_ext.training.resolve import describe_run, resolve_run
 from memo_ext.training.step import build_forward_step
 
@@ -90,6 +124,7 @@ def train(run: RunConfig) -> TrainSummary:
     ``run`` is the parsed configuration; it is resolved here against its tokenizer and data
     (``memo_ext.training.resolve``) and logged, and nothing changes it afterwards.
     """
+    core = _install_planned_allocator(run)  # before the first tensor of the run
     tokenizer = run.data.build_tokenizer()
     run = resolve_run(run, tokenizer=tokenizer)
     if _is_logging_process():
@@ -103,9 +138,36 @@ def train(run: RunConfig) -> TrainSummary:
                 seed=run.train.seed,
                 timeout_minutes=run.distributed.timeout_minutes,
             )
-            return _train(run, ctx, tokenizer)
+            init_num_microbatches_calculator(
+                rank=ctx.rank,
+                rampup_batch_size=run.train.rampup_batch_size,
+                global_batch_size=run.train.global_batch_size,
+                micro_batch_size=run.train.micro_batch_size,
+                data_parallel_size=ctx.dp_size,
+            )
+            if run.train.step_schedule is not None:
+                install_step_schedule(
+                    StepBatchSizeCalculator(
+                        run.train.step_schedule,
+                        seq_length=run.data.seq_length,
+                        micro_batch_size=run.train.micro_batch_size,
+                        data_parallel_size=ctx.dp_size,
+                    )
+                )
+            return _train(run, ctx, tokenizer, core)
     finally:
+        destroy_num_microbatches_calculator()
         shutdown()
+
+
+def _install_planned_allocator(run: RunConfig) -> AllocatorCore | None:
+    """``--memo-allocator plan``: every allocation of this process through the allocator core
+    (it cannot be swapped in once tensors exist on the device)."""
+    if not (run.memo.enabled and run.memo.allocator == "plan"):
+        return None
+    core = AllocatorCore()
+    install_allocator(core)
+    return core
 
 
 def _is_logging_process() -> bool:
@@ -124,15 +186,23 @@ def _maybe_preflight(run: RunConfig) -> None:
     check_preflight(run, device=device)
 
 
-def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
+def _train(
+    run: RunConfig, ctx: ParallelContext, tokenizer, core: AllocatorCore | None = None
+) -> TrainSummary:
     # the home model's own megatron config: megatron's schedules read the gradient hooks from
     # it (_connect_schedule_hooks), so it is a copy, and the run's config stays as resolved
     config = run.transformer_config()
     bare = build_gpt_model(run=run, config=config, device=ctx.device)
     model = wrap_for_data_parallel(model=bare, run=run, config=config)
     _log_setup(run, ctx, model)
+    for notice in notices_for_this_machine(run, cuda=torch.cuda.is_available()):
+        logger.info(notice)
     optimizer = build_optimizer(
-        model_chunks=[model], train=run.train, bf16=run.train.bf16, fp16=run.train.fp16
+        model_chunks=[model],
+        train=run.train,
+        bf16=run.train.bf16,
+        fp16=run.train.fp16,
+        log_num_zeros_in_grad=run.logging.log_num_zeros_in_grad,
     )
     schedule = _schedule_policy(run)
     scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train, schedule=schedule)
@@ -160,9 +230,22 @@ def _train(run: RunConfig, ctx: ParallelContext, tokenizer) -> TrainSummary:
         forward_step=build_forward_step(ctx.device, vocab_size=run.shape.vocab_size),
     )
     session.train_batches, session.valid_batches = build_batches(run, ctx, tokenizer, progress)
+    session.metric_sources += _weight_statistics(run, model, optimizer)
     if run.memo.enabled:
         session.metric_sources.append(
             MetricSource(collect=lambda: memo_step_metrics(model), describe=format_memo_metrics)
+        )
+    if core is not None:
+        session.planned = PlannedMemory(
+            core,
+            shape_key=shape_key(run),
+            cache_dir=run.memo.plan_cache_dir,
+            time_limit_s=run.memo.plan_time_limit,
+            rank=ctx.rank,
+        )
+        memo_runtime_of(model).passes = session.planned
+        session.metric_sources.append(
+            MetricSource(collect=session.planned.step_metrics, describe=format_plan_metrics)
         )
     if run.hotspa.enabled:
         session.hotspa = _build_hotspa(run, ctx, model, config)
@@ -187,9 +270,15 @@ def _check_resumable(run: RunConfig) -> None:
     the tracker, before the checkpoint is read)."""
     iteration = latest_iteration(Path(run.checkpoint.load))
     if iteration is not None and iteration > run.train.train_iters:
+        length = f"--train-iters {run.train.train_iters}"
+        if run.train.sample_based:
+            length = (
+                f"the {run.train.train_iters} steps of --train-samples {run.train.train_samples}"
+            )
+        flag = "--train-samples" if run.train.sample_based else "--train-iters"
         raise UsageError(
             f"the checkpoint in {run.checkpoint.load} is at iteration {iteration}, past "
-            f"--train-iters {run.train.train_iters}; raise --train-iters to train further"
+            f"{length}; raise {flag} to train further"
         )
     if iteration == run.train.train_iters:
         logger.info("the checkpoint is at iteration %d: training is complete", iteration)
@@ -249,6 +338,8 @@ class _Session:
     """Per-step figures of the memory / parallelism systems (MEMO, HotSPa)."""
     hotspa: HotSPaEngine | None = None
     """``--hotspa``: runs each step's buckets in their layouts."""
+    planned: PlannedMemory | None = None
+    """``--memo-allocator plan``: records, plans and serves MEMO's layer passes."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +349,32 @@ class MetricSource:
 
     collect: Callable[[], dict]
     describe: Callable[[dict], str]
+
+
+def _weight_statistics(run: RunConfig, model, optimizer) -> list[MetricSource]:
+    """--log-params-norm (the weights after the step's update) and --log-num-zeros-in-grad
+    (the optimizer counts them in its step). Every rank collects every step: the norm is an
+    all-reduce over the model-parallel ranks."""
+    sources = []
+    if run.logging.log_params_norm:
+
+        def params_norm() -> dict:
+            with params_in_sync(model):
+                return {"params_norm": params_l2_norm(model.parameters())}
+
+        sources.append(
+            MetricSource(
+                collect=params_norm, describe=lambda v: f"params norm {v['params_norm']:.3f}"
+            )
+        )
+    if run.logging.log_num_zeros_in_grad:
+        sources.append(
+            MetricSource(
+                collect=lambda: {"num_zeros_in_grad": optimizer.num_zeros_in_grad},
+                describe=lambda v: f"zeros in grad {v['num_zeros_in_grad']}",
+            )
+        )
+    return sources
 
 
 def _log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> None:
@@ -284,6 +401,10 @@ def _connect_schedule_hooks(config, model, optimizer, *, hotspa: bool) -> None:
     # HotSPa finalizes each layout's gradients itself, once all its buckets have run
     config.finalize_model_grads_func = None if hotspa else finalize_model_grads
     config.no_sync_func = model.no_sync
+    if model.ddp_config.overlap_grad_reduce:
+        # as Megatron-LM (its default --align-grad-reduce): the pipeline schedules start each
+        # chunk's reduction once its last micro-batch's backward is done
+        config.grad_sync_func = model.start_grad_sync
     if hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "scale_loss"):
         config.grad_scale_func = optimizer.optimizer.scale_loss
 
@@ -314,8 +435,12 @@ def _is_logged(iteration: int, run: RunConfig) -> bool:
 
 
 def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> torch.Tensor:
-    """One global batch through megatron's schedule; its (loss sum, real tokens)."""
-    num_microbatches = s.run.num_microbatches
+    """One global batch through megatron's schedule; its (loss sum, real tokens).
+
+    A training step takes the micro-batches of megatron-core's calculator (fewer while
+    --rampup-batch-size ramps up); evaluation always the full global batch, as Megatron-LM.
+    """
+    num_microbatches = s.run.num_microbatches if forward_only else get_num_microbatches()
     if s.hotspa is not None:
         buckets = next(batches)
         s.document_lengths = [n for bucket in buckets for n in bucket.document_lengths]
@@ -342,19 +467,26 @@ def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> 
     return _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
 
 
-def _train_one_step(s: _Session) -> tuple[float, float | None, float, bool, int]:
-    """Forward / backward over the global batch, then the update.
+def _train_one_step(
+    s: _Session, *, global_batch: int
+) -> tuple[float, float | None, float, bool, int]:
+    """Forward / backward over the step's ``global_batch`` samples, then the update.
 
     Returns (loss, grad norm, lr, updated, tokens with a label in the global batch).
     """
     s.model.zero_grad_buffer()
     s.optimizer.zero_grad()
     pair = _forward_backward(s, s.train_batches, forward_only=False)
+    if s.planned is not None:
+        s.planned.end_step()  # the last layer pass ends with the backward
+    maybe_empty_cache(s.run.cleanup, level=1)
     loss = _mean(pair)
-    lr = s.optimizer.param_groups[0]["lr"]  # the rate this step applies
+    lr = lr_for_logging(s.optimizer.param_groups)  # the rate this step applies
     updated, grad_norm = s.optimizer.step()
     if updated:
-        s.scheduler.step(increment=1)
+        # a sample-based schedule counts samples (Megatron-LM), an iteration-based one steps
+        s.scheduler.step(increment=global_batch if s.run.train.sample_based else 1)
+    maybe_empty_cache(s.run.cleanup, level=2)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return loss, grad_norm, lr, updated, int(pair[1].item())
@@ -367,6 +499,7 @@ def evaluate(s: _Session) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(s.run.evaluation.eval_iters):
             pair += _forward_backward(s, s.valid_batches, forward_only=True)
+            maybe_empty_cache(s.run.cleanup, level=1)
     s.model.train()
     loss = _mean(pair)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
@@ -401,11 +534,14 @@ def _last_good_checkpoint_hint(run: RunConfig) -> str:
 
 @dataclass
 class _Reporter:
-    """Writes a step's record to the console, the metrics file and TensorBoard (rank 0)."""
+    """Writes a step's record to the console, the metrics file, TensorBoard and W&B (rank 0)."""
 
     run: RunConfig
     ctx: ParallelContext
     resume_from: int
+    memory: Callable[[], tuple[int, int]] | None = None
+    """(allocated, reserved) bytes of the step, when the planned allocator serves them (torch's
+    CUDA statistics are the caching allocator's, absent once it is replaced)."""
 
     def __post_init__(self) -> None:
         run, rank0 = self.run, self.ctx.is_logging_rank
@@ -413,14 +549,15 @@ class _Reporter:
             run.logging.metrics_file if rank0 else None, resume_from=self.resume_from
         )
         self.board = TensorBoardWriter(run.logging.tensorboard_dir if rank0 else None)
+        self.wandb = _wandb_writer(run) if rank0 else WandbWriter(project=None)
         self.peak = device_peak_tflops(run.logging.device_peak_tflops)
-        self.flops_per_step = None  # packed documents are counted per step, one by one
+        self.flops_per_sequence = None  # packed documents are counted per step, one by one
         if not run.data.variable_seq_lengths:
-            self.flops_per_step = train_flops(
+            self.flops_per_sequence = train_flops(
                 run.shape,
                 vocab_size=run.model.padded_vocab_size,
                 seq_length=run.data.seq_length,
-                sequences=run.train.global_batch_size,
+                sequences=1,
             )
 
     def report(
@@ -430,9 +567,9 @@ class _Reporter:
         *,
         document_lengths: list[int],
     ) -> None:
-        flops = self.flops_per_step
-        if flops is not None:
-            flops /= self.ctx.world_size
+        flops = None
+        if self.flops_per_sequence is not None:  # the step's batch (ramp-up: not the full one)
+            flops = self.flops_per_sequence * record.global_batch_size / self.ctx.world_size
         elif document_lengths:
             # this DP rank's documents, shared by the model-parallel ranks of its replica
             # (with HotSPa: the whole batch's documents, shared by every process)
@@ -449,39 +586,81 @@ class _Reporter:
             tflops = flops / record.step_time_s / 1e12
             record.tflops_per_device = tflops
             record.mfu = tflops / self.peak if self.peak else None
-        record.mem_allocated_bytes, record.mem_reserved_bytes = cuda_memory()
+        memory = self.memory() if self.memory is not None else cuda_memory()
+        record.mem_allocated_bytes, record.mem_reserved_bytes = memory
         for _, values in figures:
             record.extra.update(values)
         self.writer.write(record.to_json())
         self.board.write(record.to_json())
-        line = [record.console_line(self.run.train.train_iters)]
+        self.wandb.write(record.to_json())
+        throughput = self.run.logging.log_throughput
+        line = [record.console_line(self.run.train.train_iters, throughput=throughput)]
         line += [source.describe(values) for source, values in figures]
         logger.info(" | ".join(filter(None, line)))
 
     def close(self) -> None:
         self.board.close()
+        self.wandb.close()
+
+
+def _wandb_writer(run: RunConfig) -> WandbWriter:
+    """--wandb-project's run, configured with every setting of ``run``; its local files under
+    --wandb-save-dir, else --save/wandb (as Megatron-LM), else wandb's default (./wandb)."""
+    logging_cfg, save = run.logging, run.checkpoint.save
+    save_dir = logging_cfg.wandb_save_dir or (str(Path(save) / "wandb") if save else None)
+    return WandbWriter(
+        project=logging_cfg.wandb_project,
+        name=logging_cfg.wandb_exp_name,
+        save_dir=save_dir,
+        entity=logging_cfg.wandb_entity,
+        config=dataclasses.asdict(run) if logging_cfg.wandb_project else None,
+    )
 
 
 def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> TrainSummary:
     run = s.run
-    reporter = _Reporter(run=run, ctx=s.ctx, resume_from=progress.iteration)
+    reporter = _Reporter(
+        run=run,
+        ctx=s.ctx,
+        resume_from=progress.iteration,
+        memory=s.planned.memory if s.planned is not None else None,
+    )
+    housekeeping = Housekeeping(run, rank=s.ctx.rank)  # --manual-gc, --profile
+    housekeeping.start()
     summary = TrainSummary()
     skipped = 0
+    saved_at = progress.iteration  # a resumed run's checkpoint is on disk already
+    # megatron-core's calculator at the samples consumed so far (resumed: the checkpoint's)
+    update_num_microbatches(progress.consumed_samples, consistency_check=False)
+    num_microbatches = get_num_microbatches()
     try:
         for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
+            ramped = _update_batch_ramp(progress.consumed_samples, num_microbatches)
+            if ramped and run.checkpoint.save and saved_at != progress.iteration:
+                # as Megatron-LM: a checkpoint of the steps so far whenever the batch grows
+                _save(s, progress)
+                saved_at = progress.iteration
+            num_microbatches = get_num_microbatches()
+            global_batch = get_current_global_batch_size()
+            housekeeping.before_step(iteration)
+            if s.planned is not None:
+                s.planned.begin_step(iteration)
             start = time.perf_counter()
-            loss, grad_norm, lr, updated, labelled_tokens = _train_one_step(s)
+            loss, grad_norm, lr, updated, labelled_tokens = _train_one_step(
+                s, global_batch=global_batch
+            )
             figures = [(source, source.collect()) for source in s.metric_sources]
             skipped += not (_check_finite(s, iteration, loss, grad_norm) and updated)
             step_time = time.perf_counter() - start
-            step_tokens = run.train.global_batch_size * run.data.seq_length
+            step_tokens = global_batch * run.data.seq_length
             if run.data.variable_seq_lengths:  # documents of any length: count what was trained
                 step_tokens = labelled_tokens
             summary.record(iteration, loss, step_tokens / step_time)
-            progress = TrainProgress(iteration, iteration * run.train.global_batch_size)
+            progress = TrainProgress(iteration, progress.consumed_samples + global_batch)
             extra = {}
             if run.evaluation.enabled and iteration % run.evaluation.eval_interval == 0:
-                extra.update(evaluate(s))
+                with housekeeping.around_evaluation():
+                    extra.update(evaluate(s))
             if _is_logged(iteration, run) or extra:
                 record = StepMetrics(
                     iteration=iteration,
@@ -492,25 +671,44 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
                     tokens_per_s=step_tokens / step_time,
                     consumed_samples=progress.consumed_samples,
                     skipped_iterations=skipped,
+                    global_batch_size=global_batch,
                     extra=extra,
                 )
                 reporter.report(record, figures, document_lengths=s.document_lengths)
             reason = stop.reason(iteration)
             if reason or _save_due(iteration, run):
-                save_checkpoint(
-                    save_dir=run.checkpoint.save,
-                    progress=progress,
-                    model=s.model,
-                    optimizer=s.optimizer,
-                    scheduler=s.scheduler,
-                )
+                _save(s, progress)
+                saved_at = iteration
+            housekeeping.after_step(iteration)
             if reason:
                 logger.info("stopping after iteration %d: %s", iteration, reason)
                 summary.stopped_early = True
                 break
     finally:
+        housekeeping.close()
         reporter.close()
     return summary
+
+
+def _update_batch_ramp(consumed_samples: int, num_microbatches: int) -> bool:
+    """Move megatron-core's calculator to the batch of ``consumed_samples`` (Megatron-LM's
+    order: unchecked, then checked); True when the micro-batches per step changed."""
+    update_num_microbatches(consumed_samples, consistency_check=False, verbose=True)
+    changed = get_num_microbatches() != num_microbatches
+    # every batch of the ramp splits into micro-batches × DP: RunConfig checked START and INCR
+    update_num_microbatches(consumed_samples, consistency_check=True)
+    return changed
+
+
+def _save(s: _Session, progress: TrainProgress) -> None:
+    with params_in_sync(s.model):  # --overlap-param-gather: no stale weight shards on disk
+        save_checkpoint(
+            save_dir=s.run.checkpoint.save,
+            progress=progress,
+            model=s.model,
+            optimizer=s.optimizer,
+            scheduler=s.scheduler,
+        )
 
 
 def _save_due(iteration: int, run: RunConfig) -> bool:

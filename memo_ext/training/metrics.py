@@ -34,6 +34,9 @@ class StepMetrics:
     tokens_per_s: float
     consumed_samples: int
     skipped_iterations: int = 0
+    global_batch_size: int | None = None
+    """Samples (documents with --variable-seq-lengths) of this step; grows with
+    --rampup-batch-size."""
     tflops_per_device: float | None = None
     mfu: float | None = None
     mem_allocated_bytes: int | None = None
@@ -46,24 +49,27 @@ class StepMetrics:
         record.update(self.extra)
         return record
 
-    def console_line(self, train_iters: int) -> str:
+    def console_line(self, train_iters: int, *, throughput: bool = False) -> str:
+        """The record as one console line; TFLOP/s per device and MFU only with ``throughput``
+        (--log-throughput, as Megatron-LM shows them)."""
         parts = [
             f"iter {self.iteration:>6}/{train_iters}",
             f"loss {self.loss:.4f}",
             f"grad norm {self.grad_norm:.3f}" if self.grad_norm is not None else "grad norm -",
             f"lr {self.lr:.3e}",
+            f"batch {self.global_batch_size}" if self.global_batch_size is not None else "",
             f"{self.step_time_s * 1e3:.0f} ms/step",
             f"{self.tokens_per_s:,.0f} tok/s",
         ]
-        if self.tflops_per_device is not None:
+        if throughput and self.tflops_per_device is not None:
             parts.append(f"{self.tflops_per_device:.3g} TFLOP/s/dev")
-        if self.mfu is not None:
+        if throughput and self.mfu is not None:
             parts.append(f"MFU {100 * self.mfu:.1f}%")
         if self.mem_allocated_bytes is not None:
             parts.append(f"mem {self.mem_allocated_bytes / 2**30:.2f} GiB")
         if "val_loss" in self.extra:
             parts.append(f"val loss {self.extra['val_loss']:.4f} (ppl {self.extra['val_ppl']:.2f})")
-        return " | ".join(parts)
+        return " | ".join(filter(None, parts))
 
 
 def cuda_memory() -> tuple[int | None, int | None]:
@@ -135,6 +141,53 @@ class TensorBoardWriter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class WandbWriter:
+    """Every logged record to a Weights & Biases run, with the metrics file's keys, at its
+    iteration; a no-op without a project (rank 0 only, like the metrics file).
+
+    wandb is an optional dependency, imported only here (``pip install wandb``; the flags are
+    checked for it before training). ``WANDB_MODE=offline`` keeps the run in ``save_dir`` for a
+    later ``wandb sync``.
+    """
+
+    def __init__(
+        self,
+        *,
+        project: str | None,
+        name: str | None = None,
+        save_dir: str | None = None,
+        entity: str | None = None,
+        config: dict | None = None,
+    ):
+        self.run = None
+        if not project:
+            return
+        import wandb
+
+        try:
+            if save_dir:
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(
+                project=project, name=name, dir=save_dir, entity=entity or None, config=config
+            )
+        except Exception as err:  # noqa: BLE001 - wandb fails in many ways (login, network, disk)
+            raise UsageError(
+                f"--wandb-project {project}: wandb could not start a run ({err}); run wandb login, "
+                "or set WANDB_MODE=offline to keep the run on this machine"
+            ) from None
+
+    def write(self, record: dict) -> None:
+        if self.run is None:
+            return
+        values = {key: value for key, value in record.items() if key != "iteration"}
+        self.run.log(values, step=record["iteration"])
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
 
 
 def read_metrics(path: str | Path) -> list[dict]:

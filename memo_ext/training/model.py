@@ -7,6 +7,8 @@ place where a memory policy (MEMO's token-wise offload, or none) changes that sp
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from megatron.core import parallel_state
@@ -105,9 +107,14 @@ def wrap_for_data_parallel(
         distributed_optimizer = run.train.use_distributed_optimizer
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
+    overlap = data_parallel_overlap(run)
+    gather = overlap and distributed_optimizer and run.distributed.overlap_param_gather
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        # Megatron-LM: fp32 gradient buffers unless --grad-reduce-in-bf16 (with fp32 weights
+        # the buffers are fp32 either way)
+        grad_reduce_in_fp32=not run.distributed.grad_reduce_in_bf16,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=gather,
         use_distributed_optimizer=distributed_optimizer,
     )
     # one bucket: gloo has no stream overlap to gain from bucketing
@@ -118,6 +125,33 @@ def wrap_for_data_parallel(
         disable_bucketing=not torch.cuda.is_available(),
         pg_collection=pg_collection,
     )
+
+
+def data_parallel_overlap(run: RunConfig) -> bool:
+    """--overlap-grad-reduce where megatron-core DDP can overlap: on CUDA (gloo on CPU has one
+    bucket and nothing to hide the reduction behind) and not under HotSPa, which reduces each
+    layout's gradients itself once all its buckets have run."""
+    cuda = torch.cuda.is_available()
+    return run.distributed.overlap_grad_reduce and cuda and not run.hotspa.enabled
+
+
+@contextmanager
+def params_in_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Every rank's weights whole while the block runs.
+
+    With --overlap-param-gather the distributed optimizer's updated shards reach the other DP
+    ranks only in the next forward pass (its pre-hooks gather them); a checkpoint or a weight
+    norm taken in between would read stale shards. As Megatron-LM before a save: gather them now
+    with the hooks off, and turn the hooks back on after.
+    """
+    if not getattr(model, "use_forward_hook", False):
+        yield
+        return
+    model.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        model.enable_forward_pre_hook()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

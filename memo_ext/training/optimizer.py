@@ -9,8 +9,10 @@ gradient norm and clipping (:class:`TorchAdamW`). Both expose ``zero_grad``, ``s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -20,11 +22,17 @@ from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+from megatron.core.optimizer_param_scheduler import (
+    OptimizerParamScheduler,
+    combine_param_group_overrides,
+    get_canonical_lr_for_logging,
+)
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from memo_ext.config import TrainConfig
+from memo_ext.training.model_stats import count_zeros_in_grad
 
 
 class TrainingOptimizer(Protocol):
@@ -41,21 +49,63 @@ class TrainingOptimizer(Protocol):
     def load_sharded_state_dict(self, loaded: dict) -> None: ...
 
 
-def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's default: biases and 1-D parameters (norm weights) are not decayed."""
-    return name.endswith(".bias") or param.dim() == 1
+def optimizer_config(
+    train: TrainConfig, *, bf16: bool = False, fp16: bool = False
+) -> OptimizerConfig:
+    """megatron-core's ``OptimizerConfig`` of these flags (its parameter-group rules read it)."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=train.lr,
+        min_lr=train.min_lr,
+        decoupled_lr=train.decoupled_lr,
+        decoupled_min_lr=train.decoupled_min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=bf16,
+        fp16=fp16,
+        loss_scale=train.loss_scale,
+        initial_loss_scale=train.initial_loss_scale,
+        min_loss_scale=train.min_loss_scale,
+        loss_scale_window=train.loss_scale_window,
+        hysteresis=train.hysteresis,
+        use_distributed_optimizer=train.use_distributed_optimizer,
+    )
 
 
-def _param_groups(model_chunks: Iterable[torch.nn.Module]) -> list[dict]:
-    decay, no_decay = [], []
+def _param_groups(model_chunks: Iterable[torch.nn.Module], train: TrainConfig) -> list[dict]:
+    """megatron-core's parameter groups (``get_standard_config_overrides``): biases and 1-D
+    parameters (norm weights) are not decayed; with --decoupled-lr the embedding and output
+    layer weights (``is_embedding_or_output_parameter``) carry their own ``max_lr`` /
+    ``min_lr``, which megatron-core's scheduler reads. Groups on the default rate come first
+    and are marked ``default_config`` (the logged rate)."""
+    overrides = get_standard_config_overrides(optimizer_config(train))
+    grouped: dict[tuple, list[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
-            if param.requires_grad:
-                (no_decay if _no_weight_decay(name, param) else decay).append(param)
-    return [
-        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False},
-        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "is_decoupled_lr": False},
-    ]
+            if not param.requires_grad:
+                continue
+            matched = [value for key, value in overrides.items() if key.matches(param, name)]
+            override = combine_param_group_overrides(matched) if matched else {}
+            grouped.setdefault(tuple(sorted(override.items())), []).append(param)
+    groups = []
+    for key, params in sorted(grouped.items()):
+        override = dict(key)
+        default_rate = not any("lr" in name for name in override)
+        groups.append(
+            {"params": params, "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False}
+            | {"default_config": default_rate}
+            | override
+        )
+    return sorted(groups, key=lambda group: not group["default_config"])
+
+
+def lr_for_logging(param_groups: list[dict]) -> float:
+    """The rate of the default groups (megatron-core's choice), not a decoupled one."""
+    lr = get_canonical_lr_for_logging(param_groups)
+    return param_groups[0]["lr"] if lr is None else lr
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
@@ -79,10 +129,19 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
 class TorchAdamW:
     """``torch.optim.AdamW`` over fp32 parameters whose gradients live in DDP's ``main_grad``."""
 
-    def __init__(self, *, model_chunks: list[torch.nn.Module], train: TrainConfig):
+    def __init__(
+        self,
+        *,
+        model_chunks: list[torch.nn.Module],
+        train: TrainConfig,
+        log_num_zeros_in_grad: bool = False,
+    ):
         self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.num_zeros_in_grad: int | None = None
+        """Zeros of the last step's reduced gradient (``log_num_zeros_in_grad``)."""
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model_chunks),
+            _param_groups(model_chunks, train),
             lr=train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             eps=train.adam_eps,
@@ -103,6 +162,8 @@ class TorchAdamW:
             # megatron DDP accumulates into main_grad (fp32) and leaves .grad unset
             p.grad = getattr(p, "main_grad", p.grad)
         grad_norm = global_grad_norm(self.params)
+        if self.log_num_zeros_in_grad:
+            self.num_zeros_in_grad = count_zeros_in_grad(self.params)
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.clip_grad > 0 and grad_norm > self.clip_grad:
@@ -153,6 +214,8 @@ class MegatronOptimizerAdapter:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
+        self.num_zeros_in_grad: int | None = None
+        """Zeros of the last step's gradient (megatron counts them with log_num_zeros_in_grad)."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -162,7 +225,7 @@ class MegatronOptimizerAdapter:
         self.optimizer.zero_grad()
 
     def step(self) -> tuple[bool, float | None]:
-        updated, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         return updated, grad_norm
 
     def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict:
@@ -173,50 +236,87 @@ class MegatronOptimizerAdapter:
 
 
 def build_optimizer(
-    *, model_chunks: list[torch.nn.Module], train: TrainConfig, bf16: bool, fp16: bool
+    *,
+    model_chunks: list[torch.nn.Module],
+    train: TrainConfig,
+    bf16: bool,
+    fp16: bool,
+    log_num_zeros_in_grad: bool = False,
 ) -> TrainingOptimizer:
-    """megatron's optimizer on CUDA, :class:`TorchAdamW` on CPU."""
+    """megatron's optimizer on CUDA, :class:`TorchAdamW` on CPU; both group the parameters by
+    megatron-core's rules (weight-decay skips, --decoupled-lr). With ``log_num_zeros_in_grad``
+    each step counts the gradient's zeros into ``optimizer.num_zeros_in_grad``."""
     if not torch.cuda.is_available():
-        return TorchAdamW(model_chunks=model_chunks, train=train)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        return TorchAdamW(
+            model_chunks=model_chunks, train=train, log_num_zeros_in_grad=log_num_zeros_in_grad
+        )
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=train.lr,
-        min_lr=train.min_lr,
-        weight_decay=train.weight_decay,
-        adam_beta1=train.adam_beta1,
-        adam_beta2=train.adam_beta2,
-        adam_eps=train.adam_eps,
-        clip_grad=train.clip_grad,
-        bf16=bf16,
-        fp16=fp16,
-        use_distributed_optimizer=train.use_distributed_optimizer,
-    )
+    config = optimizer_config(train, bf16=bf16, fp16=fp16)
+    config = dataclasses.replace(config, log_num_zeros_in_grad=log_num_zeros_in_grad)
     return MegatronOptimizerAdapter(get_megatron_optimizer(config, model_chunks))
+
+
+@dataclass(frozen=True)
+class ScheduleSteps:
+    """Spans of the LR / weight-decay schedule in the scheduler's steps: optimizer steps, or
+    samples for a sample-based run (--train-samples), whose scheduler the loop then steps by
+    each step's global batch, as Megatron-LM does."""
+
+    warmup: float
+    """Linear warm-up (not whole with --lr-warmup-fraction)."""
+    decay: int
+    """Warm-up plus decay to --min-lr."""
+    weight_decay: int
+    """Span of the weight-decay increase: the whole run."""
+    wsd_anneal: int | None
+    """WSD's anneal at the end of the decay (None unless --lr-decay-style WSD)."""
+
+
+def schedule_steps(train: TrainConfig) -> ScheduleSteps:
+    """Megatron-LM's schedule spans (``get_optimizer_param_scheduler``). An iteration-based run
+    counts optimizer steps where Megatron-LM counts step × global batch: at its constant batch,
+    the same rate at every step."""
+    if train.sample_based:
+        length, warmup = train.train_samples, train.lr_warmup_samples
+        decay, anneal = train.lr_decay_samples, train.lr_wsd_decay_samples
+    else:
+        length, warmup = train.train_iters, train.lr_warmup_iters
+        decay, anneal = train.lr_decay_iters, train.lr_wsd_decay_iters
+    decay = length if decay is None else decay
+    if train.lr_warmup_fraction is not None:
+        warmup = train.lr_warmup_fraction * decay
+    else:  # a warm-up as long as the run (allowed) still needs a decay span after it
+        decay = max(decay, warmup + 1)
+    if train.lr_decay_style != "WSD":
+        anneal = None
+    return ScheduleSteps(warmup=warmup, decay=decay, weight_decay=length, wsd_anneal=anneal)
 
 
 def build_lr_scheduler(
     *, optimizer: TrainingOptimizer, train: TrainConfig, schedule: str = "strict"
 ) -> OptimizerParamScheduler:
-    """megatron-core's scheduler, stepping once per optimizer step.
+    """megatron-core's scheduler over :func:`schedule_steps`.
 
     ``schedule`` is whose schedule a checkpoint load keeps: ``flags``, ``checkpoint``, or
     ``strict`` (they must agree; ``memo_ext.training.checkpointing`` refuses them otherwise).
     """
-    decay_iters = train.lr_decay_iters or train.train_iters
+    steps = schedule_steps(train)
+    start_wd, end_wd = train.weight_decay_span
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if train.lr_warmup_iters else train.lr,
+        init_lr=0.0,  # Megatron-LM's --lr-warmup-init default
         max_lr=train.lr,
         min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters, train.lr_warmup_iters + 1),
+        lr_warmup_steps=steps.warmup,
+        lr_decay_steps=steps.decay,
         lr_decay_style=train.lr_decay_style,
-        start_wd=train.weight_decay,
-        end_wd=train.weight_decay,
-        wd_incr_steps=max(train.train_iters, 1),
-        wd_incr_style="constant",
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=steps.weight_decay,
+        wd_incr_style=train.weight_decay_incr_style,
         override_opt_param_scheduler=schedule == "flags",
         use_checkpoint_opt_param_scheduler=schedule == "checkpoint",
+        wsd_decay_steps=steps.wsd_anneal,
+        lr_wsd_decay_style=train.lr_wsd_decay_style,
     )

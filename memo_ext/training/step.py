@@ -93,11 +93,13 @@ def forward_step(
             cu_seqlens_padded=batch.pop("cu_seqlens_padded"),
             device=device,
         )
-    # tokens / labels / position_ids: [b, s/cp]; GPTModel returns per-token losses [b, s/cp]
+    # tokens / labels / position_ids: [b, s/cp]; GPTModel returns per-token losses [b, s/cp].
+    # attention_mask [b, 1, s/cp, s] (data loader's, when it makes one) reaches the core
+    # attention as in Megatron-LM; ours are causal kernels and do not read it
     output = model(
         batch["tokens"],
         batch["position_ids"],
-        None,
+        batch.get("attention_mask"),
         labels=batch["labels"],
         packed_seq_params=packed,
     )

@@ -923,3 +923,39 @@ def test_without_a_cxx_compiler_the_shim_says_so(monkeypatch):
     with pytest.raises(cpu.ShimBuildError, match="needs a C\\+\\+ compiler") as error:
         cpu.build_cpu_shim()
     assert isinstance(error.value, UsageError)
+
+
+def test_a_fork_while_another_thread_allocates_leaves_the_child_a_usable_core(core):
+    """fork() copies one thread: the core's lock is held across it, so no thread can be inside
+    the core at that moment and the child can allocate."""
+    import os
+    import time
+
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            core.free(core.alloc(4096))
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:  # the child: allocate and leave at once, whatever happens
+                try:
+                    core.free(core.alloc(8192))
+                    os._exit(0)
+                finally:
+                    os._exit(1)
+            deadline = time.monotonic() + 10
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done[0] == 0:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the child hung on the core's lock")
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        stop.set()
+        thread.join()

@@ -153,8 +153,13 @@ def test_missing_dataset_file_is_named(tmp_path):
 def test_cpu_refuses_cuda_only_features():
     with pytest.raises(UsageError, match="need CUDA"):
         parse("--bf16")
-    with pytest.raises(UsageError, match="needs CUDA"):
-        parse("--use-distributed-optimizer")
+
+
+def test_cpu_runs_without_the_distributed_optimizer(caplog):
+    caplog.set_level("INFO")
+    run = parse("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    assert not run.train.use_distributed_optimizer
+    assert "--use-distributed-optimizer is not applicable on CPU" in caplog.text
 
 
 def test_entry_point_exits_2_with_the_message(capsys):

@@ -21,7 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"config"}),
     frozenset({"planner", "offload", "allocator"}),
     frozenset({"estimate"}),
-    frozenset({"hotspa"}),
+    frozenset({"hotspa", "megatron_lm"}),
     frozenset({"arguments", "training", "launch"}),
 )
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers

@@ -1,0 +1,68 @@
+"""Whole-model figures of the weights and their gradients, for the log: ``--log-params-norm``
+and ``--log-num-zeros-in-grad``.
+
+Each logical element counts once, as in the gradient norm (``memo_ext.training.optimizer``):
+tensor-parallel shards all count, TP-replicated parameters on TP rank 0 only, the last pipeline
+stage's copy of a tied embedding not at all; the sums are then added over the model-parallel
+group (TP × PP). Data-parallel replicas hold the same weights and reduced gradients, except the
+distributed optimizer's fp32 shards, which are added over DP × CP first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+
+def counted_once(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters whose elements this rank counts (see the module docstring)."""
+    return [
+        p for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+
+
+def _sum_over_model_parallel(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(value, group=parallel_state.get_model_parallel_group())
+    return value
+
+
+def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """L2 norm of all weights of the model, every logical element once.
+
+    Where megatron's mixed-precision optimizer keeps fp32 master weights (``main_param``) they
+    are read, as Megatron-LM's ``calc_params_l2_norm`` reads them; else the weights themselves.
+    """
+    params = list(params)
+    local = torch.zeros((), dtype=torch.float64)
+    sharded = torch.zeros((), dtype=torch.float64)
+    any_sharded = False
+    for p in counted_once(params):
+        if getattr(p, "main_param_sharded", False):  # the distributed optimizer's fp32 shard
+            any_sharded = True
+            if p.main_param is not None:
+                sharded += p.main_param.detach().double().pow(2).sum().cpu()
+            continue
+        data = getattr(p, "main_param", None)
+        data = p if data is None else data
+        local += data.detach().double().pow(2).sum().cpu()
+    if any_sharded and dist.is_initialized():  # every DP rank has the same parameters
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(sharded, group=group)
+    return math.sqrt(_sum_over_model_parallel(local + sharded).item())
+
+
+def count_zeros_in_grad(params: Iterable[torch.nn.Parameter]) -> int:
+    """Zero elements of the (reduced) gradient, every logical element once; parameters without a
+    gradient are left out, as megatron-core's optimizer counts (CUDA runs use its count)."""
+    zeros = torch.zeros((), dtype=torch.float64)
+    for p in counted_once(params):
+        if p.grad is not None:
+            zeros += p.grad.numel() - torch.count_nonzero(p.grad.detach()).cpu()
+    return int(_sum_over_model_parallel(zeros).item())

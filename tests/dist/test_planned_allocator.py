@@ -1,0 +1,63 @@
+"""--memo --memo-allocator plan trains exactly like --memo, with transients at planned offsets.
+
+On CPU the allocator core serves every allocation of the process through the c10 shim, so the
+whole path (record, plan, serve, fall back, statistics) runs here as it does on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.launch import cli, run_pretrain
+
+MODEL = cli(
+    num_layers=5,
+    hidden_size=96,
+    num_attention_heads=6,
+    seq_length=96,
+    micro_batch_size=1,
+    global_batch_size=4,
+    train_iters=6,
+    lr="1e-3",
+    mock_data=True,
+    swiglu=True,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    memo=True,
+    memo_alpha=0.5,
+)
+
+LAYOUTS = {
+    "one process": (1, []),
+    "DP 2": (2, []),
+    "TP 2 + SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+}
+
+
+def _plan_peaks(cache) -> list[int]:
+    """Rank 0's plans (the metrics file is rank 0's)."""
+    return [json.loads(p.read_text())["peak_bytes"] for p in cache.glob("*-rank0.json")]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_planned_allocator_is_exact_and_serves_the_plan(layout, tmp_path):
+    nproc, extra = LAYOUTS[layout]
+    cache = tmp_path / "plans"
+    plain = run_pretrain([*MODEL, *extra], nproc=nproc, workdir=tmp_path, name="plain")
+    planned_flags = [*MODEL, *extra, "--memo-allocator", "plan", "--memo-plan-cache", str(cache)]
+    planned = run_pretrain(planned_flags, nproc=nproc, workdir=tmp_path, name="planned")
+    for a, b in zip(plain, planned, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["iteration"]
+    served = [r for r in planned if r["iteration"] >= 3]
+    assert served and all(r["plan_hit_ratio"] >= 0.99 for r in served)
+    assert all(r["plan_miss_size"] == r["plan_miss_extra"] == 0 for r in served)
+    # the arena is exactly the largest plan's peak, and memory is reported through the core
+    assert {r["plan_arena_bytes"] for r in served} == {max(_plan_peaks(cache))}
+    assert all(r["mem_reserved_bytes"] >= r["plan_arena_bytes"] for r in served)
+    # a restart finds its plans on disk and plans nothing
+    stamps = {p: p.stat().st_mtime_ns for p in cache.glob("*.json")}
+    again = run_pretrain(planned_flags, nproc=nproc, workdir=tmp_path, name="again")
+    assert {p: p.stat().st_mtime_ns for p in cache.glob("*.json")} == stamps
+    assert [r["loss"] for r in again] == [r["loss"] for r in planned]

@@ -1,0 +1,148 @@
+"""--memo-allocator plan's driver over a real allocator core: record, plan, serve, re-plan."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from memo_ext.allocator.core import UNPLANNED, AllocatorCore
+from memo_ext.training.planned_memory import (
+    RECORD_ITERATION,
+    KindPlan,
+    PassRecord,
+    PlannedMemory,
+    plan_sequence,
+    sequence_digest,
+)
+
+FORWARD = [("a", 4096), ("a", 8192), ("f", 0), ("a", 4096), ("f", 1), ("keep", 2048), ("f", 2)]
+"""A pass as a program: allocate (size), free the n-th allocation of the pass, or allocate a
+block that outlives the pass."""
+
+
+@pytest.fixture
+def core():
+    core = AllocatorCore()
+    core.init("host")
+    yield core
+    core.shutdown()
+
+
+def run_pass(core: AllocatorCore, memory: PlannedMemory, program, *, late: int | None = None):
+    """One pass of ``program``; returns (pointers by allocation, blocks that outlive it)."""
+    memory.begin_pass("forward")
+    pointers, kept = [], []
+    for op, value in program:
+        if op in ("a", "keep"):
+            pointers.append(core.alloc(value))
+            if op == "keep":
+                kept.append(pointers[-1])
+        elif value != late:
+            core.free(pointers[value])
+    memory.end_pass()
+    if late is not None:  # freed after the pass: it is still live when the next one starts
+        kept.append(pointers[late])
+    return pointers, kept
+
+
+def run_step(core, memory, iteration, *, passes=3, late=None, program=FORWARD):
+    """One training step of ``passes`` passes; a pass's outliving blocks are freed once the
+    next pass has ended."""
+    memory.begin_step(iteration)
+    results, previous = [], []
+    for _ in range(passes):
+        pointers, kept = run_pass(core, memory, program, late=late)
+        for ptr in previous:
+            core.free(ptr)
+        results.append(pointers)
+        previous = kept
+    memory.end_step()
+    for ptr in previous:
+        core.free(ptr)
+    return results
+
+
+def test_pass_record_reads_lifetimes_in_allocation_time():
+    events = [("alloc", 0, 512), ("alloc", 1, 1024), ("free", 0, 512), ("alloc", 2, 512)]
+    record = PassRecord.from_events(events)
+    assert record.sizes == (512, 1024, 512)
+    assert record.ends == (2, -1, -1)  # block 0 is freed after two requests; 1 and 2 outlive
+    later = PassRecord((512, 1024, 512), (3, -1, 3))
+    assert record.merged(later).ends == (3, -1, -1)
+
+
+def test_plan_sequence_places_transients_and_leaves_the_rest():
+    record = PassRecord((4096, 8192, 4096, 2048), (2, 3, 4, -1))
+    plan = plan_sequence(record, time_limit_s=5)
+    assert plan.offsets[3] == UNPLANNED
+    # 0 and 1 overlap in time, 1 and 2 too; 0 and 2 do not: 12 KiB is optimal
+    assert plan.peak_bytes == 12288
+    a, b, c = plan.offsets[:3]
+    assert a + 4096 <= b or b + 8192 <= a
+    assert c + 4096 <= b or b + 8192 <= c
+
+
+def test_digest_depends_on_sizes_and_shapes_only():
+    assert sequence_digest((512, 1024), "x") == sequence_digest((512, 1024), "x")
+    assert sequence_digest((512, 1024), "x") != sequence_digest((1024, 512), "x")
+    assert sequence_digest((512, 1024), "x") != sequence_digest((512, 1024), "y")
+
+
+def test_record_then_serve_every_transient_at_its_offset(core, tmp_path):
+    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+    for iteration in range(1, RECORD_ITERATION + 1):
+        run_step(core, memory, iteration)
+    plan = memory.kinds[0].plan
+    assert memory.kind_at == [0, 0, 0]
+    steps = [run_step(core, memory, it) for it in (3, 4)]
+    base = core.arena_base()
+    for pointers in (p for step in steps for p in step):
+        planned = [base + o for o in plan.offsets if o != UNPLANNED]
+        assert [pointers[i] for i in (0, 1, 2)] == planned
+        assert not base <= pointers[3] < base + core.arena_bytes()  # outlives: not in the arena
+    metrics = memory.step_metrics()
+    assert metrics["plan_hit_ratio"] == 1.0
+    assert metrics["plan_hits"] == 9 and metrics["plan_misses"] == 0
+    assert metrics["plan_arena_bytes"] == plan.peak_bytes == 12288
+    assert metrics["plan_unplanned_bytes"] == 3 * 2048
+    # the plan is on disk, keyed by the digest, and a new run reads it instead of planning
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    assert KindPlan.from_json(json.loads(files[0].read_text())) == plan
+
+
+def test_a_cached_plan_is_reused(core, tmp_path, caplog):
+    for _ in range(2):
+        memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            for iteration in range(1, RECORD_ITERATION + 1):
+                run_step(core, memory, iteration)
+    assert "from " + str(tmp_path) in caplog.text
+
+
+def test_late_frees_miss_then_replan_then_give_up(core, caplog):
+    memory = PlannedMemory(core, shape_key="t", cache_dir=None, time_limit_s=5)
+    for iteration in range(1, RECORD_ITERATION + 1):
+        run_step(core, memory, iteration)
+    caplog.set_level(logging.WARNING)
+    # from now on block 1 is freed only after the pass: the next pass's range for it is taken
+    for iteration in (3, 4):
+        run_step(core, memory, iteration, late=1)
+        assert memory.step_metrics()["plan_miss_overlap"] > 0
+    assert "recording it again" in caplog.text and memory.recording == {0}
+    run_step(core, memory, 5, late=1)  # recorded: block 1 now outlives its pass
+    assert memory.replans == 1
+    assert memory.kinds[0].plan.offsets[1] == UNPLANNED
+    run_step(core, memory, 6, late=1)
+    assert memory.step_metrics()["plan_misses"] == 0
+    # a divergence the re-plan did not see: the kind gives up after two more missing steps
+    grown = [("a", 8192), *FORWARD[1:]]
+    for iteration in (7, 8):
+        run_step(core, memory, iteration, late=1, program=grown)
+        assert memory.step_metrics()["plan_miss_size"] == 3
+    assert memory.kinds[0].given_up and "from now on" in caplog.text
+    run_step(core, memory, 9, late=1, program=grown)
+    assert memory.step_metrics()["plan_requests"] == 0  # the caching path only
