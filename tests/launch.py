@@ -41,6 +41,24 @@ SMALL_GPT = cli(
 )
 """A small GPT on mock data: the flags the argument tests start from."""
 
+TINY_LLAMA = cli(
+    num_layers=2,
+    hidden_size=36,
+    ffn_hidden_size=50,
+    num_attention_heads=6,
+    num_query_groups=2,
+    seq_length=28,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    micro_batch_size=2,
+    mock_data=True,
+    seed=11,
+)
+"""A LLaMA-style layer (GQA, RoPE, RMSNorm, SwiGLU, no biases) small enough for many runs; the
+tests add the schedule."""
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -45,7 +45,9 @@
 enum { MODE_OFF = 0, MODE_RECORD = 1, MODE_SERVE = 2 };
 enum { BACKEND_NONE = -1, BACKEND_HOST = 0, BACKEND_CUDA = 1 };
 enum { BLOCK_FALLBACK = 1, BLOCK_ARENA = 2 };
-enum { EVENT_ALLOC = 0, EVENT_FREE = 1 };
+/* EVENT_FREE_OTHER: a block of the pass freed by another thread than the pass's owner (a
+ * collective's worker dropping its buffer, say): a time the pass's own sequence does not set */
+enum { EVENT_ALLOC = 0, EVENT_FREE = 1, EVENT_FREE_OTHER = 2 };
 
 /* Statistics, in the order memo_stats writes them (core.py names them). */
 enum {
@@ -590,8 +592,10 @@ void memo_free(void *ptr, size_t size, int device, void *stream) {
     }
     block_t block = *found;
     table_remove(found);
-    if (pass.open && pass.mode == MODE_RECORD && block.pass_serial == pass.serial)
-        log_event(EVENT_FREE, block.index, block.size);
+    if (pass.open && pass.mode == MODE_RECORD && block.pass_serial == pass.serial) {
+        int own = pthread_equal(pthread_self(), pass.owner);
+        log_event(own ? EVENT_FREE : EVENT_FREE_OTHER, block.index, block.size);
+    }
     if (block.kind == BLOCK_ARENA) arena_mark_free((uint64_t)((char *)ptr - arena.base));
     else fallback_release(&block);
 done:

@@ -98,7 +98,8 @@ NUM_KINDS = 8
 """Pass kinds are 0 .. NUM_KINDS - 1."""
 BACKENDS = {"host": 0, "cuda": 1}
 MODES = {"off": 0, "record": 1, "serve": 2}
-EVENT_TYPES = ("alloc", "free")
+EVENT_TYPES = ("alloc", "free", "free_other")
+"""Record-log event kinds; ``free_other``: a block of the pass freed by another thread."""
 STAT_NAMES = (
     "requests",
     "hits",
@@ -437,8 +438,9 @@ class AllocatorCore:
 
     def recorded(self) -> tuple[int | None, list[tuple[str, int, int]]]:
         """The last completed recorded pass: its kind (None if none) and its events in order,
-        each ``("alloc", request index, rounded size)`` or ``("free", index of the alloc,
-        rounded size)``."""
+        each ``("alloc", request index, rounded size)``, ``("free", index of the alloc, rounded
+        size)``, or ``("free_other", ...)`` for a free made by another thread than the
+        pass's owner."""
         count = self._lib.memo_recorded_count()
         types = np.zeros(count, dtype=np.int32)
         indices = np.zeros(count, dtype=np.int64)

@@ -6,10 +6,12 @@ the process goes through it. :class:`PlannedMemory` drives it over the passes ME
 reports (``MemoRuntime.passes``: one offloaded layer's forward; one layer's backward with its
 recompute, until the next pass begins or the step ends):
 
-1. iteration 1 warms up (α is solved, the host pool and the transfer engine are built);
-2. iteration :data:`RECORD_ITERATION` records the request sequence of every pass. Passes with
-   the same sequence (compared by digest) share a *kind*; each pass of a step remembers its kind
-   by position (the first and last backward passes of a step can differ from the middle ones);
+1. the first step of the process warms up (α is solved, the host pool and the transfer engine
+   are built);
+2. its step :data:`RECORD_ITERATION` records the request sequence of every pass. Passes with
+   the same sequence of request sizes share a *kind*, planned from the latest free of each
+   request over all its passes; each pass of a step remembers its kind by position (the first
+   and last backward passes of a step can differ from the middle ones);
 3. each kind's sequence is planned by the planner (its default backend, ``--memo-plan-time-limit``
    seconds, checked by the planner's validator and again by the core when loaded); plans are
    cached on disk by a digest of the sequence and the run's shapes (one file per rank), so a
@@ -49,7 +51,7 @@ from memo_ext.planner.trace import Alloc, Free, Trace
 logger = logging.getLogger(__name__)
 
 RECORD_ITERATION = 2
-"""The iteration whose passes are recorded (the first one warms up)."""
+"""The step of this process whose passes are recorded (the first one warms up)."""
 MAX_KINDS = 8
 """Distinct pass sequences the core can hold plans for."""
 MISS_TOLERANCE = 0.01
@@ -112,20 +114,26 @@ class PassRecord:
 
     @classmethod
     def from_events(cls, events: list[tuple[str, int, int]]) -> PassRecord:
-        """From the core's log: ``(op, request index, rounded size)`` in order."""
+        """From the core's log: ``(op, request index, rounded size)`` in order. A block that
+        another thread frees (a collective's worker dropping its buffer) is freed at a time of
+        that thread's: it is left to the caching path like one that outlives the pass."""
         sizes: list[int] = []
         ends: dict[int, int] = {}
         for op, index, size in events:
             if op == "alloc":
                 sizes.append(size)
-            else:
+            elif op == "free":
                 ends[index] = len(sizes)  # freed after this many requests
         return cls(tuple(sizes), tuple(ends.get(i, -1) for i in range(len(sizes))))
 
     def merged(self, other: PassRecord) -> PassRecord:
-        """Lifetimes that hold for both (the later free of each request; outliving wins)."""
+        """Lifetimes that hold for both: a request that outlives either pass outlives; one
+        freed at different points (released by another thread, a collective's worker say, at
+        a time of its own) lives to the end of the pass; the others keep their common end."""
+        n = len(self.sizes)
         ends = tuple(
-            -1 if -1 in (a, b) else max(a, b) for a, b in zip(self.ends, other.ends, strict=True)
+            -1 if -1 in (a, b) else a if a == b else n
+            for a, b in zip(self.ends, other.ends, strict=True)
         )
         return PassRecord(self.sizes, ends)
 
@@ -188,6 +196,8 @@ def _align(n: int) -> int:
 @dataclass
 class _KindState:
     digest: str
+    record: PassRecord | None = None
+    """Every recording of the kind so far, merged (what its plan was made from)."""
     plan: KindPlan | None = None
     missing_steps: int = 0
     replanned: bool = False
@@ -214,7 +224,8 @@ class PlannedMemory:
         self.shape_key = shape_key
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.time_limit_s = time_limit_s
-        self.iteration = 0
+        self.step = 0
+        """Steps this process has begun (a resumed run counts from its first step, too)."""
         self.kinds: list[_KindState] = []
         self.kind_at: list[int | None] = []
         """Kind of the n-th pass of a step (``None``: no plan for it)."""
@@ -231,16 +242,16 @@ class PlannedMemory:
 
     @property
     def serving(self) -> bool:
-        return self.iteration > RECORD_ITERATION
+        return self.step > RECORD_ITERATION
 
     def begin_pass(self, name: str) -> None:
         self._close()
         ordinal = self._ordinal
         self._ordinal += 1
-        if self.iteration < RECORD_ITERATION:
+        if self.step < RECORD_ITERATION:
             return
         kind = self.kind_at[ordinal] if ordinal < len(self.kind_at) else None
-        record = self.iteration == RECORD_ITERATION or (kind is not None and kind in self.recording)
+        record = self.step == RECORD_ITERATION or (kind is not None and kind in self.recording)
         if not record and (kind is None or self.kinds[kind].given_up):
             return  # no plan for this pass: its requests take the caching path
         self.core.set_mode("record" if record else "serve")
@@ -274,7 +285,9 @@ class PlannedMemory:
     # ----------------------------------------------------------------------------- steps
 
     def begin_step(self, iteration: int) -> None:
-        self.iteration = iteration
+        """``iteration`` is the run's; passes are recorded in this process's second step
+        whatever it is (a resumed run starts past RECORD_ITERATION)."""
+        self.step += 1
         self._ordinal = 0
         self._recorded_now = []
         for state in self.kinds:
@@ -286,7 +299,7 @@ class PlannedMemory:
         self._close()
         self.core.set_mode("off")
         self._step_stats = self.core.stats()
-        if self.iteration == RECORD_ITERATION:
+        if self.step == RECORD_ITERATION:
             self._learn_kinds()
         elif self.recording:
             self._replan()
@@ -310,7 +323,7 @@ class PlannedMemory:
                 "use the caching path",
                 MAX_KINDS,
             )
-        self.kinds = [_KindState(digest=d) for d in by_digest]
+        self.kinds = [_KindState(digest=d, record=sequences[d]) for d in by_digest]
         for digest, kind in by_digest.items():
             self.kinds[kind].plan = self._plan(digest, sequences[digest])
         self._load_all()
@@ -413,7 +426,9 @@ class PlannedMemory:
         for kind, record in merged.items():
             digest = digests[kind]
             state = self.kinds[kind]
-            state.digest = digest
+            if state.digest == digest and state.record is not None:
+                record = state.record.merged(record)  # the lifetimes of both recordings
+            state.digest, state.record = digest, record
             state.plan = plan_sequence(record, time_limit_s=self.time_limit_s)
             self._save(digest, state.plan)
             self.replans += 1

@@ -15,29 +15,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launch import ROOT, assert_same_curves, cli, free_port, run_pretrain
+from tests.launch import ROOT, TINY_LLAMA, assert_same_curves, cli, free_port, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-MODEL = cli(
-    num_layers=2,
-    hidden_size=36,
-    ffn_hidden_size=50,
-    num_attention_heads=6,
-    num_query_groups=2,
-    seq_length=28,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    disable_bias_linear=True,
-    micro_batch_size=2,
-    global_batch_size=4,
-    lr="2e-3",
-    lr_warmup_iters=2,
-    lr_decay_style="cosine",
-    mock_data=True,
-    seed=11,
-    weight_decay="0.1",
+MODEL = TINY_LLAMA + cli(
+    global_batch_size=4, lr="2e-3", lr_warmup_iters=2, lr_decay_style="cosine", weight_decay="0.1"
 )
 ITERS = ["--train-iters", "6"]
 # a resumed run replays the same arithmetic: any difference is a resume bug, not rounding

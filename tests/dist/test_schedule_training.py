@@ -8,27 +8,11 @@ import math
 
 import pytest
 
-from tests.launch import cli, run_pretrain
+from tests.launch import TINY_LLAMA, cli, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-MODEL = cli(
-    num_layers=2,
-    hidden_size=36,
-    ffn_hidden_size=50,
-    num_attention_heads=6,
-    num_query_groups=2,
-    seq_length=28,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    disable_bias_linear=True,
-    micro_batch_size=2,
-    lr="2e-3",
-    min_lr="1e-4",
-    mock_data=True,
-    seed=11,
-)
+MODEL = TINY_LLAMA + cli(lr="2e-3", min_lr="1e-4")
 
 
 def cosine_lr(n: float, *, warmup: float, decay: float) -> float:

@@ -70,7 +70,9 @@ def test_pass_record_reads_lifetimes_in_allocation_time():
     assert record.sizes == (512, 1024, 512)
     assert record.ends == (2, -1, -1)  # block 0 is freed after two requests; 1 and 2 outlive
     later = PassRecord((512, 1024, 512), (3, -1, 3))
+    # freed at two points: to the end of the pass; outliving once: outliving
     assert record.merged(later).ends == (3, -1, -1)
+    assert PassRecord((512, 512), (1, 2)).merged(PassRecord((512, 512), (1, 1))).ends == (1, 2)
 
 
 def test_plan_sequence_places_transients_and_leaves_the_rest():
@@ -146,3 +148,29 @@ def test_late_frees_miss_then_replan_then_give_up(core, caplog):
     assert memory.kinds[0].given_up and "from now on" in caplog.text
     run_step(core, memory, 9, late=1, program=grown)
     assert memory.step_metrics()["plan_requests"] == 0  # the caching path only
+
+
+def test_a_resumed_run_records_its_own_second_step(core):
+    memory = PlannedMemory(core, shape_key="t", cache_dir=None, time_limit_s=5)
+    for iteration in (41, 42, 43):  # a run resumed from iteration 40
+        run_step(core, memory, iteration)
+    assert memory.kinds and memory.step_metrics()["plan_hit_ratio"] == 1.0
+
+
+def test_blocks_freed_by_another_thread_are_left_to_the_caching_path(core):
+    import threading
+
+    core.reserve_arena(0)
+    core.set_mode("record")
+    core.begin_pass(0)
+    own, shared = core.alloc(4096), core.alloc(4096)
+    worker = threading.Thread(target=core.free, args=(shared,))  # a collective's worker
+    worker.start()
+    worker.join()
+    core.free(own)
+    core.end_pass()
+    _, events = core.recorded()
+    assert [op for op, _, _ in events] == ["alloc", "alloc", "free_other", "free"]
+    record = PassRecord.from_events(events)
+    assert record.ends == (2, -1)
+    assert plan_sequence(record, time_limit_s=5).offsets[1] == UNPLANNED
