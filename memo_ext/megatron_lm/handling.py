@@ -57,6 +57,10 @@ class Handling:
         return list(self.to)
 
 
+class Refuse(Exception):
+    """Raised by a mapping that cannot run on this machine; its message is the reason."""
+
+
 def same(
     note: str, *, values: tuple[str, ...] | None = None, otherwise: str = "not implemented here"
 ) -> Handling:
@@ -80,19 +84,24 @@ def _installed(module: str) -> bool:
 
 
 def _attention_backend(values: list[str], given: Given) -> list[str]:
-    """Megatron-LM's backends are transformer-engine's (flash, fused, unfused) or its own unfused
-    PyTorch attention (local); ours are SDPA, flash-attn and transformer-engine."""
+    """Megatron-LM's fused / unfused backends are transformer-engine's, local is its own unfused
+    PyTorch attention; ours are SDPA, flash-attn and transformer-engine."""
     (value,) = values
-    cuda = torch.cuda.is_available()
-    if value == "auto":
-        return ["--attention-backend", "auto"]
     if value == "local":
         return ["--attention-backend", "sdpa"]
-    if cuda and _installed("transformer_engine"):
+    if torch.cuda.is_available() and _installed("transformer_engine"):
         return ["--attention-backend", "te"]
-    if value == "flash" and cuda and _installed("flash_attn"):
-        return ["--attention-backend", "flash"]
     return ["--attention-backend", "sdpa"]
+
+
+def _use_flash_attn(values: list[str], given: Given) -> list[str]:
+    from memo_ext.mcore.specs import resolve_attention_backend
+
+    try:
+        resolve_attention_backend("flash")
+    except ValueError:
+        raise Refuse("flash attention needs CUDA and the flash_attn package here") from None
+    return ["--attention-backend", "flash"]
 
 
 def _group_query_attention(values: list[str], given: Given) -> list[str]:
@@ -111,9 +120,9 @@ ATTENTION_VALUES = ("flash", "fused", "unfused", "local", "auto")
 
 VALUE_MAPS: dict[str, Handling] = {
     "--attention-backend": mapped(
-        "Megatron-LM's flash / fused / unfused are transformer-engine's kernels (te where it "
-        "runs; else flash-attn for flash; else SDPA, the same attention), local is unfused "
-        "PyTorch attention (sdpa), auto is auto",
+        "Megatron-LM's fused / unfused are transformer-engine's kernels (te where it runs, else "
+        "SDPA, the same attention), local is unfused PyTorch attention (sdpa); flash and auto "
+        "are our own spellings too (flash-attn; auto picks te, flash-attn, then SDPA)",
         _attention_backend,
     ),
 }
@@ -284,8 +293,7 @@ HANDLING: dict[str, Handling] = {
         otherwise="transformer-engine's cross entropy is not wired here",
     ),
     "--use-flash-attn": mapped(
-        "Megatron-LM's older spelling of --attention-backend flash",
-        lambda values, given: _attention_backend(["flash"], given),
+        "Megatron-LM's older spelling of --attention-backend flash", _use_flash_attn
     ),
     "--add-qkv-bias": refused("a QKV bias without the other biases is not implemented here"),
     "--optimizer": same(

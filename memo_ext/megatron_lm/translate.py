@@ -23,6 +23,7 @@ from memo_ext.megatron_lm.handling import (
     VALUE_MAPS,
     VALUE_REASONS,
     Handling,
+    Refuse,
     handling_of,
 )
 
@@ -125,19 +126,10 @@ def _ours(
 
 
 def _needs_value_map(name: str, value: str, action: argparse.Action) -> bool:
-    """Megatron-LM's spelling of a value, or one of ours that cannot run on this machine."""
-    if name != "--attention-backend":
-        return value not in (action.choices or ())
-    from memo_ext.mcore.specs import resolve_attention_backend
-
-    if value in ("fused", "unfused", "local"):
-        return True
-    if value == "flash":
-        try:
-            resolve_attention_backend("flash")
-        except ValueError:
-            return True
-    return False
+    """A value spelled Megatron-LM's way that ours spells otherwise (``flash`` and ``auto`` are
+    both programs' spellings and stay ours: flash attention on a machine without CUDA is refused
+    in one sentence, as a precision flag is)."""
+    return value not in (action.choices or ())
 
 
 def _megatron(
@@ -166,7 +158,11 @@ def _megatron(
     elif handling.status == "same":
         _same(out, flag, name, values, handling)
     elif handling.status == "mapped":
-        rewritten = handling.rewrite(values, given)
+        try:
+            rewritten = handling.rewrite(values, given)
+        except Refuse as err:
+            out.refusals.append(Refusal(name, str(err)))
+            return
         out.argv += rewritten
         target = f" → {' '.join(rewritten)}" if rewritten else ""
         out.notices.append(f"{name}{target}: {handling.note}")
