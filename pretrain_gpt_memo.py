@@ -28,7 +28,7 @@ warnings.filterwarnings("ignore", message=r".*tp_group is None, using default tp
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from memo_ext.arguments import parse_args  # noqa: E402
-from memo_ext.errors import ReportedError  # noqa: E402
+from memo_ext.errors import ReportedError, out_of_memory  # noqa: E402
 from memo_ext.training.loop import train  # noqa: E402
 
 
@@ -54,11 +54,24 @@ def _tell_torchrun(message: str) -> None:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
+def _train_reporting_oom(argv: list[str] | None):
+    """Train; an allocator's out-of-memory error becomes :class:`OutOfMemory` (one sentence with
+    the bytes asked for, exit status 3): too big for this machine is a result, not a bug."""
+    run = parse_args(argv)
+    try:
+        return train(run)
+    except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+        oom = out_of_memory(err, capped=run.preflight.memory_limit_gb is not None)
+        if oom is None:
+            raise
+        raise oom from None
+
+
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
     try:
-        summary = train(parse_args(argv))
-    except ReportedError as err:  # bad input (exit 2) or a failure the message explains (1)
+        summary = _train_reporting_oom(argv)
+    except ReportedError as err:  # bad input (2), out of memory (3), a failure it explains (1)
         print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         _tell_torchrun(str(err))
         return err.exit_status

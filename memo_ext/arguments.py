@@ -90,6 +90,9 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     sections = {name: from_flags(cls, args, section=name) for name, cls, _ in SECTIONS}
+    data = sections["data"]
+    if data.vocab_file and data.merge_file and "--tokenizer-type" not in translation.argv:
+        sections["data"] = dataclasses.replace(data, tokenizer_type="GPT2BPETokenizer")
     if getattr(args, "layout.sp") and sections["layout"].tp == 1:
         logger.warning("--sequence-parallel has no effect with TP = 1; turning it off")
     sections["layout"] = sections["layout"].with_world(world_size)

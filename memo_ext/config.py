@@ -36,7 +36,7 @@ from memo_ext.data.datasets import (
 from memo_ext.data.tokenizers import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, build_tokenizer
 from memo_ext.errors import UsageError
 from memo_ext.flags import flag_name
-from memo_ext.hardware import DEVICES
+from memo_ext.hardware import DEVICES, read_calibration
 from memo_ext.mcore.batches import batch_at, parse_step_schedule
 from memo_ext.mcore.config import transformer_config
 from memo_ext.mcore.specs import ATTENTION_BACKENDS, resolve_attention_backend
@@ -622,7 +622,8 @@ class DataConfig:
     """Whole documents (cut at --seq-length) packed into rows with per-document attention;
     --global-batch-size then counts documents."""
     tokenizer_type: Literal[TOKENIZER_TYPES] = "ByteTokenizer"
-    """Tokenizer; nothing is downloaded."""
+    """Tokenizer; nothing is downloaded. Unset with --vocab-file and --merge-file given:
+    GPT2BPETokenizer (what Megatron-LM's GPT-3 scripts mean by those two files)."""
     vocab_size: int | None = None
     """NullTokenizer vocabulary (other tokenizers fix their own)."""
     tokenizer_model: str | None = None
@@ -931,6 +932,22 @@ class PreflightConfig:
     )
     """Check the run against this device preset (default: the CUDA device; none on CPU); HotSPa's
     auto layouts are planned for it too."""
+    calibration: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """Estimator calibration (memo-calibration/1 JSON, written by python -m tools.compare_methods
+    --calibrate): the measured matmul / attention efficiencies and host-link bandwidth replace the
+    estimator's assumptions in the preflight."""
+    memory_limit_gb: float | None = None
+    """Cap this process's memory so that a run too big for a smaller device fails here with out
+    of memory (exit status 3): on CUDA the device memory torch may use, in GiB (the preflight
+    checks against it too); on CPU how far the process's data segment may grow after start-up
+    (RLIMIT_DATA). Not with --memo-allocator plan on CUDA."""
+
+    def check(self) -> None:
+        """Refuse a non-positive limit and an unreadable or malformed calibration file."""
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise UsageError(f"--memory-limit-gb must be positive, got {self.memory_limit_gb}")
+        if self.calibration is not None:
+            read_calibration(self.calibration)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1288,6 +1305,7 @@ class RunConfig:
         self.evaluation.check()
         self._check_evaluation_split()
         self.checkpoint.check()
+        self.preflight.check()
         self._check_variable_lengths()
         self.hotspa.check()
         self._check_hotspa()
@@ -1401,6 +1419,20 @@ class RunConfig:
             return
         if not self.data.variable_seq_lengths:
             raise UsageError("--hotspa trains whole documents: add --variable-seq-lengths")
+        if self.train.fp16:
+            # megatron's loss scale reaches the home model's schedule only: the other layouts'
+            # gradients would come back unscaled, too small by the loss scale
+            raise UsageError(
+                "--hotspa does not scale the losses of buckets in other layouts; use --bf16 "
+                "instead of --fp16"
+            )
+        dropout = max(self.model.attention_dropout, self.model.hidden_dropout)
+        if dropout > 0:
+            raise UsageError(
+                "--hotspa layouts share the home layout's dropout random streams, so the TP ranks "
+                "of another layout would draw the same masks; use --attention-dropout 0 "
+                f"--hidden-dropout 0 (got {dropout})"
+            )
         fixed = {
             "--tensor-model-parallel-size": self.layout.tp,
             "--pipeline-model-parallel-size": self.layout.pp,

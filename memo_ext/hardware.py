@@ -3,7 +3,8 @@
 :data:`DEVICES` is the one place device facts live: MFU in the training metrics divides by its
 peaks, the estimator and the preflight check runs against its memory and bandwidths, HotSPa's
 ``auto`` plans for one of its entries. :func:`cuda_device` finds this process's entry by its CUDA
-name.
+name. A :class:`Calibration` file holds what one machine was measured to achieve (kernel
+efficiencies, host-link bandwidth) in place of the table's assumptions.
 
 This module imports nothing else from the package (but ``memo_ext.errors``).
 """
@@ -11,6 +12,7 @@ This module imports nothing else from the package (but ``memo_ext.errors``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -134,3 +136,79 @@ def available_host_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration: what a machine really achieves, measured by tools.compare_methods --calibrate
+# ---------------------------------------------------------------------------------------------
+
+CALIBRATION_FORMAT = "memo-calibration/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Achieved kernel rates and host-link bandwidth of one machine, which replace the
+    estimator's assumed efficiencies (``memo_ext.estimate.calibration.apply_calibration``)."""
+
+    device: str
+    """The device measured: a preset name (``h200-141g``), or ``cpu``."""
+    peak_tflops: float
+    """The peak the efficiencies are fractions of (the preset's, or on CPU the measured rate of a
+    large square matrix product)."""
+    matmul_efficiency: float
+    """Achieved fraction of ``peak_tflops`` on a layer's non-attention FLOPs."""
+    attention_efficiency: float
+    """Achieved fraction of ``peak_tflops`` on attention FLOPs (causal half counted)."""
+    host_link_gbps: float
+    """Achieved device ↔ host copy bandwidth per process, GB/s (the slower direction)."""
+    source: str = "microbenchmark"
+    """How the efficiencies were found: ``microbenchmark`` (kernels timed alone) or ``fit``
+    (least squares on the measured step times of real runs)."""
+    details: dict = dataclasses.field(default_factory=dict)
+    """What was measured: kernel timings, the runs fitted and their errors (free-form)."""
+
+    def check(self, *, path: str = "calibration") -> None:
+        """Raises UsageError for a value no machine has."""
+        for name in ("matmul_efficiency", "attention_efficiency"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise UsageError(f"{path}: {name} must be in (0, 1], got {value}")
+        for name in ("peak_tflops", "host_link_gbps"):
+            if not getattr(self, name) > 0:
+                raise UsageError(f"{path}: {name} must be positive, got {getattr(self, name)}")
+
+
+def read_calibration(path: str) -> Calibration:
+    """A calibration file (``memo-calibration/1`` JSON) as a checked :class:`Calibration`.
+
+    Raises:
+        UsageError: for a missing, unreadable or malformed file, naming it.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--calibration {path}: cannot read it ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--calibration {path}: not JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+        raise UsageError(
+            f"--calibration {path}: not a {CALIBRATION_FORMAT} file (write one with "
+            "python -m tools.compare_methods --calibrate)"
+        )
+    names = {f.name for f in dataclasses.fields(Calibration)}
+    try:
+        calibration = Calibration(**{k: v for k, v in data.items() if k in names})
+    except TypeError:
+        missing = sorted(n for n in names - set(data) if n not in ("source", "details"))
+        raise UsageError(f"--calibration {path}: lacks {', '.join(missing)}") from None
+    calibration.check(path=f"--calibration {path}")
+    return calibration
+
+
+def write_calibration(path: str, calibration: Calibration) -> None:
+    """Writes ``calibration`` as a ``memo-calibration/1`` JSON file."""
+    calibration.check()
+    with open(path, "w") as f:
+        json.dump({"format": CALIBRATION_FORMAT, **dataclasses.asdict(calibration)}, f, indent=1)
+        f.write("\n")

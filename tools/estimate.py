@@ -10,8 +10,10 @@ and how fast?" on a laptop: per-layer bytes and FLOPs are measured on fake tenso
         --method full --find-max-seq-length --json
 
 Model, layout, MEMO and device flags are the trainer's and the presets' own fields (unset:
-the preset's value, or searched for the layout). With ``--json`` the last line printed is one
-JSON object. Bad input exits with status 2 and one sentence.
+the preset's value, or searched for the layout). ``--calibration FILE`` takes the efficiencies
+and host link a machine was measured to reach (``python -m tools.compare_methods --calibrate``).
+With ``--json`` the last line printed is one JSON object. Bad input exits with status 2 and one
+sentence.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ warnings.filterwarnings("ignore")
 
 from memo_ext.config import DataConfig, MemoConfig, ModelConfig, TrainConfig  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
+from memo_ext.estimate.calibration import apply_calibration  # noqa: E402
 from memo_ext.estimate.model import METHODS, Batch, Efficiency, Estimate  # noqa: E402
 from memo_ext.estimate.search import (  # noqa: E402
     DEFAULT_GRANULARITY,
@@ -38,7 +41,13 @@ from memo_ext.estimate.search import (  # noqa: E402
     find_max_seq_length,
 )
 from memo_ext.flags import add_flags, cli_fields, overrides_from_flags  # noqa: E402
-from memo_ext.hardware import DEVICES, GIB, DeviceSpec, device_spec  # noqa: E402
+from memo_ext.hardware import (  # noqa: E402
+    DEVICES,
+    GIB,
+    DeviceSpec,
+    device_spec,
+    read_calibration,
+)
 from memo_ext.parallel import ParallelLayout  # noqa: E402
 from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
 
@@ -76,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--granularity", type=int, default=DEFAULT_GRANULARITY, help="Search step / (2·CP), tokens."
     )
     p.add_argument("--json", action="store_true", help="End with one JSON line.")
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="A memo-calibration/1 file (python -m tools.compare_methods --calibrate): its "
+        "measured matmul / attention efficiencies and host-link bandwidth replace the "
+        "assumed ones (flags given explicitly still win).",
+    )
     titles = {
         "shape": "model (default: the preset's)",
         "layout": "parallelism (unset: searched)",
@@ -103,8 +119,12 @@ def _inputs(args: argparse.Namespace):
     given = _given(args)
     model = model_shape(args.model, **given["shape"])
     model.check()
-    device = device_spec(args.gpu, **given["device"])
-    efficiency = Efficiency(**given["efficiency"], **given["model"])
+    device, efficiency = device_spec(args.gpu), Efficiency(**given["model"])
+    if args.calibration is not None:  # measured figures; flags given explicitly still win
+        calibration = read_calibration(args.calibration)
+        device, efficiency = apply_calibration(calibration, device=device, efficiency=efficiency)
+    device = dataclasses.replace(device, **given["device"])
+    efficiency = dataclasses.replace(efficiency, **given["efficiency"])
     efficiency.check()
     train = given["train"]
     batch = dataclasses.replace(

@@ -24,6 +24,7 @@ import json
 import logging
 import multiprocessing
 import os
+import resource
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -605,9 +606,32 @@ def build_batch_iterator(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
-        worker_init_fn=_leave_stop_signals_to_the_trainer if num_workers else None,
+        worker_init_fn=_init_loader_process if num_workers else None,
     )
     return iter(loader)
+
+
+def close_batch_iterator(batches: Iterator | None) -> None:
+    """Stop the loader processes of a :func:`build_batch_iterator` iterator now (anything else:
+    nothing to do). A finished run's iterator is dropped and stops them itself; a failed run's
+    lives on in the traceback, and at the exit Python would wait for its processes forever
+    (they ignore SIGTERM)."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # torch's multi-process iterator
+    if shutdown is not None:
+        shutdown()
+
+
+def _init_loader_process(worker_id: int) -> None:
+    _leave_stop_signals_to_the_trainer(worker_id)
+    _drop_inherited_data_limit()
+
+
+def _drop_inherited_data_limit() -> None:
+    """--memory-limit-gb caps the trainer's own data segment on CPU (RLIMIT_DATA), and a forked
+    loader process inherits the cap with little of it left: it would fail, or hang the trainer's
+    exit. The loader's few batches are not what the cap measures."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
 
 
 def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:

@@ -8,4 +8,6 @@ Modules:
     model: ``estimate(...)`` of one configuration.
     search: ``find_max_seq_length(...)`` and ``best_at_length(...)`` over parallel layouts.
     preflight: ``preflight(run)`` / ``check_preflight(run)`` for the trainer.
+    calibration: kernels timed on this machine, efficiencies fitted to measured steps, and
+        ``apply_calibration`` for the estimator (file format: ``memo_ext.hardware.Calibration``).
 """

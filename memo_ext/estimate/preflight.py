@@ -4,7 +4,8 @@
 returns a :class:`Report`; ``check_preflight(run)`` raises :class:`PreflightError` with the
 numbers and a suggestion (``--memo``, a larger CP, …) when the run cannot fit. The device is the
 CUDA device's preset (by name) or one given explicitly; on a machine without a GPU and without a
-given device nothing is checked.
+given device nothing is checked. ``--calibration`` replaces the estimator's assumed efficiencies
+and host link with a machine's measured ones; ``--memory-limit-gb`` lowers the device's memory.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from dataclasses import dataclass, replace
 
 from memo_ext.config import MemoConfig, RunConfig
 from memo_ext.errors import UsageError
+from memo_ext.estimate.calibration import apply_calibration
 from memo_ext.estimate.model import Batch, Efficiency, Estimate, EstimateError
 from memo_ext.estimate.model import estimate as run_estimate
-from memo_ext.hardware import GIB, DeviceSpec, available_host_memory_bytes, cuda_device
+from memo_ext.hardware import (
+    GIB,
+    DeviceSpec,
+    available_host_memory_bytes,
+    cuda_device,
+    read_calibration,
+)
 from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -73,6 +81,7 @@ def preflight(
     if device is None:
         return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
     efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
+    device, efficiency = _as_configured(run, device, efficiency)
     layout = run.layout
     if host_memory_bytes is None:
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
@@ -94,6 +103,19 @@ def preflight(
     hint = _suggestion(est, layout=layout, seq_length=run.data.seq_length, **kwargs)
     message = f"this run does not fit: {_numbers(est)}; {hint}"
     return Report(checked=True, fits=False, message=message, estimate=est)
+
+
+def _as_configured(
+    run: RunConfig, device: DeviceSpec, efficiency: Efficiency
+) -> tuple[DeviceSpec, Efficiency]:
+    """The device and efficiencies after ``--calibration`` and ``--memory-limit-gb``."""
+    if run.preflight.calibration is not None:
+        calibration = read_calibration(run.preflight.calibration)
+        device, efficiency = apply_calibration(calibration, device=device, efficiency=efficiency)
+    if run.preflight.memory_limit_gb is not None:
+        limit = int(run.preflight.memory_limit_gb * GIB)
+        device = replace(device, memory_bytes=min(device.memory_bytes, limit))
+    return device, efficiency
 
 
 def check_preflight(run: RunConfig, **kwargs) -> Report:

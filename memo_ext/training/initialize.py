@@ -8,10 +8,12 @@ world into TP × CP × DP × PP groups in its default ``tp-cp-ep-dp-pp`` order.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import logging
 import os
 import random
+import resource
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from memo_ext.errors import UsageError
 from memo_ext.mcore.compat import check_mcore_version, cpu_compat, seed_cpu_rng_tracker
 from memo_ext.parallel import ParallelLayout
 
@@ -121,3 +124,78 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def apply_memory_limit(limit_gb: float | None, *, device: torch.device, planned: bool) -> None:
+    """``--memory-limit-gb``: make this process run out of memory past ``limit_gb`` GiB.
+
+    CUDA: torch's per-process memory fraction of the device, so the caching allocator raises
+    ``torch.OutOfMemoryError`` beyond it. CPU: ``RLIMIT_DATA`` at the data segment's size now
+    plus the limit, so tensors (and anything else the process maps) past it fail to allocate;
+    what start-up already holds (interpreter, libraries, process groups) is not counted.
+
+    Raises:
+        UsageError: with the planned allocator on CUDA (its arena is not torch's to cap).
+    """
+    if limit_gb is None:
+        return
+    limit = int(limit_gb * 2**30)
+    if device.type == "cuda":
+        if planned:
+            raise UsageError(
+                "--memory-limit-gb cannot cap --memo-allocator plan on CUDA; drop one of them"
+            )
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        logger.info("memory limit: %.2f GiB of the device's %.2f", limit_gb, total / 2**30)
+        return
+    _map_large_allocations()
+    start = _data_segment_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    _LIFTED_DATA_LIMIT.append(soft)
+    cap = start + limit if hard == resource.RLIM_INFINITY else min(hard, start + limit)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    logger.info(
+        "memory limit: the data segment may grow by %.2f GiB (from %.2f GiB at start-up)",
+        limit_gb,
+        start / 2**30,
+    )
+
+
+_LIFTED_DATA_LIMIT: list[int] = []
+"""The CPU data-segment limit before ``apply_memory_limit`` set one (restored by
+``lift_memory_limit``)."""
+
+
+def lift_memory_limit() -> None:
+    """Undo ``--memory-limit-gb`` on CPU after running out of memory, so that the exit can clean
+    up (data-loader workers are stopped by a thread the limit would no longer let start)."""
+    if _LIFTED_DATA_LIMIT:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        resource.setrlimit(resource.RLIMIT_DATA, (_LIFTED_DATA_LIMIT.pop(), hard))
+
+
+def _map_large_allocations() -> None:
+    """glibc: every allocation of 64 KiB or more its own mapping, returned on free, and one heap
+    for all threads. By default glibc raises its mapping threshold as large blocks are freed and
+    keeps them in per-thread heaps, so the data segment (what RLIMIT_DATA counts) would depend
+    on allocation order and thread timing, not just on the tensors alive; with this, the same run
+    runs out of memory at the same limit every time."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+        libc.mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        logger.warning("--memory-limit-gb: cannot tune this C library's malloc; limits may vary")
+
+
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters (malloc.h)
+
+
+def _data_segment_bytes() -> int:
+    """``VmData`` of ``/proc/self/status``: what RLIMIT_DATA compares with its limit."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise UsageError("--memory-limit-gb on CPU needs Linux's /proc/self/status (VmData)")

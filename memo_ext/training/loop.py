@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.allocator.core import AllocatorCore
 from memo_ext.config import RunConfig
+from memo_ext.data.datasets import close_batch_iterator
 from memo_ext.errors import ReportedError, UsageError
 from memo_ext.estimate.preflight import check_preflight
 from memo_ext.hardware import device_peak_tflops, device_spec
@@ -58,9 +59,11 @@ from memo_ext.training.housekeeping import (
 )
 from memo_ext.training.initialize import (
     ParallelContext,
+    apply_memory_limit,
     device_environment,
     init_distributed,
     init_model_parallel,
+    lift_memory_limit,
     shutdown,
 )
 from memo_ext.training.inputs import build_batches
@@ -138,6 +141,10 @@ def train(run: RunConfig) -> TrainSummary:
                 seed=run.train.seed,
                 timeout_minutes=run.distributed.timeout_minutes,
             )
+            # after start-up (process groups made), before the first tensor of the model
+            apply_memory_limit(
+                run.preflight.memory_limit_gb, device=ctx.device, planned=core is not None
+            )
             init_num_microbatches_calculator(
                 rank=ctx.rank,
                 rampup_batch_size=run.train.rampup_batch_size,
@@ -156,6 +163,7 @@ def train(run: RunConfig) -> TrainSummary:
                 )
             return _train(run, ctx, tokenizer, core)
     finally:
+        lift_memory_limit()  # the clean-up below may need memory (an out-of-memory exit too)
         destroy_num_microbatches_calculator()
         shutdown()
 
@@ -252,8 +260,12 @@ def _train(
         session.metric_sources.append(
             MetricSource(collect=session.hotspa.step_metrics, describe=format_hotspa_metrics)
         )
-    with StopConditions(run.checkpoint) as stop:
-        return _run_steps(session, progress, stop)
+    try:
+        with StopConditions(run.checkpoint) as stop:
+            return _run_steps(session, progress, stop)
+    finally:  # a failed run's iterators live on in its traceback: stop their loaders now
+        close_batch_iterator(session.train_batches)
+        close_batch_iterator(session.valid_batches)
 
 
 def _schedule_policy(run: RunConfig) -> str:

@@ -83,6 +83,8 @@ def test_sequence_parallel_is_dropped_without_tp():
         (HOT + ["--tensor-model-parallel-size", "2"], 2, "drop --tensor-model-parallel-size"),
         (HOT + ["--hotspa-buckets", "64,100"], 2, "must equal --seq-length (128)"),
         (HOT + ["--hotspa-buckets", "64,32,128"], 2, "strictly ascending"),
+        (HOT + ["--hidden-dropout", "0.1"], 2, "share the home layout's dropout random streams"),
+        (HOT + ["--attention-dropout", "0.1"], 2, "draw the same masks"),
         (
             HOT + ["--hotspa-buckets", "64,128", "--hotspa-strategies", "dp2"],
             2,
@@ -167,3 +169,13 @@ def test_entry_point_exits_2_with_the_message(capsys):
 
     assert main([*BASE, "--num-query-groups", "3"]) == 2
     assert "not divisible by --num-query-groups 3" in capsys.readouterr().err
+
+
+def test_hotspa_refuses_fp16_whose_other_layouts_are_not_loss_scaled():
+    # --fp16 needs CUDA, which TrainConfig refuses first on this machine: check the rule alone
+    import dataclasses
+
+    run = parse(*HOT, world_size=2)
+    fp16 = dataclasses.replace(run, train=dataclasses.replace(run.train, fp16=True))
+    with pytest.raises(UsageError, match="use --bf16 instead of --fp16"):
+        fp16._check_hotspa()

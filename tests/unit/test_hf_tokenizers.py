@@ -102,3 +102,14 @@ def test_trainer_flags_check_the_tokenizer(bpe_dir):
         parse_args([*base, "--tokenizer-model", str(bpe_dir), "--vocab-size", "7"], world_size=1)
     run = parse_args([*base, "--tokenizer-model", str(bpe_dir)], world_size=1)
     assert run.data.tokenizer_model == str(bpe_dir)
+
+
+def test_gpt2_files_without_a_tokenizer_type_mean_gpt2_bpe(bpe_dir):
+    """Megatron-LM's GPT-3 scripts give --vocab-file and --merge-file and no --tokenizer-type."""
+    from memo_ext.arguments import parse_args
+    from tests.launch import SMALL_GPT
+
+    files = cli(vocab_file=bpe_dir / "vocab.json", merge_file=bpe_dir / "merges.txt")
+    assert parse_args([*SMALL_GPT, *files], world_size=1).data.tokenizer_type == "GPT2BPETokenizer"
+    bytes_run = parse_args([*SMALL_GPT, *files, "--tokenizer-type", "ByteTokenizer"], world_size=1)
+    assert bytes_run.data.tokenizer_type == "ByteTokenizer"
