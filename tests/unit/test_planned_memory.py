@@ -174,3 +174,25 @@ def test_blocks_freed_by_another_thread_are_left_to_the_caching_path(core):
     record = PassRecord.from_events(events)
     assert record.ends == (2, -1)
     assert plan_sequence(record, time_limit_s=5).offsets[1] == UNPLANNED
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--memo-allocator", "plan"], "--memo-allocator only applies with --memo; add --memo"),
+        (
+            ["--memo", "--memo-allocator", "plan", "--variable-seq-lengths"],
+            "packed documents (--variable-seq-lengths, --hotspa) change it every step",
+        ),
+        (["--memo", "--memo-plan-time-limit", "0"], "--memo-plan-time-limit must be positive"),
+    ],
+)
+def test_the_planned_allocator_refuses_in_one_sentence(extra, message):
+    from memo_ext.arguments import parse_args
+    from memo_ext.errors import UsageError
+    from tests.launch import SMALL_GPT
+
+    argv = [*SMALL_GPT, "--micro-batch-size", "1", *extra]
+    with pytest.raises(UsageError) as err:
+        parse_args(argv, world_size=1)
+    assert message in str(err.value) and "\n" not in str(err.value)
