@@ -1137,6 +1137,12 @@ class HotSPaConfig:
     model in both modes."""
     strategies: tuple[ParallelLayout, ...] | None = field(default=None, metadata={"cli": False})
     """One layout per bucket (shortest first); ``None`` while ``auto`` has not chosen."""
+    predicted_step_s: float | None = field(default=None, metadata={"cli": False})
+    """The estimator's step time for these layouts (once resolved against a device)."""
+    predicted_single_layout_s: float | None = field(default=None, metadata={"cli": False})
+    """The estimator's step time with every document packed into --seq-length rows in the best
+    single layout: what HotSPa is compared with (``auto`` takes it when switching does not
+    pay, and then runs one bucket)."""
 
     @property
     def auto(self) -> bool:

@@ -51,6 +51,9 @@ class DeviceSpec:
     """Achieved network bandwidth per GPU between nodes, GB/s."""
     gpus_per_node: int = 8
     """GPUs sharing one node (one NVLink domain and one host memory)."""
+    hbm_gbps: float | None = None
+    """Device memory bandwidth, GB/s (data sheet); bounds the speed of thin matrix products.
+    ``None``: not modelled (matrix products run at the matmul efficiency whatever their shape)."""
 
     @property
     def cuda_name(self) -> str:
@@ -69,16 +72,18 @@ class DeviceSpec:
 #   switch uplink, halve it with --host-link-gbps).
 # - NVLink: per-direction NVLink bandwidth (A100 300, A800 and H800 200, H100 / H200 450 GB/s)
 #   times about 0.8, what NCCL's all-gather / reduce-scatter bus bandwidth reaches on 8 GPUs.
+# - HBM: data sheets of the SXM parts: A100 / A800 80 GB 2,039 GB/s, H100 / H800 3,350 GB/s, H200
+#   4,800 GB/s (the time model applies an achieved fraction, ``memo_ext.estimate.model``).
 # - network: assumption of one 200 Gb/s NIC per GPU (HDR InfiniBand, ~22 GB/s achieved) for
 #   A100 / A800 and one 400 Gb/s NIC per GPU (NDR, ~45 GB/s achieved) for the Hopper parts.
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        DeviceSpec("a100-80g", 312.0, 80 * GIB, 25.0, 240.0, 22.0),
-        DeviceSpec("a800-80g", 312.0, 80 * GIB, 25.0, 160.0, 22.0),
-        DeviceSpec("h100-80g", 989.0, 81559 * 2**20, 50.0, 360.0, 45.0),
-        DeviceSpec("h800-80g", 989.0, 81559 * 2**20, 50.0, 160.0, 45.0),
-        DeviceSpec("h200-141g", 989.0, 143771 * 2**20, 50.0, 360.0, 45.0),
+        DeviceSpec("a100-80g", 312.0, 80 * GIB, 25.0, 240.0, 22.0, hbm_gbps=2039.0),
+        DeviceSpec("a800-80g", 312.0, 80 * GIB, 25.0, 160.0, 22.0, hbm_gbps=2039.0),
+        DeviceSpec("h100-80g", 989.0, 81559 * 2**20, 50.0, 360.0, 45.0, hbm_gbps=3350.0),
+        DeviceSpec("h800-80g", 989.0, 81559 * 2**20, 50.0, 160.0, 45.0, hbm_gbps=3350.0),
+        DeviceSpec("h200-141g", 989.0, 143771 * 2**20, 50.0, 360.0, 45.0, hbm_gbps=4800.0),
     )
 }
 """Device presets by name."""

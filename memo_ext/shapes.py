@@ -136,6 +136,7 @@ MODELS: dict[str, ModelShape] = {
     "gpt-65b": _gpt("gpt-65b", 80, 8192, 64),
     "llama-7b": _llama("llama-7b", 32, 4096, 32, 11008),
     "llama-13b": _llama("llama-13b", 40, 5120, 40, 13824),
+    "llama-30b": _llama("llama-30b", 60, 6656, 52, 17920),  # Llama 1's "33B"
     "llama-70b": _llama("llama-70b", 80, 8192, 64, 28672, groups=8),
 }
 """Presets by name."""

@@ -37,6 +37,31 @@ DEFAULT_ATTENTION_EFFICIENCY = 0.60
 DEFAULT_HEADROOM = 0.06
 CAUSAL_FRACTION = 0.5
 """A causal kernel computes half of the ``s × s`` products the counter sees."""
+# Small work. The efficiencies above are what large kernels reach; short documents and thin
+# shards run below them:
+# - attention: FlashAttention-2's causal forward + backward at head dim 128 on an A100 runs at
+#   roughly half its long-sequence rate at 512 tokens and near it from 4K up (FlashAttention-2
+#   paper, Dao 2023, the A100 benchmark figure, read approximately). Modelled as the efficiency
+#   times ``c / (c + ATTENTION_HALF_TOKENS)`` for query chunks of ``c`` tokens: a document of
+#   ``len`` tokens is one chunk, or ``2·CP`` chunks of ``len / (2·CP)`` under CP.
+ATTENTION_HALF_TOKENS = 512
+# - matrix products: a roofline. A product runs at the matmul efficiency unless reading and
+#   writing its operands through device memory takes longer (thin TP shards of short rows), and
+#   never in less than a kernel's floor.
+HBM_EFFICIENCY = 0.8
+"""Achieved fraction of the data-sheet HBM bandwidth for streaming kernels (assumption)."""
+KERNEL_FLOOR_S = 5e-6
+"""Shortest time of one kernel, launch and tail included (assumption, order of CUDA's
+launch overhead)."""
+# - communication: every collective or p2p exchange costs a latency on top of its bytes; the
+#   order of NCCL's small-message times (assumption): a few µs per ring hop in an NVLink domain,
+#   more across the network, plus a fixed start.
+COLLECTIVE_START_S = 8e-6
+NVLINK_HOP_S = 2e-6
+NETWORK_HOP_S = 8e-6
+DDP_BUCKET_PARAMS = 40_000_000
+"""megatron-core DDP's gradient bucket (``bucket_size`` default, in elements): one all-reduce
+each."""
 MEMO_DEFAULTS = MemoConfig(enabled=True)
 """MEMO as ``--memo`` alone runs it: α by the rule, the last two layers kept."""
 
@@ -74,6 +99,10 @@ class Efficiency:
     attention_fraction: float = field(default=1.0, metadata={"cli": False})
     """Share of a row's causal ``s × s`` attention products really computed: 1 for one
     sequence per row; ``Σ len_i² / s²`` for packed documents that attend only to themselves."""
+    fill: float = field(default=1.0, metadata={"cli": False})
+    """Share of a row's tokens that are real documents: with ``attention_fraction`` it gives
+    the documents' typical length ``s · attention_fraction / fill`` (``Σ len² / Σ len``), which
+    sets the attention kernels' efficiency."""
     loss_chunks: int = field(default=1, metadata={"cli": False})
     """Sequence slices the output layer and loss run in (the trainer's ``--loss-chunks``): 1 is
     megatron's vocab-parallel cross entropy on the whole sequence; ``k`` divides that end's
@@ -200,6 +229,56 @@ def memo_at(
     )
 
 
+def collective_latency_s(ranks: int, device: DeviceSpec) -> float:
+    """Latency of one collective (ring) over ``ranks`` processes, bytes aside."""
+    if ranks <= 1:
+        return 0.0
+    hop = NVLINK_HOP_S if ranks <= device.gpus_per_node else NETWORK_HOP_S
+    return COLLECTIVE_START_S + (ranks - 1) * hop
+
+
+def p2p_latency_s(device: DeviceSpec, *, across_nodes: bool) -> float:
+    """Latency of one point-to-point exchange, bytes aside."""
+    return COLLECTIVE_START_S + (NETWORK_HOP_S if across_nodes else NVLINK_HOP_S)
+
+
+def gemm_seconds(rows: int, inner: int, cols: int, *, device: DeviceSpec, eff: Efficiency):
+    """One bf16 ``[rows, inner] @ [inner, cols]`` on the roofline (see ``HBM_EFFICIENCY``)."""
+    compute = 2 * rows * inner * cols / (device.peak_tflops * 1e12 * eff.matmul)
+    memory = 0.0
+    if device.hbm_gbps:
+        memory = 2 * (rows * inner + inner * cols + rows * cols) / (device.hbm_gbps * 1e9)
+        memory /= HBM_EFFICIENCY
+    return max(compute, memory) + KERNEL_FLOOR_S
+
+
+def matmul_shape_factor(
+    model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, device, eff
+) -> float:
+    """Achieved / nominal speed of one layer's matrix products on this process: the QKV,
+    output, fc1 and fc2 products of ``tokens × micro-batch`` rows on their TP shards, each on
+    the roofline, against all of them at the matmul efficiency (backward assumed alike)."""
+    rows, h, tp = tokens * batch.micro_batch_size, model.hidden_size, layout.tp
+    groups = model.query_groups
+    qkv = (model.num_attention_heads + 2 * groups) * model.head_dim // tp
+    fc1 = model.ffn_size * (2 if model.swiglu else 1) // tp
+    shapes = [(rows, h, qkv), (rows, model.num_attention_heads * model.head_dim // tp, h)]
+    shapes += [(rows, h, fc1), (rows, model.ffn_size // tp, h)]
+    peak = device.peak_tflops * 1e12 * eff.matmul
+    nominal = sum(2 * m * k * n for m, k, n in shapes) / peak
+    achieved = sum(gemm_seconds(m, k, n, device=device, eff=eff) for m, k, n in shapes)
+    return nominal / achieved
+
+
+def attention_chunk_factor(*, seq_length: int, cp: int, eff: Efficiency) -> float:
+    """Achieved / nominal speed of the attention kernels on this row's documents (see
+    ``ATTENTION_HALF_TOKENS``): their typical length ``Σ len² / Σ len``, cut into ``2·CP``
+    chunks under CP."""
+    length = seq_length * eff.attention_fraction / max(eff.fill, 1e-12)
+    chunk = length / (2 * cp) if cp > 1 else length
+    return chunk / (chunk + ATTENTION_HALF_TOKENS)
+
+
 def _links(device: DeviceSpec, layout: ParallelLayout) -> tuple[float, float, float]:
     """Bandwidths (GB/s) of the TP, CP and DP groups: NVLink while a group fits in a node."""
 
@@ -248,13 +327,19 @@ def check_layout(model: ModelShape, layout: ParallelLayout, batch: Batch, *, seq
         raise EstimateError(str(err)) from None
 
 
-def _seconds(flops_matmul, flops_attention, *, device, eff, cp) -> tuple[float, float]:
-    """(matmul seconds, attention seconds) of counted FLOPs on this process."""
+def _seconds(
+    flops_matmul, flops_attention, *, device, eff, cp, matmul_factor=1.0, attention_factor=1.0
+) -> tuple[float, float]:
+    """(matmul seconds, attention seconds) of counted FLOPs on this process, the kernels
+    running at ``factor`` × their efficiency (small work, see ``matmul_shape_factor``)."""
     peak = device.peak_tflops * 1e12
     # counted attention products are full s_q x s_k on the local s/cp tokens; under CP each local
     # query attends to cp times more keys (load-balanced), and a causal kernel does half
     attention = flops_attention * cp * CAUSAL_FRACTION * eff.attention_fraction
-    return flops_matmul / (peak * eff.matmul), attention / (peak * eff.attention)
+    return (
+        flops_matmul / (peak * eff.matmul * matmul_factor),
+        attention / (peak * eff.attention * attention_factor),
+    )
 
 
 @dataclass
@@ -275,11 +360,25 @@ def _layer_time(
 ) -> _LayerTime:
     """One layer's forward + backward for one micro-batch: compute, exposed comm and copies."""
     tp_link, cp_link, _ = _links(device, layout)
-    seconds = dict(device=device, eff=eff, cp=layout.cp)
+    seconds = dict(
+        device=device,
+        eff=eff,
+        cp=layout.cp,
+        matmul_factor=matmul_shape_factor(
+            model, layout, batch, tokens=tokens, device=device, eff=eff
+        ),
+        attention_factor=attention_chunk_factor(
+            seq_length=tokens * layout.cp, cp=layout.cp, eff=eff
+        ),
+    )
     f_mm, f_att = _seconds(fig.forward_matmul_flops, fig.forward_attention_flops, **seconds)
     b_mm, b_att = _seconds(fig.backward_matmul_flops, fig.backward_attention_flops, **seconds)
+    # SP: two all-gathers and two reduce-scatters per pass; CP: a ring of cp - 1 exchanges
     tp_s = tp_comm_bytes(model, layout, batch, tokens=tokens) / (tp_link * 1e9)
+    tp_s += 4 * collective_latency_s(layout.tp, device)
     cp_s = cp_comm_bytes(model, layout, batch, tokens=tokens) / (cp_link * 1e9)
+    cp_nodes = layout.tp * layout.cp > device.gpus_per_node
+    cp_s += (layout.cp - 1) * p2p_latency_s(device, across_nodes=cp_nodes)
     forward_passes = 2 if method == "full" else 1  # full recompute re-runs the forward's comm
     # TP collectives sit on the critical path (no comm overlap); ring attention's k / v passes
     # overlap the attention kernels, only the excess shows. Backward moves k, v and their grads.
@@ -490,6 +589,19 @@ def estimate(
     )
 
 
+def _pp_exchange_s(model, layout: ParallelLayout, batch: Batch, *, tokens: int, device) -> float:
+    """One pipeline send of a micro-batch's hidden states (``[s/cp, b, h]`` bf16, split over TP
+    with SP): stages are ``world / pp`` ranks apart, so they share a node only inside one."""
+    nbytes = (
+        tokens * batch.micro_batch_size * model.hidden_size * 2 / (layout.tp if layout.sp else 1)
+    )
+    across = layout.world_size > device.gpus_per_node and (
+        layout.world_size // layout.pp >= device.gpus_per_node
+    )
+    link = device.internode_gbps if across else device.nvlink_gbps
+    return p2p_latency_s(device, across_nodes=across) + nbytes / (link * 1e9)
+
+
 def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host_budget, method):
     """The step's time and MFU from the stage's, and the :class:`Estimate`."""
     model, layout, batch = ctx["model"], ctx["layout"], ctx["batch"]
@@ -502,11 +614,16 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
     )
     time.compute_s += _seconds(ends_flops, 0, device=device, eff=eff, cp=1)[0]
     stage_s = time.compute_s + time.comm_s + time.copy_s
+    if layout.pp > 1:  # each micro-batch's activations in and their gradients out, per stage
+        stage_s += 2 * _pp_exchange_s(model, layout, batch, tokens=ctx["tokens"], device=device)
     slots = batch.num_microbatches + layout.pp - 1  # 1F1B: the pipeline fills and drains
     _, _, dp_link = _links(device, layout)
-    # gradients are all-reduced over DP × CP (CP ranks hold the same weights), in fp32
+    # gradients are all-reduced over DP × CP (CP ranks hold the same weights), in fp32, one
+    # collective per DDP bucket
     replicas = layout.dp * layout.cp
     dp_s = 2 * (replicas - 1) / replicas * 4 * params / (dp_link * 1e9)
+    if replicas > 1:
+        dp_s += -(-params // DDP_BUCKET_PARAMS) * collective_latency_s(replicas, device)
     step_s = slots * stage_s + dp_s
     sequences = batch.micro_batch_size * batch.num_microbatches * layout.dp
     model_flops = train_flops(model, seq_length=seq_length, sequences=sequences)

@@ -22,7 +22,14 @@ from dataclasses import dataclass, replace
 
 from memo_ext.data.documents import DocumentSource, global_batches
 from memo_ext.errors import UsageError
-from memo_ext.estimate.model import Batch, Efficiency, Estimate, EstimateError, estimate
+from memo_ext.estimate.model import (
+    Batch,
+    Efficiency,
+    Estimate,
+    EstimateError,
+    collective_latency_s,
+    estimate,
+)
 from memo_ext.hardware import DeviceSpec
 from memo_ext.hotspa.buckets import bucket_rows
 from memo_ext.parallel import LayoutError, ParallelLayout
@@ -31,8 +38,13 @@ from memo_ext.shapes import ModelShape
 logger = logging.getLogger(__name__)
 
 WORKING_COPY_BYTES_PER_PARAM = 2 + 4
-"""A non-home layout's bf16 working weight and fp32 gradient, per parameter it holds."""
+"""A non-home layout's bf16 working weight and fp32 gradient, per parameter it holds (2 + 2
+with ``--grad-reduce-in-bf16``). It is held only while the layout's buckets run."""
 MODES = ("switch", "dynamic-cp")
+SWITCH_MARGIN = 0.02
+"""Switching must be predicted this much faster than the best single layout to be chosen: its
+extra costs (more models, switches, a pipeline fill and a partly empty row per bucket) are the
+least certain part of the prediction."""
 SAMPLED_STEPS = 32
 """Global batches packed to measure the expected rows per bucket."""
 
@@ -74,10 +86,27 @@ class StrategyPlan:
     choices: list[BucketChoice]
     home_sync_s: float
     """The home model's gradient reduction, once per step."""
+    baseline: StrategyPlan | None = None
+    """The single-layout plan this one was compared with (every document packed into
+    ``--seq-length`` rows in the best one layout); ``None`` when no comparison was made."""
 
     @property
     def layouts(self) -> list[ParallelLayout]:
         return [c.layout for c in self.choices]
+
+    @property
+    def bounds(self) -> list[int]:
+        return [c.length for c in self.choices]
+
+    @property
+    def single_layout(self) -> bool:
+        """One bucket at ``--seq-length`` in one layout: no switching at all."""
+        return len(self.choices) == 1
+
+    @property
+    def predicted_gain(self) -> float:
+        """Predicted speed-up over :attr:`baseline` (1.0 without one)."""
+        return self.baseline.step_s / self.step_s if self.baseline else 1.0
 
     @property
     def step_s(self) -> float:
@@ -97,6 +126,26 @@ class BucketStats:
     attention_fraction: float
     """``Σ len² / length²`` over its rows' documents, per row: the share of a full causal
     row's attention that packed documents compute (1 when a document fills the row)."""
+    fill: float = 1.0
+    """``Σ len / length`` per row: the share of the row's tokens that are real (the rest is
+    padding). With ``attention_fraction`` it gives the documents' typical length, which sets
+    how efficiently the attention kernels run on them."""
+    step_rows: tuple[int, ...] = ()
+    """Rows in each sampled step (empty: every step holds ``rows``). A bucket pays its fixed
+    costs (a pipeline fill, a partly used last micro-batch per DP rank, its gradient reduction
+    and switch) only in the steps where it has rows."""
+
+    def slots(self, layout: ParallelLayout) -> float:
+        """Expected 1F1B slots per step in ``layout``: per DP rank ``⌈rows / DP⌉``
+        micro-batches plus the pipeline's fill, in the steps that have rows."""
+        steps = self.step_rows or (self.rows,)
+        return sum(math.ceil(r / layout.dp) + layout.pp - 1 for r in steps if r > 0) / len(steps)
+
+    @property
+    def active(self) -> float:
+        """Share of steps in which the bucket has rows."""
+        steps = self.step_rows or (self.rows,)
+        return sum(1 for r in steps if r > 0) / len(steps)
 
 
 def bucket_statistics(
@@ -112,6 +161,8 @@ def bucket_statistics(
     packed as the trainer packs them (``memo_ext.hotspa.buckets.bucket_rows``, CP = 1)."""
     rows = [0] * len(bounds)
     squares = [0.0] * len(bounds)
+    tokens = [0.0] * len(bounds)
+    per_step: list[list[int]] = [[] for _ in bounds]
     batches = global_batches(
         source, global_batch_size=global_batch_size, seq_length=bounds[-1], seed=seed
     )
@@ -119,10 +170,17 @@ def bucket_statistics(
         lengths = [len(d) for d in documents]
         for b, groups in enumerate(bucket_rows(lengths, bounds, backfill=backfill)):
             rows[b] += len(groups)
+            per_step[b].append(len(groups))
             squares[b] += sum(lengths[i] ** 2 for g in groups for i in g) / bounds[b] ** 2
+            tokens[b] += sum(lengths[i] for g in groups for i in g) / bounds[b]
     return [
-        BucketStats(rows=r / steps, attention_fraction=(sq / r if r else 1.0))
-        for r, sq in zip(rows, squares)
+        BucketStats(
+            rows=r / steps,
+            attention_fraction=(sq / r if r else 1.0),
+            fill=(t / r if r else 1.0),
+            step_rows=tuple(counts),
+        )
+        for r, sq, t, counts in zip(rows, squares, tokens, per_step)
     ]
 
 
@@ -131,11 +189,19 @@ def expected_rows(source: DocumentSource, **kwargs) -> list[float]:
     return [stats.rows for stats in bucket_statistics(source, **kwargs)]
 
 
-def candidate_layouts(model: ModelShape, *, world_size: int, gpus_per_node: int, length: int):
-    """DP × TP × PP × CP splits of the world megatron-core can run on a ``length`` bucket."""
+def candidate_layouts(
+    model: ModelShape,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    length: int,
+    max_cp: int | None = None,
+):
+    """DP × TP × PP × CP splits of the world megatron-core can run on a ``length`` bucket
+    (CP at most ``max_cp`` when given)."""
     powers = [1 << k for k in range(world_size.bit_length()) if world_size % (1 << k) == 0]
     for tp in (t for t in powers if t <= gpus_per_node):
-        for cp in powers:
+        for cp in (c for c in powers if max_cp is None or c <= max_cp):
             rest = world_size // (tp * cp) if world_size % (tp * cp) == 0 else 0
             for pp in (p for p in range(1, rest + 1) if rest % p == 0):
                 layout = ParallelLayout(dp=rest // pp, tp=tp, pp=pp, cp=cp, sp=tp > 1)
@@ -152,9 +218,9 @@ def shares_home(layout: ParallelLayout, home: ParallelLayout) -> bool:
 
 
 def _estimate(
-    model, device, layout: ParallelLayout, *, length: int, rows: float, eff, method: str = "none"
+    model, device, layout: ParallelLayout, *, length: int, stats: BucketStats, eff, method="none"
 ) -> Estimate:
-    microbatches = max(1, math.ceil(rows / layout.dp))
+    microbatches = max(1, math.ceil(stats.rows / layout.dp))
     batch = Batch(micro_batch_size=1, num_microbatches=microbatches, distributed_optimizer=False)
     return estimate(
         model=model,
@@ -164,13 +230,40 @@ def _estimate(
         method=method,
         seq_length=length,
         host_memory_bytes=1 << 40,
-        efficiency=eff,
+        efficiency=replace(eff, attention_fraction=stats.attention_fraction, fill=stats.fill),
     )
 
 
-def _switch_s(est: Estimate, device: DeviceSpec, world_size: int) -> float:
+def _switch_s(est: Estimate, device: DeviceSpec, world_size: int, copy_bytes: int) -> float:
     link = device.nvlink_gbps if world_size <= device.gpus_per_node else device.internode_gbps
-    return est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM / (link * 1e9)
+    latency = collective_latency_s(world_size, device)
+    # weights home → layout and gradients back: one batched exchange each way
+    return 2 * latency + est.params_per_gpu * copy_bytes / (link * 1e9)
+
+
+def _options(model, device, *, length, stats, world_size, eff, method, max_cp=None):
+    """(layout, estimate) of every candidate layout the estimator can price for one bucket."""
+    options = []
+    for layout in candidate_layouts(
+        model,
+        world_size=world_size,
+        gpus_per_node=device.gpus_per_node,
+        length=length,
+        max_cp=max_cp,
+    ):
+        try:
+            est = _estimate(
+                model, device, layout, length=length, stats=stats, eff=eff, method=method
+            )
+        except EstimateError:
+            continue
+        options.append((layout, est))
+    if not options:
+        raise StrategyError(
+            f"no DP × TP × PP × CP layout of {world_size} processes can run "
+            f"the {length}-token bucket of {model.name}"
+        )
+    return options
 
 
 def choose_strategies(
@@ -178,51 +271,69 @@ def choose_strategies(
     model: ModelShape,
     device: DeviceSpec,
     bounds: Sequence[int],
-    rows: Sequence[float],
+    stats: Sequence[BucketStats],
     world_size: int,
     mode: str = "switch",
-    attention_fractions: Sequence[float] | None = None,
     method: str = "none",
     efficiency: Efficiency | None = None,
+    single: BucketStats | None = None,
+    max_cp: int | None = None,
+    copy_bytes_per_param: int = WORKING_COPY_BYTES_PER_PARAM,
 ) -> StrategyPlan:
     """The fastest fitting layout per bucket (see the module docstring).
 
-    ``attention_fractions`` (per bucket, from :func:`bucket_statistics`) price packed rows'
-    attention by their documents; by default every row is priced as one full sequence.
+    ``stats`` (per bucket, from :func:`bucket_statistics`) give the rows and price packed
+    rows' attention by their documents. With ``single`` (the statistics of packing every
+    document into ``bounds[-1]`` rows) the best single layout is a candidate too, and is
+    chosen unless switching is predicted at least :data:`SWITCH_MARGIN` faster: the returned
+    plan's :attr:`~StrategyPlan.baseline` is it either way. ``max_cp`` bounds the CP degree;
+    ``copy_bytes_per_param`` is what a non-home layout's working copy holds per parameter.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    base = efficiency or Efficiency()
-    usable = int(device.memory_bytes * (1 - base.headroom))
-    fractions = attention_fractions or [1.0] * len(bounds)
-    per_bucket: list[list[tuple[ParallelLayout, Estimate]]] = []
-    for length, n, fraction in zip(bounds, rows, fractions):
-        eff = replace(base, attention_fraction=fraction)
-        options = []
-        for layout in candidate_layouts(
-            model, world_size=world_size, gpus_per_node=device.gpus_per_node, length=length
-        ):
-            try:
-                est = _estimate(
-                    model, device, layout, length=length, rows=n, eff=eff, method=method
-                )
-            except EstimateError:
-                continue
-            options.append((layout, est))
-        if not options:
-            raise StrategyError(
-                f"no DP × TP × PP × CP layout of {world_size} processes can run "
-                f"the {length}-token bucket of {model.name}"
-            )
-        per_bucket.append(options)
-    fit = dict(usable=usable, device=device, dynamic_cp_only=mode == "dynamic-cp")
+    eff = efficiency or Efficiency()
+    usable = int(device.memory_bytes * (1 - eff.headroom))
+    common = dict(world_size=world_size, eff=eff, method=method, max_cp=max_cp)
+    per_bucket = [
+        _options(model, device, length=length, stats=st, **common)
+        for length, st in zip(bounds, stats)
+    ]
+    fit = dict(
+        usable=usable,
+        device=device,
+        dynamic_cp_only=mode == "dynamic-cp",
+        copy_bytes=copy_bytes_per_param,
+    )
     plans = [
-        _plan_with_home(home, est, per_bucket, bounds, rows, **fit) for home, est in per_bucket[-1]
+        _plan_with_home(home, est, per_bucket, bounds, stats, **fit) for home, est in per_bucket[-1]
     ]
     plans = [plan for plan in plans if plan is not None]
     if not plans:
-        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
-    return min(plans, key=lambda plan: plan.step_s)
+        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device, copy_bytes_per_param))
+    best = min(plans, key=lambda plan: plan.step_s)
+    if single is None or len(bounds) == 1:
+        return best
+    alone = _best_single(model, device, length=bounds[-1], stats=single, usable=usable, **common)
+    if alone is None or best.step_s * (1 + SWITCH_MARGIN) < alone.step_s:
+        return replace(best, baseline=alone)
+    return replace(alone, baseline=alone)
+
+
+def _best_single(model, device, *, length, stats, usable, **common) -> StrategyPlan | None:
+    """Every document in ``length`` rows in the fastest single layout that fits (or ``None``)."""
+    try:
+        options = _options(model, device, length=length, stats=stats, **common)
+    except StrategyError:
+        return None
+    plans = [
+        StrategyPlan(
+            [_choice(length, stats, layout, est, est.device_peak_bytes, on_home=True, switch_s=0)],
+            est.grad_sync_s,
+        )
+        for layout, est in options
+        if est.device_peak_bytes <= usable
+    ]
+    return min(plans, key=lambda plan: plan.step_s, default=None)
 
 
 def evaluate_strategies(
@@ -230,21 +341,21 @@ def evaluate_strategies(
     model: ModelShape,
     device: DeviceSpec,
     bounds: Sequence[int],
-    rows: Sequence[float],
+    stats: Sequence[BucketStats],
     layouts: Sequence[ParallelLayout],
-    attention_fractions: Sequence[float] | None = None,
     method: str = "none",
     efficiency: Efficiency | None = None,
+    single: BucketStats | None = None,
+    copy_bytes_per_param: int = WORKING_COPY_BYTES_PER_PARAM,
 ) -> StrategyPlan:
-    """Predicted cost of given layouts (the last is home); refuses a bucket that cannot fit."""
-    base = efficiency or Efficiency()
-    usable = int(device.memory_bytes * (1 - base.headroom))
-    fractions = attention_fractions or [1.0] * len(bounds)
+    """Predicted cost of given layouts (the last is home), with the best single layout as
+    :attr:`~StrategyPlan.baseline` when ``single`` is given; refuses a bucket that cannot fit."""
+    eff = efficiency or Efficiency()
+    usable = int(device.memory_bytes * (1 - eff.headroom))
     per_bucket = []
-    for length, n, layout, fraction in zip(bounds, rows, layouts, fractions):
-        eff = replace(base, attention_fraction=fraction)
+    for length, st, layout in zip(bounds, stats, layouts):
         try:
-            est = _estimate(model, device, layout, length=length, rows=n, eff=eff, method=method)
+            est = _estimate(model, device, layout, length=length, stats=st, eff=eff, method=method)
         except EstimateError as err:
             raise StrategyError(f"layout {layout.name}, {length}-token bucket: {err}") from None
         per_bucket.append([(layout, est)])
@@ -254,18 +365,31 @@ def evaluate_strategies(
         home_est,
         per_bucket,
         bounds,
-        rows,
+        stats,
         usable=usable,
         device=device,
         dynamic_cp_only=False,
+        copy_bytes=copy_bytes_per_param,
     )
     if plan is None:
-        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device))
-    return plan
+        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device, copy_bytes_per_param))
+    if single is None:
+        return plan
+    alone = _best_single(
+        model,
+        device,
+        length=bounds[-1],
+        stats=single,
+        usable=usable,
+        world_size=home.world_size,
+        eff=eff,
+        method=method,
+    )
+    return replace(plan, baseline=alone)
 
 
 def _plan_with_home(
-    home, home_est, per_bucket, bounds, rows, *, usable, device, dynamic_cp_only
+    home, home_est, per_bucket, bounds, stats, *, usable, device, dynamic_cp_only, copy_bytes
 ) -> StrategyPlan | None:
     """The best layout per bucket next to ``home`` (the longest bucket's), or ``None`` when home
     or some bucket does not fit."""
@@ -276,17 +400,38 @@ def _plan_with_home(
         home_est,
         per_bucket,
         bounds,
-        rows,
+        stats,
         usable=usable,
         device=device,
         world_size=home.world_size,
         dynamic_cp_only=dynamic_cp_only,
+        copy_bytes=copy_bytes,
     )
     return None if choices is None else StrategyPlan(choices, home_est.grad_sync_s)
 
 
+def bucket_peak_bytes(est: Estimate, home_est: Estimate, *, on_home: bool, copy_bytes: int) -> int:
+    """Device peak while a bucket runs: on the home model, its own estimate; in another layout,
+    home's model states (which stay) plus this layout's working copy (weights and gradient
+    buffer, held only while its buckets run) plus its activations."""
+    if on_home:
+        return est.device_peak_bytes
+    activations = est.device_peak_bytes - est.model_state_bytes
+    return home_est.model_state_bytes + est.params_per_gpu * copy_bytes + activations
+
+
 def _choices_given_home(
-    home, home_est, per_bucket, bounds, rows, *, usable, device, world_size, dynamic_cp_only
+    home,
+    home_est,
+    per_bucket,
+    bounds,
+    stats,
+    *,
+    usable,
+    device,
+    world_size,
+    dynamic_cp_only,
+    copy_bytes,
 ):
     choices = []
     last = len(per_bucket) - 1
@@ -295,7 +440,7 @@ def _choices_given_home(
             choices.append(
                 _choice(
                     bounds[b],
-                    rows[b],
+                    stats[b],
                     home,
                     home_est,
                     home_est.device_peak_bytes,
@@ -308,21 +453,18 @@ def _choices_given_home(
         for layout, est in options:
             if dynamic_cp_only and not shares_home(layout, home):
                 continue
-            peak = est.device_peak_bytes
-            switch = 0.0
             on_home = shares_home(layout, home)
-            if not on_home:
-                # home's model states stay; this layout adds its working copy and activations
-                peak += home_est.model_state_bytes - est.model_state_bytes
-                peak += est.params_per_gpu * WORKING_COPY_BYTES_PER_PARAM
-                switch = _switch_s(est, device, world_size)
+            peak = bucket_peak_bytes(est, home_est, on_home=on_home, copy_bytes=copy_bytes)
+            switch = 0.0 if on_home else _switch_s(est, device, world_size, copy_bytes)
             if peak <= usable:
                 fitting.append(
-                    _choice(bounds[b], rows[b], layout, est, peak, on_home=on_home, switch_s=switch)
+                    _choice(
+                        bounds[b], stats[b], layout, est, peak, on_home=on_home, switch_s=switch
+                    )
                 )
         if not fitting:
             return None
-        if rows[b] == 0:  # never seen: keep it at home, nothing to switch
+        if stats[b].rows == 0:  # never seen: keep it at home, nothing to switch
             home_choice = [c for c in fitting if c.layout == home]
             if home_choice:
                 choices.append(home_choice[0])
@@ -331,28 +473,60 @@ def _choices_given_home(
     return choices
 
 
-def _choice(length, rows, layout, est: Estimate, peak, *, on_home: bool, switch_s: float):
-    compute = est.step_time_s - est.grad_sync_s
+def _choice(length, stats: BucketStats, layout, est: Estimate, peak, *, on_home, switch_s):
+    """A bucket's expected cost per step in ``layout``: ``est`` priced its mean rows; the
+    per-slot time is scaled to the expected slots, and the bucket's own gradient reduction and
+    switch are paid in the steps that have rows (see :meth:`BucketStats.slots`)."""
+    microbatches = max(1, math.ceil(stats.rows / layout.dp))
+    per_slot = (est.step_time_s - est.grad_sync_s) / (microbatches + layout.pp - 1)
+    sync = 0.0 if on_home else est.grad_sync_s * stats.active
     return BucketChoice(
-        length, rows, layout, compute, 0.0 if on_home else est.grad_sync_s, switch_s, peak
+        length,
+        stats.rows,
+        layout,
+        per_slot * stats.slots(layout),
+        sync,
+        switch_s * stats.active,
+        peak,
     )
 
 
-def _nothing_fits(per_bucket, bounds, usable, device) -> str:
+def _nothing_fits(per_bucket, bounds, usable, device, copy_bytes) -> str:
     gib = 2**30
+    homes = per_bucket[-1]
     for b, options in enumerate(per_bucket):
-        smallest = min(est.device_peak_bytes for _, est in options)
+        smallest = min(
+            bucket_peak_bytes(
+                est, home_est, on_home=shares_home(layout, home), copy_bytes=copy_bytes
+            )
+            for layout, est in options
+            for home, home_est in (homes if b < len(per_bucket) - 1 else [(layout, est)])
+        )
         if smallest > usable:
             which = f"layout {options[0][0].name}" if len(options) == 1 else "any layout"
+            beside = " beside home's model states" if b < len(per_bucket) - 1 else ""
             return (
-                f"the {bounds[b]}-token bucket does not fit {which} on {device.name}: the "
-                f"estimated peak is {smallest / gib:.1f} GiB of {usable / gib:.1f} GiB usable; "
-                "use shorter buckets / --seq-length, more processes or other layouts"
+                f"the {bounds[b]}-token bucket does not fit {which}{beside} on {device.name}: "
+                f"the estimated peak is {smallest / gib:.1f} GiB of {usable / gib:.1f} GiB "
+                "usable; use shorter buckets / --seq-length, more processes or other layouts"
             )
     return (
         f"no home layout leaves room for every bucket's working copy on {device.name}; "
         "give --hotspa-strategies by hand or shorten the buckets"
     )
+
+
+def plan_metrics(hot) -> dict:
+    """The metrics file's record of the chosen plan (``hot``: the resolved ``HotSPaConfig``):
+    ``hotspa_plan`` is ``switch`` or ``single-layout``; ``hotspa_predicted_gain`` the predicted
+    speed-up over one layout for every bucket (``None`` where nothing was predicted)."""
+    gain = None
+    if hot.predicted_step_s and hot.predicted_single_layout_s:
+        gain = hot.predicted_single_layout_s / hot.predicted_step_s
+    return {
+        "hotspa_plan": "single-layout" if len(hot.strategies) == 1 else "switch",
+        "hotspa_predicted_gain": gain,
+    }
 
 
 def describe(plan: StrategyPlan) -> str:
@@ -370,4 +544,15 @@ def describe(plan: StrategyPlan) -> str:
         f"{plan.switch_s * 1e3:.3g} ms and the home gradient reduction "
         f"{plan.home_sync_s * 1e3:.3g} ms"
     )
+    if plan.baseline is not None:
+        alone = plan.baseline
+        lines.append(
+            f"one layout for every bucket ({alone.layouts[0].name}, {alone.choices[0].rows:.1f} "
+            f"rows of {alone.bounds[0]} tokens): {alone.step_s * 1e3:.3g} ms predicted; "
+            + (
+                "switching does not pay, so every document runs in that one layout"
+                if plan.single_layout
+                else f"switching is predicted {plan.predicted_gain:.2f}× as fast"
+            )
+        )
     return "\n".join(lines)

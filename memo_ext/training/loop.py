@@ -39,6 +39,7 @@ from memo_ext.data.datasets import close_batch_iterator
 from memo_ext.errors import ReportedError, UsageError
 from memo_ext.estimate.preflight import check_preflight
 from memo_ext.hardware import device_peak_tflops, device_spec
+from memo_ext.hotspa.auto import plan_metrics
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
 from memo_ext.mcore.batches import StepBatchSizeCalculator, install_step_schedule
 from memo_ext.mcore.specs import resolve_attention_backend
@@ -257,8 +258,12 @@ def _train(
         )
     if run.hotspa.enabled:
         session.hotspa = _build_hotspa(run, ctx, model, config)
+        plan = plan_metrics(run.hotspa)
         session.metric_sources.append(
-            MetricSource(collect=session.hotspa.step_metrics, describe=format_hotspa_metrics)
+            MetricSource(
+                collect=lambda: {**session.hotspa.step_metrics(), **plan},
+                describe=format_hotspa_metrics,
+            )
         )
     try:
         with StopConditions(run.checkpoint) as stop:

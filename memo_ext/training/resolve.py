@@ -57,28 +57,47 @@ def _resolve_hotspa(run: RunConfig, tokenizer) -> RunConfig:
     if device is None and hot.strategies is not None:  # nothing to check the given layouts on
         return dataclasses.replace(run, layout=hot.home)
     device = device or DEVICES[AUTO_DEVICE]
-    stats = auto.bucket_statistics(
-        document_source(run, vocab_size=tokenizer.vocab_size),
-        bounds=hot.buckets,
-        global_batch_size=run.train.global_batch_size,
-        seed=run.train.seed,
-        backfill=hot.backfill,
+    source = document_source(run, vocab_size=tokenizer.vocab_size)
+    sampling = dict(
+        global_batch_size=run.train.global_batch_size, seed=run.train.seed, backfill=hot.backfill
     )
+    stats = auto.bucket_statistics(source, bounds=hot.buckets, **sampling)
+    # the single-layout alternative: every document packed into --seq-length rows
+    (single,) = auto.bucket_statistics(source, bounds=hot.buckets[-1:], **sampling)
     common = dict(
         model=run.shape,
         device=device,
         bounds=hot.buckets,
-        rows=[b.rows for b in stats],
-        attention_fractions=[b.attention_fraction for b in stats],
+        stats=stats,
+        single=single if len(hot.buckets) > 1 else None,
         method=run.recompute.granularity or "none",
+        # the working copy's gradient buffer has the dtype home's has
+        copy_bytes_per_param=2 + (2 if run.distributed.grad_reduce_in_bf16 else 4),
     )
     if hot.strategies is None:
         plan = auto.choose_strategies(world_size=run.world_size, mode=hot.mode, **common)
-        hot = dataclasses.replace(hot, strategies=tuple(plan.layouts))
+        hot = dataclasses.replace(hot, buckets=tuple(plan.bounds), strategies=tuple(plan.layouts))
     else:
         plan = auto.evaluate_strategies(layouts=hot.strategies, **common)
+    hot = dataclasses.replace(
+        hot,
+        predicted_step_s=plan.step_s,
+        predicted_single_layout_s=plan.baseline.step_s if plan.baseline else None,
+    )
     if os.environ.get("RANK", "0") == "0":
         logger.info("HotSPa layouts, predicted for %s:\n%s", device.name, auto.describe(plan))
+        slower = plan.baseline is not None and plan.predicted_gain < 1.0
+        if slower:
+            logger.warning(
+                "--hotspa-strategies %s is predicted slower than one layout for every bucket: "
+                "%.3g s per step against %.3g s for %s (%.2f×); --hotspa-strategies auto picks "
+                "the faster",
+                hot.strategy_spec,
+                plan.step_s,
+                plan.baseline.step_s,
+                plan.baseline.layouts[0].name,
+                plan.predicted_gain,
+            )
     return dataclasses.replace(run, hotspa=hot, layout=hot.home)
 
 

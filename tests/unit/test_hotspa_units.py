@@ -13,6 +13,7 @@ from memo_ext.data.documents import MockDocuments, global_batches
 from memo_ext.estimate.model import Efficiency
 from memo_ext.hardware import device_spec
 from memo_ext.hotspa.auto import (
+    BucketStats,
     StrategyError,
     _estimate,
     bucket_statistics,
@@ -411,8 +412,9 @@ BOUNDS = [4096, 16384, 32768]
 def test_choose_strategies(mode, rows):
     model, device = model_shape("gpt-7b"), device_spec("h100-80g")
     usable = int(device.memory_bytes * (1 - Efficiency().headroom))
+    stats = [BucketStats(rows=r, attention_fraction=1.0) for r in rows]
     plan = choose_strategies(
-        model=model, device=device, bounds=BOUNDS, rows=rows, world_size=8, mode=mode
+        model=model, device=device, bounds=BOUNDS, stats=stats, world_size=8, mode=mode
     )
     choices = plan.choices
     assert plan.step_s == pytest.approx(
@@ -427,7 +429,14 @@ def test_choose_strategies(mode, rows):
     for c in choices:  # only a layout with the home model's TP and PP runs without a switch
         assert (c.switch_s == 0) == ((c.layout.tp, c.layout.pp) == (home.tp, home.pp))
     for c in choices[:-1]:  # never slower than staying at home, which is always a candidate
-        at_home = _estimate(model, device, home, length=c.length, rows=c.rows, eff=Efficiency())
+        at_home = _estimate(
+            model,
+            device,
+            home,
+            length=c.length,
+            stats=stats[BOUNDS.index(c.length)],
+            eff=Efficiency(),
+        )
         staying = at_home.step_time_s - at_home.grad_sync_s  # home reduces once for all buckets
         assert c.total_s <= staying * (1 + 1e-9)
 
@@ -436,9 +445,21 @@ def test_choose_strategies_refusals():
     model, device = model_shape("gpt-7b"), device_spec("h100-80g")
     with pytest.raises(StrategyError, match="1048576-token bucket does not fit any layout"):
         choose_strategies(
-            model=model, device=device, bounds=[4096, 1048576], rows=[16, 1], world_size=8
+            model=model,
+            device=device,
+            bounds=[4096, 1048576],
+            stats=[
+                BucketStats(rows=16, attention_fraction=1.0),
+                BucketStats(rows=1, attention_fraction=1.0),
+            ],
+            world_size=8,
         )
     with pytest.raises(ValueError, match="mode must be one of"):
         choose_strategies(
-            model=model, device=device, bounds=BOUNDS, rows=[1, 1, 1], world_size=8, mode="fastest"
+            model=model,
+            device=device,
+            bounds=BOUNDS,
+            stats=[BucketStats(rows=1, attention_fraction=1.0)] * 3,
+            world_size=8,
+            mode="fastest",
         )
