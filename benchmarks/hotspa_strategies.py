@@ -1,34 +1,379 @@
-"""HotSPa against the best static layout, predicted: a GPT on 8 and 16 GPUs at 32K context.
+"""The HotSPa paper's workloads, predicted by the estimator's cost model: seven ways per step.
 
-For each length distribution (the demo corpus's documents in ByteTokenizer tokens, and a
-Pareto draw), the expected packed rows per bucket and step are measured by packing the first
-global batches; then the estimator's cost model predicts one step of
+The workloads follow the HotSPa paper's (SOSP 2024) setup as we take it: LLaMA models of 7B, 13B
+and 30B parameters on 8 to 32 A800 GPUs (and H100 beside them) at 32K context, on CommonCrawl
+(mostly short documents) and GitHub (longer, heavier-tailed files). This script rebuilds them
+from parametric length distributions (nothing is downloaded) and predicts one step of each
+strategy below with ``memo_ext/hotspa/auto.py``'s cost model (the estimator of
+``docs/estimate.md`` plus HotSPa's switches). Every figure is a prediction: no GPU runs here.
+Run from the repository root:
 
-- **static**: every document packed into ``--seq-length`` rows, in the best single layout;
-- **HotSPa**: each bucket in its best layout, weights and gradients switched (``switch``);
-- **dynamic CP**: each bucket keeps home's TP and PP and only the CP degree changes.
+    python -m benchmarks.hotspa_strategies --json hotspa_strategies.json        # 54 workloads
+    python -m benchmarks.hotspa_strategies --quick --check                       # 2, for tests
+    python -m benchmarks.hotspa_strategies --models llama-7b --gpus 8 16 \\
+        --distribution mix='0.7*lognormal(median=300,sigma=1.3)+0.3*uniform(8192,32768)'
 
-Predicted, not measured: on CPU the figures come from the estimator (``docs/estimate.md``), which
-also prices the switches (working copy bytes over NVLink / the network). Run from the
-repository root:
+**Strategies** (every one trains the same documents per step; rows are ``--seq-length`` long
+unless bucketed):
 
-    python -m benchmarks.hotspa_strategies --json hotspa_strategies.json
+- ``packed-causal``: Megatron-LM's packing, our stand-in for the HotSPa paper's baseline: the
+  documents are concatenated and cut into full rows (no padding, documents may straddle rows) and
+  attention is causal over the whole row (``attention_fraction`` 1), in the best layout without
+  CP. Every strategy's ``speedup_vs_packed_causal`` is measured against it, to set beside the
+  paper's speedups.
+- ``pad``: one document per row, padded; per-document attention; best layout without CP.
+- ``static``: documents packed first-fit into full rows with per-document attention (what
+  ``--variable-seq-lengths`` trains with one bucket), best single layout without CP.
+- ``static-cp``: the same with CP allowed. The better of ``static`` and ``static-cp`` is the
+  strong static baseline ("best static").
+- ``dynamic-cp``: megatron-core's dynamic context parallelism: buckets, each keeping the home
+  layout's TP and PP and choosing only its CP (``--hotspa-mode dynamic-cp``).
+- ``paper-layouts``: the paper's hand-picked style. Rule: the longest bucket (home) takes the
+  smallest power-of-two TP within a node that fits device memory, the rest DP, no PP and no CP;
+  if no TP fits, the largest TP that divides the heads within a node plus the smallest
+  power-of-two PP that fits. Each shorter bucket then takes the first layout in the same order
+  that fits next to home's model states (as the trainer holds them). Priced with
+  ``evaluate_strategies``.
+- ``auto``: ours, ``choose_strategies(mode="switch", single=...)``: per-bucket layouts with
+  switching, or the best single layout when switching does not pay.
+
+A strategy that fits no layout is reported as a row with its error. The key check is
+``auto / best static`` (best static's step over auto's): auto must never lose, so it must be at
+least 0.99 in every workload; ``--check`` exits 1 otherwise.
+
+**Distributions.** Document lengths in tokens, drawn from mixtures written in a small spec
+language (``--distribution NAME=SPEC``)::
+
+    SPEC      := TERM ("+" TERM)*
+    TERM      := [WEIGHT "*"] COMPONENT "(" ARG ("," ARG)* ")"
+    ARG       := [NAME "="] NUMBER             # positional in the order below
+    lognormal(median, sigma)   exp(N(ln median, sigma²))
+    pareto(xm, alpha)          xm · U^(-1/alpha): at least xm, P(> x) = (xm / x)^alpha
+    uniform(lo, hi)            uniform in [lo, hi]
+
+Weights are relative (an omitted weight is 1) and are normalised to sum to 1; each draw is
+rounded to the nearest whole token, at least 1. Built in:
+
+- ``commoncrawl``: log-normal with median 300 tokens and 98% of documents at most 4,096 tokens,
+  the two figures we take for CommonCrawl web pages (σ derived at ``COMMONCRAWL_SIGMA``).
+- ``github``: code files, ``0.9*lognormal(median=1000,sigma=1.4)+0.1*pareto(xm=8192,alpha=1.5)``.
+  **These parameters are our assumption, not fitted to data**: a log-normal body of ordinary
+  source files (median about 1K tokens) and a Pareto tail of long files (generated code, data
+  files) holding most of the tokens; about 76% of files are at most 4K tokens and about 2% are
+  longer than 32K.
+- ``control``: ``uniform(16384,32768)``: every document at least 16K tokens, so buckets shorter
+  than 16K stay empty and HotSPa should gain about 1.0×.
+
+``--lengths-file PATH`` reads measured lengths instead (one positive integer per line, blank
+lines ignored); its name is the file's stem.
+
+**Context.** A document longer than ``--seq-length`` is cut into pieces of ``--seq-length``
+tokens plus the remainder, as a pretraining loader splits it (megatron's ``GPTDataset`` likewise
+never drops a document's tail); the pieces are trained as documents of their own.
+
+**Memory.** Every strategy is priced as the trainer's ``auto`` prices a bucket: activations as
+``--method`` keeps them (default ``none``, every activation stored, what the trainer passes
+without ``--recompute-granularity``), model states without the distributed optimizer. Under
+``none`` llama-30b at 32K fits no static layout on up to 32 GPUs; ``--method full`` makes it fit
+on 16 and 32. The cost model sizes a bucket's activations by its *mean* rows per step (the
+micro-batches in flight under PP), so each plan is priced again with every bucket at its most
+rows in any sampled step: the peak in brackets, ✗ where that step would not fit.
+
+**Outputs.** A markdown table on stdout, one row per workload (``--detail`` adds one row per
+strategy), progress lines on stderr, a summary line with the least ``auto / best static``, and
+with ``--json FILE`` every figure: each strategy's layouts, step, switch time and share, peak
+memory (mean and busiest step), throughput and speedups, per-bucket choices, and each
+distribution's summary (median, p90, p98, share at most 4K) before and after cutting at the
+context.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
-import logging
 import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
 from memo_ext.config import parse_buckets
-from memo_ext.data.demo_corpus import select_stdlib_files
-from memo_ext.hardware import DEVICES, device_spec
-from memo_ext.hotspa.auto import StrategyError, bucket_statistics, choose_strategies
-from memo_ext.shapes import MODELS, model_shape
+from memo_ext.data.documents import global_batches
+from memo_ext.errors import UsageError
+from memo_ext.estimate.model import METHODS
+from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
+from memo_ext.hotspa.auto import (
+    BucketStats,
+    StrategyError,
+    StrategyPlan,
+    bucket_statistics,
+    choose_strategies,
+    evaluate_strategies,
+)
+from memo_ext.parallel import LayoutError, ParallelLayout
+from memo_ext.shapes import MODELS, ModelShape, model_shape
+
+GIB = 2**30
+CHECK_THRESHOLD = 0.99
+"""``auto / best static`` below this fails ``--check`` (1% for the float noise of equal plans)."""
+
+# CommonCrawl: median 300 tokens and 98% of documents within 4,096. For a log-normal the
+# q-quantile is median · exp(σ · z_q), so σ = ln(4096 / 300) / z_0.98 = 2.614 / 2.054 ≈ 1.273.
+COMMONCRAWL_MEDIAN_TOKENS = 300
+COMMONCRAWL_P98_TOKENS = 4096
+COMMONCRAWL_SIGMA = math.log(COMMONCRAWL_P98_TOKENS / COMMONCRAWL_MEDIAN_TOKENS) / (
+    NormalDist().inv_cdf(0.98)
+)
+BUILTIN_SPECS = {
+    "commoncrawl": f"lognormal(median={COMMONCRAWL_MEDIAN_TOKENS},sigma={COMMONCRAWL_SIGMA:.4f})",
+    # our assumption, not fitted data (see the module docstring)
+    "github": "0.9*lognormal(median=1000,sigma=1.4)+0.1*pareto(xm=8192,alpha=1.5)",
+    "control": "uniform(16384,32768)",
+}
+
+DEFAULT_MODELS = ("llama-7b", "llama-13b", "llama-30b")
+DEFAULT_GPUS = (8, 16, 32)
+DEFAULT_DEVICES = ("a800-80g", "h100-80g")
+QUICK = {
+    "models": ("llama-7b",),
+    "gpus": (8,),
+    "devices": ("a800-80g",),
+    "distributions": ("commoncrawl", "control"),
+}
+STRATEGIES = ("packed-causal", "pad", "static", "static-cp", "dynamic-cp", "paper-layouts", "auto")
+STATIC = ("static", "static-cp")
+"""The strong static baseline is the faster of these."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Length distributions: the spec language, sampling, cutting at the context
+
+
+class SpecError(UsageError):
+    """A distribution spec or lengths file that cannot be read; the message is one sentence."""
+
+
+PARAMETERS = {"lognormal": ("median", "sigma"), "pareto": ("xm", "alpha"), "uniform": ("lo", "hi")}
+"""Each component's parameters, in positional order."""
+_TOKEN = re.compile(
+    r"\s*(?:(?P<number>\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+)|(?P<name>[a-z_]\w*)|(?P<op>[-+*(),=]))"
+)
+EXAMPLE_SPEC = "0.7*lognormal(median=300,sigma=1.3)+0.3*uniform(8192,32768)"
+
+
+@dataclass(frozen=True)
+class Component:
+    """One parametric length distribution (see :data:`PARAMETERS`)."""
+
+    kind: str
+    params: tuple[float, ...]
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` real-valued draws."""
+        a, b = self.params
+        if self.kind == "lognormal":
+            return rng.lognormal(math.log(a), b, size=n)
+        if self.kind == "pareto":
+            return a * (1.0 + rng.pareto(b, size=n))  # numpy's pareto is Lomax: shift by 1
+        return rng.uniform(a, b, size=n)
+
+    def __str__(self) -> str:
+        args = ",".join(f"{k}={v:g}" for k, v in zip(PARAMETERS[self.kind], self.params))
+        return f"{self.kind}({args})"
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A weighted mixture of components; ``weights`` sum to 1."""
+
+    weights: tuple[float, ...]
+    components: tuple[Component, ...]
+
+    def sample_lengths(self, n: int, *, seed: int) -> np.ndarray:
+        """``n`` document lengths in tokens (int64, at least 1), fixed by ``seed``."""
+        rng = np.random.default_rng(seed)
+        which = rng.choice(len(self.components), size=n, p=self.weights)
+        draws = np.empty(n)
+        for k, component in enumerate(self.components):
+            mine = which == k
+            draws[mine] = component.sample(int(mine.sum()), rng)
+        return np.maximum(1, np.rint(draws)).astype(np.int64)
+
+    def __str__(self) -> str:
+        return "+".join(f"{w:.4g}*{c}" for w, c in zip(self.weights, self.components))
+
+
+def _tokens(text: str, where: str) -> list[tuple[str, str]]:
+    """``(kind, text)`` pairs; kind is ``number``, ``name`` or the operator itself."""
+    out, pos = [], 0
+    while pos < len(text.rstrip()):
+        match = _TOKEN.match(text, pos)
+        if not match:
+            found = text[pos:].strip()[:12]
+            raise SpecError(f"{where}: unexpected {found!r} (write e.g. {EXAMPLE_SPEC})")
+        kind = match.lastgroup
+        out.append((kind if kind != "op" else match["op"], match[kind]))
+        pos = match.end()
+    return out
+
+
+class _Parser:
+    """Recursive descent over :func:`_tokens` for the grammar in the module docstring."""
+
+    def __init__(self, text: str, where: str) -> None:
+        self.where = where
+        self.tokens = _tokens(text, where)
+        self.pos = 0
+
+    def fail(self, problem: str) -> SpecError:
+        return SpecError(f"{self.where}: {problem} (write e.g. {EXAMPLE_SPEC})")
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
+
+    def take(self, kind: str, what: str) -> str:
+        if self.peek() != kind:
+            found = repr(self.tokens[self.pos][1]) if self.peek() else "the end"
+            raise self.fail(f"expected {what}, found {found}")
+        self.pos += 1
+        return self.tokens[self.pos - 1][1]
+
+    def mixture(self) -> Mixture:
+        terms = [self.term()]
+        while self.peek() == "+":
+            self.pos += 1
+            terms.append(self.term())
+        if self.peek() is not None:
+            raise self.fail(f"unexpected {self.tokens[self.pos][1]!r}")
+        total = sum(w for w, _ in terms)
+        return Mixture(tuple(w / total for w, _ in terms), tuple(c for _, c in terms))
+
+    def term(self) -> tuple[float, Component]:
+        weight = 1.0
+        if self.peek() == "number":
+            weight = float(self.take("number", "a weight"))
+            self.take("*", "'*' after the weight")
+            if weight <= 0:
+                raise self.fail(f"weight {weight:g} must be positive")
+        kind = self.take("name", "a component (lognormal, pareto or uniform)")
+        if kind not in PARAMETERS:
+            raise self.fail(f"unknown component {kind!r}, use lognormal, pareto or uniform")
+        self.take("(", f"'(' after {kind}")
+        args = [self.argument()]
+        while self.peek() == ",":
+            self.pos += 1
+            args.append(self.argument())
+        self.take(")", f"',' or ')' in {kind}(...)")
+        return weight, _component(kind, args, self.fail)
+
+    def argument(self) -> tuple[str | None, float]:
+        name = None
+        if self.peek() == "name":
+            name = self.take("name", "a parameter name")
+            self.take("=", f"'=' after {name}")
+        sign = -1.0 if self.peek() == "-" else 1.0
+        self.pos += self.peek() == "-"
+        return name, sign * float(self.take("number", "a number"))
+
+
+def _component(kind: str, args, fail: Callable[[str], SpecError]) -> Component:
+    """Positional and named ``args`` → a checked component."""
+    names = PARAMETERS[kind]
+    if len(args) != len(names):
+        raise fail(f"{kind} takes {len(names)} parameters ({', '.join(names)}), got {len(args)}")
+    values: dict[str, float] = {}
+    for position, (name, value) in enumerate(args):
+        name = name or names[position]
+        if name not in names:
+            raise fail(f"{kind} has no parameter {name!r}, only {', '.join(names)}")
+        if name in values:
+            raise fail(f"{kind} gets {name} twice")
+        values[name] = value
+    params = tuple(values[n] for n in names)
+    a, b = params
+    problem = {
+        "lognormal": None if a > 0 and b >= 0 else "needs median > 0 and sigma >= 0",
+        "pareto": None if a > 0 and b > 0 else "needs xm > 0 and alpha > 0",
+        "uniform": None if 1 <= a <= b else "needs 1 <= lo <= hi",
+    }[kind]
+    if problem:
+        raise fail(f"{kind}({', '.join(f'{v:g}' for v in params)}) {problem}")
+    return Component(kind, params)
+
+
+def parse_spec(text: str, *, name: str | None = None) -> Mixture:
+    """A mixture from the spec language of the module docstring (``name`` for messages).
+
+    Raises:
+        SpecError: one sentence naming the problem and showing an example.
+    """
+    where = f"distribution {name} = {text!r}" if name else f"distribution {text!r}"
+    if not text.strip():
+        raise SpecError(f"{where}: the spec is empty (write e.g. {EXAMPLE_SPEC})")
+    return _Parser(text, where).mixture()
+
+
+def parse_named_spec(text: str) -> tuple[str, Mixture]:
+    """``NAME=SPEC`` (``--distribution``) → the name and its mixture."""
+    name, sep, spec = text.partition("=")
+    name = name.strip()
+    if not sep or not re.fullmatch(r"[\w.-]+", name):
+        raise SpecError(f"--distribution {text!r} must be NAME=SPEC, e.g. mix={EXAMPLE_SPEC}")
+    return name, parse_spec(spec, name=name)
+
+
+def read_lengths_file(path: str) -> np.ndarray:
+    """One positive integer per line (blank lines ignored) → lengths in tokens."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise SpecError(f"--lengths-file {path}: cannot read it ({err.strerror})") from None
+    lengths = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if not line.strip().isdigit() or int(line) < 1:
+            raise SpecError(
+                f"--lengths-file {path}, line {number}: {line.strip()!r} is not a "
+                "positive integer (give one length in tokens per line)"
+            )
+        lengths.append(int(line))
+    if not lengths:
+        raise SpecError(f"--lengths-file {path} holds no lengths")
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def cut_to_context(lengths: np.ndarray, context: int) -> np.ndarray:
+    """Documents as a pretraining loader trains them at ``context`` tokens: each longer
+    document becomes ``n // context`` pieces of ``context`` tokens plus one of ``n % context``
+    (when not 0). Token counts are kept; the order of pieces does not matter (batches shuffle)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    full, rest = lengths // context, lengths % context
+    return np.concatenate([rest[rest > 0], np.full(int(full.sum()), context, dtype=np.int64)])
+
+
+def summarize_lengths(lengths: np.ndarray) -> dict:
+    """Count, mean, median, p90, p98 and the share of documents at most 4,096 tokens."""
+    q50, q90, q98 = np.percentile(lengths, [50, 90, 98])
+    return {
+        "count": int(len(lengths)),
+        "mean_tokens": float(np.mean(lengths)),
+        "median_tokens": float(q50),
+        "p90_tokens": float(q90),
+        "p98_tokens": float(q98),
+        "share_at_most_4096": float(np.mean(lengths <= 4096)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-distribution statistics: what each strategy's rows hold per step
 
 
 class LengthSource:
@@ -44,146 +389,635 @@ class LengthSource:
         return np.zeros(self.lengths[index], dtype=np.int64)
 
 
-def demo_corpus_lengths() -> list[int]:
-    """The demo corpus's documents: the standard library's sources, in bytes plus end-of-doc."""
-    return [path.stat().st_size + 1 for path in select_stdlib_files()]
+@dataclass(frozen=True)
+class DistributionStats:
+    """One distribution's rows per step under each packing, averaged over the sampled steps."""
+
+    bucketed: list[BucketStats]
+    """Per bucket, packed as HotSPa packs (first-fit decreasing, backfill)."""
+    single: BucketStats
+    """Every document packed first-fit into ``--seq-length`` rows, per-document attention."""
+    pad: BucketStats
+    """One document per row, padded."""
+    packed_causal: BucketStats
+    """Megatron-LM: the documents concatenated into full rows, causal over each row; the same
+    rows every step (Megatron's global batch is a fixed number of rows), so no ``step_rows``."""
+    tokens_per_step: float
+    """Real tokens per step (the same for every strategy)."""
 
 
-def pareto_lengths(n: int, *, seed: int, scale: int = 512, alpha: float = 1.1) -> list[int]:
-    """``scale · (1 + Pareto(alpha))`` tokens: most documents short, a heavy tail of long ones."""
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in np.ceil(scale * (1 + rng.pareto(alpha, size=n)))]
+def measure_distribution(
+    pieces: np.ndarray, *, bounds: Sequence[int], global_batch_size: int, seed: int, steps: int
+) -> DistributionStats:
+    """Pack the first ``steps`` global batches of ``pieces`` every way the strategies need."""
+    source, context = LengthSource(pieces), bounds[-1]
+    common = dict(global_batch_size=global_batch_size, seed=seed, steps=steps)
+    documents = tokens = squares = 0.0
+    batches = global_batches(
+        source, global_batch_size=global_batch_size, seq_length=context, seed=seed
+    )
+    for _, batch in zip(range(steps), batches):
+        lengths = np.array([len(d) for d in batch], dtype=np.float64)
+        documents += len(lengths)
+        tokens += lengths.sum()
+        squares += (lengths**2).sum() / context**2
+    return DistributionStats(
+        bucketed=bucket_statistics(source, bounds=bounds, **common),
+        single=bucket_statistics(source, bounds=[context], **common)[0],
+        pad=BucketStats(
+            rows=documents / steps,
+            attention_fraction=squares / documents,
+            fill=tokens / documents / context,
+        ),
+        packed_causal=BucketStats(rows=tokens / steps / context, attention_fraction=1.0, fill=1.0),
+        tokens_per_step=tokens / steps,
+    )
 
 
-def summarize(lengths: list[int], seq_length: int) -> dict:
-    cut = np.minimum(np.asarray(lengths), seq_length)
+# ---------------------------------------------------------------------------------------------
+# The strategies
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One distribution × model × GPU count × device."""
+
+    distribution: str
+    model: str
+    gpus: int
+    device: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.distribution} {self.model} {self.gpus}×{self.device}"
+
+
+def best_single(
+    model, device, *, gpus: int, context: int, stats: BucketStats, method: str, max_cp=None
+):
+    """The best one layout for full rows of ``stats``."""
+    return choose_strategies(
+        model=model,
+        device=device,
+        bounds=[context],
+        stats=[stats],
+        world_size=gpus,
+        mode="switch",
+        method=method,
+        max_cp=max_cp,
+    )
+
+
+def paper_candidates(model: ModelShape, *, gpus: int, gpus_per_node: int, length: int):
+    """The paper-style order: TP 1, 2, 4, … within a node (rest DP, no PP / CP); then the
+    largest such TP with PP 2, 4, … (see ``paper-layouts`` in the module docstring)."""
+
+    def valid(layout: ParallelLayout) -> bool:
+        try:
+            layout.check_fits(model, length)
+        except LayoutError:
+            return False
+        return True
+
+    powers = [1 << k for k in range(gpus.bit_length()) if gpus % (1 << k) == 0]
+    tps = [
+        tp
+        for tp in powers
+        if tp <= gpus_per_node and valid(ParallelLayout(dp=gpus // tp, tp=tp, sp=tp > 1))
+    ]
+    yield from (ParallelLayout(dp=gpus // tp, tp=tp, sp=tp > 1) for tp in tps)
+    if tps:
+        tp = tps[-1]
+        for pp in (p for p in powers if p > 1 and tp * p <= gpus):
+            layout = ParallelLayout(dp=gpus // (tp * pp), tp=tp, pp=pp, sp=tp > 1)
+            if valid(layout):
+                yield layout
+
+
+def paper_layouts(
+    model,
+    device: DeviceSpec,
+    *,
+    gpus: int,
+    bounds: Sequence[int],
+    stats: Sequence[BucketStats],
+    method: str,
+) -> StrategyPlan:
+    """Home: the first paper-order layout that fits the longest bucket; each shorter bucket:
+    the first that fits next to home. Priced with ``evaluate_strategies``."""
+    price = dict(model=model, device=device, method=method)
+
+    def first_fitting(b: int, home: ParallelLayout | None) -> ParallelLayout:
+        for layout in paper_candidates(
+            model, gpus=gpus, gpus_per_node=device.gpus_per_node, length=bounds[b]
+        ):
+            pair = [layout] if home is None else [layout, home]
+            which = [b] if home is None else [b, len(bounds) - 1]
+            try:
+                evaluate_strategies(
+                    **price,
+                    bounds=[bounds[i] for i in which],
+                    stats=[stats[i] for i in which],
+                    layouts=pair,
+                )
+            except StrategyError:
+                continue
+            return layout
+        raise StrategyError(
+            f"no layout without CP (TP within a node, then PP) fits the {bounds[b]}-token "
+            f"bucket of {model.name} on {gpus} {device.name}"
+            + ("" if home is None else f" next to home {home.name}")
+        )
+
+    home = first_fitting(len(bounds) - 1, None)
+    layouts = [first_fitting(b, home) for b in range(len(bounds) - 1)] + [home]
+    return evaluate_strategies(**price, bounds=bounds, stats=stats, layouts=layouts)
+
+
+def strategy_plans(
+    model: ModelShape,
+    device: DeviceSpec,
+    *,
+    gpus: int,
+    stats: DistributionStats,
+    bounds: Sequence[int],
+    method: str,
+) -> Iterator[tuple[str, StrategyPlan | StrategyError]]:
+    """Each strategy's plan, or the error that says why it fits nothing."""
+    context = bounds[-1]
+    single = dict(gpus=gpus, context=context, method=method)
+    bucketed = dict(model=model, device=device, bounds=bounds, stats=stats.bucketed, method=method)
+    builders = {
+        "packed-causal": lambda: best_single(
+            model, device, **single, stats=stats.packed_causal, max_cp=1
+        ),
+        "pad": lambda: best_single(model, device, **single, stats=stats.pad, max_cp=1),
+        "static": lambda: best_single(model, device, **single, stats=stats.single, max_cp=1),
+        "static-cp": lambda: best_single(model, device, **single, stats=stats.single),
+        "dynamic-cp": lambda: choose_strategies(**bucketed, world_size=gpus, mode="dynamic-cp"),
+        "paper-layouts": lambda: paper_layouts(
+            model, device, gpus=gpus, bounds=bounds, stats=stats.bucketed, method=method
+        ),
+        "auto": lambda: choose_strategies(
+            **bucketed, world_size=gpus, mode="switch", single=stats.single
+        ),
+    }
+    for name in STRATEGIES:
+        try:
+            yield name, builders[name]()
+        except StrategyError as err:
+            yield name, err
+
+
+def priced_stats(name: str, plan: StrategyPlan, stats: DistributionStats) -> list[BucketStats]:
+    """The statistics ``plan`` was priced on (``auto`` may return the single-layout plan)."""
+    if name in ("packed-causal", "pad"):
+        return [stats.pad if name == "pad" else stats.packed_causal]
+    return [stats.single] if len(plan.choices) == 1 else list(stats.bucketed)
+
+
+def worst_step_record(
+    plan: StrategyPlan, stats: Sequence[BucketStats], *, model, device, method: str
+) -> dict:
+    """Memory in the busiest sampled step: the estimator prices a bucket's peak on its *mean*
+    rows per step (micro-batches in flight under PP), so a plan can fit on average yet not in a
+    step where a bucket has more rows. Re-priced with each bucket at its most rows."""
+    worst = [
+        dataclasses.replace(s, rows=float(max(s.step_rows or (s.rows,))), step_rows=())
+        for s in stats
+    ]
+    try:
+        again = evaluate_strategies(
+            model=model,
+            device=device,
+            bounds=plan.bounds,
+            stats=worst,
+            layouts=plan.layouts,
+            method=method,
+        )
+    except StrategyError as err:
+        return {"fits_worst_step": False, "worst_step_error": str(err)}
+    peak = max(c.peak_bytes for c in again.choices if c.rows > 0) / GIB
+    return {"fits_worst_step": True, "worst_step_peak_gib": peak}
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures and the check
+
+
+def plan_record(plan: StrategyPlan, *, tokens_per_step: float) -> dict:
+    """Every figure of one strategy's plan, JSON-ready."""
+    running = [c for c in plan.choices if c.rows > 0] or plan.choices
+    baseline = getattr(plan, "baseline", None)
     return {
-        "documents": len(lengths),
-        "median_tokens": int(np.median(cut)),
-        "p99_tokens": int(np.percentile(cut, 99)),
-        "at_cap": float(np.mean(cut == seq_length)),
+        "layouts": [layout.name for layout in plan.layouts],
+        "step_s": plan.step_s,
+        "switch_s": plan.switch_s,
+        "switch_share": plan.switch_s / plan.step_s,
+        "peak_gib": max(c.peak_bytes for c in running) / GIB,
+        "tokens_per_s": tokens_per_step / plan.step_s,
+        "single_layout": bool(getattr(plan, "single_layout", len(set(plan.layouts)) == 1)),
+        "predicted_gain": float(getattr(plan, "predicted_gain", 1.0)),
+        "baseline_layouts": None if baseline is None else [x.name for x in baseline.layouts],
+        "buckets": [
+            {
+                "length": c.length,
+                "rows": c.rows,
+                "layout": c.layout.name,
+                "compute_s": c.compute_s,
+                "sync_s": c.sync_s,
+                "switch_s": c.switch_s,
+                "peak_gib": c.peak_bytes / GIB,
+            }
+            for c in plan.choices
+        ],
     }
 
 
-def compare(*, model, device, gpus: int, lengths, buckets, seq_length, gbs, seed) -> list[dict]:
-    """Static, HotSPa and dynamic CP for one distribution and GPU count."""
-    source = LengthSource(lengths)
-    static = bucket_statistics(source, bounds=[seq_length], global_batch_size=gbs, seed=seed)
-    stats = bucket_statistics(source, bounds=buckets, global_batch_size=gbs, seed=seed)
-    out = []
-    cases = [
-        ("static", [seq_length], static, "switch"),
-        ("hotspa", buckets, stats, "switch"),
-        ("dynamic-cp", buckets, stats, "dynamic-cp"),
-    ]
-    for name, bounds, bucket_stats, mode in cases:
-        r = [b.rows for b in bucket_stats]
-        try:
-            plan = choose_strategies(
-                model=model,
-                device=device,
-                bounds=bounds,
-                rows=r,
-                world_size=gpus,
-                mode=mode,
-                attention_fractions=[b.attention_fraction for b in bucket_stats],
-            )
-        except StrategyError as err:
-            out.append({"strategy": name, "gpus": gpus, "error": str(err)})
+def run_workload(workload: Workload, stats: DistributionStats, *, bounds, method: str) -> dict:
+    """All strategies of one workload, with speedups and ``auto / best static``."""
+    model, device = model_shape(workload.model), device_spec(workload.device)
+    pricing = dict(model=model, device=device, method=method)
+    strategies = {}
+    for name, plan in strategy_plans(
+        model, device, gpus=workload.gpus, stats=stats, bounds=bounds, method=method
+    ):
+        if isinstance(plan, StrategyError):
+            strategies[name] = {"error": str(plan)}
             continue
-        out.append(
-            {
-                "strategy": name,
-                "gpus": gpus,
-                "layouts": ";".join(layout.name for layout in plan.layouts),
-                "rows_per_step": [round(x, 2) for x in r],
-                "step_s": plan.step_s,
-                "switch_s": plan.switch_s,
-                "switch_share": plan.switch_s / plan.step_s,
-                "peak_gib": max(c.peak_bytes for c in plan.choices) / 2**30,
-            }
+        strategies[name] = plan_record(plan, tokens_per_step=stats.tokens_per_step)
+        strategies[name] |= worst_step_record(plan, priced_stats(name, plan, stats), **pricing)
+    step = {name: s["step_s"] for name, s in strategies.items() if "step_s" in s}
+    statics = [name for name in STATIC if name in step]
+    best_static = min(statics, key=step.get) if statics else None
+    for name, record in strategies.items():
+        if name not in step:
+            continue
+        if "packed-causal" in step:
+            record["speedup_vs_packed_causal"] = step["packed-causal"] / step[name]
+        if best_static:
+            record["speedup_vs_best_static"] = step[best_static] / step[name]
+    ratio = None
+    if best_static:  # auto refused where a static layout fits: it lost everything
+        ratio = strategies["auto"].get("speedup_vs_best_static", 0.0)
+    return {
+        **dataclasses.asdict(workload),
+        "best_static": best_static,
+        "auto_vs_best_static": ratio,
+        "strategies": strategies,
+    }
+
+
+def check_summary(workloads: Sequence[dict], *, threshold: float = CHECK_THRESHOLD) -> dict:
+    """The least ``auto / best static`` over the workloads where a static layout fits."""
+    checked = [w for w in workloads if w["auto_vs_best_static"] is not None]
+    worst = min(checked, key=lambda w: w["auto_vs_best_static"], default=None)
+    least = None if worst is None else worst["auto_vs_best_static"]
+    unsafe = [
+        f"{Workload(**_key(w)).label} {name}"
+        for w in workloads
+        for name, r in w["strategies"].items()
+        if r.get("fits_worst_step") is False
+    ]
+    return {
+        "workloads": len(workloads),
+        "checked": len(checked),
+        "min_auto_vs_best_static": least,
+        "worst_workload": None if worst is None else Workload(**_key(worst)).label,
+        "threshold": threshold,
+        "passed": least is None or least >= threshold,
+        "fit_on_mean_rows_only": unsafe,
+    }
+
+
+def _key(record: dict) -> dict:
+    return {f.name: record[f.name] for f in dataclasses.fields(Workload)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def _speedup(record: dict, key: str = "speedup_vs_packed_causal") -> str:
+    """``1.23×``; the step time where the baseline fits nothing."""
+    if "error" in record:
+        return "does not fit"
+    return f"{record[key]:.2f}×" if key in record else f"{record['step_s']:.2f} s"
+
+
+def print_summary_table(workloads: Sequence[dict], out) -> None:
+    """One row per workload: each strategy's speedup over ``packed-causal``, auto's details."""
+    others = [s for s in STRATEGIES if s != "packed-causal"]
+    print(
+        "| distribution | model | GPUs | device | packed-causal | "
+        + " | ".join(others)
+        + " | auto layouts | auto switch | auto peak GiB (worst step) | auto / best static |",
+        file=out,
+    )
+    print("|" + "---|" * (9 + len(others)), file=out)
+    for w in workloads:
+        s = w["strategies"]
+        base = s["packed-causal"]
+        base_cell = (
+            "does not fit" if "error" in base else f"{base['step_s']:.2f} s {base['layouts'][0]}"
         )
-    static = out[0].get("step_s")
-    for row in out:
-        if static and "step_s" in row:
-            row["speedup_vs_static"] = static / row["step_s"]
-    return out
+        auto = s["auto"]
+        auto_cells = (
+            ["—", "—", "—"]
+            if "error" in auto
+            else [
+                ";".join(auto["layouts"]),
+                f"{auto['switch_share']:.1%}",
+                _peaks(auto),
+            ]
+        )
+        ratio = w["auto_vs_best_static"]
+        cells = [
+            w["distribution"],
+            w["model"],
+            str(w["gpus"]),
+            w["device"],
+            base_cell,
+            *(_speedup(s[name]) for name in others),
+            *auto_cells,
+            "—" if ratio is None else f"{ratio:.3f}",
+        ]
+        print("| " + " | ".join(cells) + " |", file=out)
+
+
+def _peaks(record: dict) -> str:
+    """``58.4 (81.1 ✗)``: the peak priced on mean rows, and in the busiest sampled step."""
+    if record["fits_worst_step"]:
+        return f"{record['peak_gib']:.1f} ({record['worst_step_peak_gib']:.1f})"
+    return f"{record['peak_gib']:.1f} (✗ does not fit)"
+
+
+def print_detail_table(workloads: Sequence[dict], out) -> None:
+    """One row per workload and strategy."""
+    print(
+        "| distribution | model | GPUs | device | strategy | layouts (short → home) | step (s) "
+        "| switch share | peak GiB (worst step) | vs packed-causal | vs best static |",
+        file=out,
+    )
+    print("|" + "---|" * 11, file=out)
+    for w in workloads:
+        head = f"| {w['distribution']} | {w['model']} | {w['gpus']} | {w['device']} "
+        for name, r in w["strategies"].items():
+            if "error" in r:
+                print(f"{head}| {name} | {r['error']} | | | | | |", file=out)
+                continue
+            print(
+                f"{head}| {name} | {';'.join(r['layouts'])} | {r['step_s']:.3f} | "
+                f"{r['switch_share']:.1%} | {_peaks(r)} | {_speedup(r)} | "
+                f"{_speedup(r, 'speedup_vs_best_static')} |",
+                file=out,
+            )
+
+
+def print_distributions(distributions: dict, out) -> None:
+    for name, d in distributions.items():
+        raw, pieces = d["documents"], d["pieces"]
+        print(
+            f"- {name} ({d['spec']}): median {raw['median_tokens']:.0f}, p90 "
+            f"{raw['p90_tokens']:.0f}, p98 {raw['p98_tokens']:.0f} tokens, "
+            f"{raw['share_at_most_4096']:.1%} ≤ 4K; {d['cut_documents']:.2%} of documents cut "
+            f"at the context into {pieces['count']} pieces; {d['tokens_per_step']:.0f} tokens "
+            "per step",
+            file=out,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(MODELS),
+        help="Default: llama-7b, llama-13b, llama-30b.",
+    )
+    parser.add_argument("--gpus", nargs="+", type=int, help="GPU counts (default: 8 16 32).")
+    parser.add_argument(
+        "--devices", nargs="+", choices=sorted(DEVICES), help="Default: a800-80g h100-80g."
+    )
+    parser.add_argument(
+        "--distributions",
+        nargs="+",
+        metavar="NAME",
+        help="Which to run, of "
+        "commoncrawl, github, control and the ones defined below (default: the "
+        "built-in three, or only yours when you define any).",
+    )
+    parser.add_argument(
+        "--distribution",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help=f"A mixture of lengths, e.g. mix={EXAMPLE_SPEC} (repeatable).",
+    )
+    parser.add_argument(
+        "--lengths-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="Document lengths, one per line; named after the file's stem.",
+    )
+    parser.add_argument("--seq-length", type=int, default=32768, help="The context, in tokens.")
+    parser.add_argument("--hotspa-buckets", default="4096,8192,16384,32768")
+    parser.add_argument("--global-batch-size", type=int, default=512, help="Documents per step.")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=20000,
+        help="Documents drawn per parametric distribution (before cutting).",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=32,
+        help="Global batches packed to measure rows per step (the trainer's auto uses 32).",
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--method",
+        default="none",
+        choices=METHODS,
+        help="Activation memory method, as the trainer's --recompute-granularity passes it "
+        "to auto (default: none, every activation kept).",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="llama-7b, 8 a800-80g, commoncrawl and control (unless given).",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"Exit 1 when auto / best static < {CHECK_THRESHOLD} anywhere.",
+    )
+    parser.add_argument("--detail", action="store_true", help="Also one row per strategy.")
+    parser.add_argument("--json", metavar="FILE", help="Write every figure here.")
+    return parser
+
+
+def load_distributions(args, parser) -> dict[str, dict]:
+    """Name → ``{"spec", "lengths"}`` (raw document lengths), in the order they will run."""
+    defined: dict[str, dict] = {}
+    try:
+        for text in args.distribution:
+            name, mixture = parse_named_spec(text)
+            defined[name] = {"spec": str(mixture), "mixture": mixture}
+        for path in args.lengths_file:
+            defined[Path(path).stem] = {"spec": f"file {path}", "lengths": read_lengths_file(path)}
+    except SpecError as err:
+        parser.error(str(err))
+    builtin = {
+        name: {"spec": spec, "mixture": parse_spec(spec)} for name, spec in BUILTIN_SPECS.items()
+    }
+    known = {**builtin, **defined}
+    chosen = args.distributions or (
+        QUICK["distributions"] if args.quick and not defined else list(defined or builtin)
+    )
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        parser.error(f"--distributions: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    for name in chosen:
+        entry = known[name]
+        if "lengths" not in entry:
+            entry["lengths"] = entry["mixture"].sample_lengths(args.documents, seed=args.seed)
+    return {name: known[name] for name in chosen}
+
+
+def describe_distribution(entry: dict, stats: DistributionStats, *, context: int) -> dict:
+    lengths = entry["lengths"]
+    return {
+        "spec": entry["spec"],
+        "documents": summarize_lengths(lengths),
+        "pieces": summarize_lengths(cut_to_context(lengths, context)),
+        "cut_documents": float(np.mean(lengths > context)),
+        "tokens_per_step": stats.tokens_per_step,
+        "rows_per_step": {
+            "bucketed": [dataclasses.asdict(s) for s in stats.bucketed],
+            "single": dataclasses.asdict(stats.single),
+            "pad": dataclasses.asdict(stats.pad),
+            "packed_causal": dataclasses.asdict(stats.packed_causal),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt-7b", choices=sorted(MODELS))
-    parser.add_argument("--device", default="h100-80g", choices=sorted(DEVICES))
-    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--seq-length", type=int, default=32768)
-    parser.add_argument("--hotspa-buckets", default="4096,8192,16384,32768")
-    parser.add_argument("--global-batch-size", type=int, default=256, help="Documents per step.")
-    parser.add_argument("--pareto-documents", type=int, default=20000)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", help="Write the rows here.")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    model, device = model_shape(args.model), device_spec(args.device)
-    buckets = parse_buckets(args.hotspa_buckets, seq_length=args.seq_length)
-    distributions = {
-        "demo-corpus": demo_corpus_lengths(),
-        "pareto": pareto_lengths(args.pareto_documents, seed=args.seed),
-    }
+    try:
+        bounds = list(parse_buckets(args.hotspa_buckets, seq_length=args.seq_length))
+    except UsageError as err:
+        parser.error(str(err))
+    if min([args.global_batch_size, args.documents, args.steps, *(args.gpus or [1])]) < 1:
+        parser.error("--global-batch-size, --documents, --steps and --gpus must be positive")
+    quick = QUICK if args.quick else {}
+    models = args.models or quick.get("models", DEFAULT_MODELS)
+    gpu_counts = args.gpus or quick.get("gpus", DEFAULT_GPUS)
+    devices = args.devices or quick.get("devices", DEFAULT_DEVICES)
+    started = time.perf_counter()
+    distributions = load_distributions(args, parser)
     results = {
-        "model": args.model,
-        "device": args.device,
-        "seq_length": args.seq_length,
-        "buckets": list(buckets),
-        "global_batch_size": args.global_batch_size,
+        "config": {
+            "seq_length": args.seq_length,
+            "buckets": bounds,
+            "global_batch_size": args.global_batch_size,
+            "documents": args.documents,
+            "steps": args.steps,
+            "seed": args.seed,
+            "method": args.method,
+            "baseline": "packed-causal: Megatron-LM packing (causal over whole rows), no CP; "
+            "our stand-in for the HotSPa paper's baseline",
+        },
         "distributions": {},
-        "rows": [],
+        "workloads": [],
     }
-    for name, lengths in distributions.items():
-        results["distributions"][name] = summarize(lengths, args.seq_length)
-        for gpus in args.gpus:
-            for row in compare(
-                model=model,
-                device=device,
-                gpus=gpus,
-                lengths=lengths,
-                buckets=buckets,
-                seq_length=args.seq_length,
-                gbs=args.global_batch_size,
-                seed=args.seed,
-            ):
-                results["rows"].append({"distribution": name, **row})
-    print_table(results)
+    total = len(distributions) * len(models) * len(gpu_counts) * len(devices)
+    for name, entry in distributions.items():
+        stats = measure_distribution(
+            cut_to_context(entry["lengths"], args.seq_length),
+            bounds=bounds,
+            global_batch_size=args.global_batch_size,
+            seed=args.seed,
+            steps=args.steps,
+        )
+        results["distributions"][name] = describe_distribution(
+            entry, stats, context=args.seq_length
+        )
+        for workload in itertools.starmap(
+            Workload, itertools.product([name], models, gpu_counts, devices)
+        ):
+            tick = time.perf_counter()
+            record = run_workload(workload, stats, bounds=bounds, method=args.method)
+            results["workloads"].append(record)
+            done, seconds = len(results["workloads"]), time.perf_counter() - tick
+            log_progress(record, done=done, total=total, seconds=seconds)
+    summary = check_summary(results["workloads"])
+    summary["runtime_s"] = time.perf_counter() - started
+    results["summary"] = summary
+    print_report(results, detail=args.detail)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.check and not summary["passed"]:
+        print(
+            f"check failed: auto / best static is {summary['min_auto_vs_best_static']:.3f} for "
+            f"{summary['worst_workload']}, below {CHECK_THRESHOLD}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
-def print_table(results: dict) -> None:
-    print(
-        f"{results['model']} on {results['device']}, {results['seq_length']} tokens, "
-        f"{results['global_batch_size']} documents per step, buckets "
-        f"{','.join(map(str, results['buckets']))}"
-    )
-    for name, d in results["distributions"].items():
-        print(
-            f"  {name}: {d['documents']} documents, median {d['median_tokens']} tokens, "
-            f"p99 {d['p99_tokens']}, {d['at_cap']:.1%} cut at the context"
+def log_progress(record: dict, *, done: int, total: int, seconds: float) -> None:
+    auto = record["strategies"]["auto"]
+    if "error" in auto:
+        what = f"auto does not fit: {auto['error']}"
+    else:
+        ratio = record["auto_vs_best_static"]
+        what = f"auto {auto['step_s']:.2f} s ({';'.join(auto['layouts'])}), " + (
+            "no static fits" if ratio is None else f"{ratio:.3f}× best static"
         )
-    header = (
-        "| distribution | GPUs | strategy | layouts (short → home) | step (s) | "
-        "vs static | switch share |"
+    label = Workload(**_key(record)).label
+    print(f"[{done}/{total}] {label}: {what} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
+def print_report(results: dict, *, detail: bool) -> None:
+    out, config, summary = sys.stdout, results["config"], results["summary"]
+    print(
+        f"Predicted by the estimator's cost model: {config['seq_length']}-token context, "
+        f"{config['global_batch_size']} documents per step, buckets "
+        f"{','.join(map(str, config['buckets']))}. Cells: speedup over packed-causal "
+        "(Megatron-LM packing, our stand-in for the paper's baseline).",
+        file=out,
     )
-    print(header)
-    print("|" + "---|" * 7)
-    for r in results["rows"]:
-        if "error" in r:
-            print(f"| {r['distribution']} | {r['gpus']} | {r['strategy']} | {r['error']} |")
-            continue
+    print_distributions(results["distributions"], out)
+    print(file=out)
+    print_summary_table(results["workloads"], out)
+    if detail:
+        print(file=out)
+        print_detail_table(results["workloads"], out)
+    least = summary["min_auto_vs_best_static"]
+    print(
+        f"\nauto / best static: min {'—' if least is None else f'{least:.3f}'} over "
+        f"{summary['checked']} of {summary['workloads']} workloads"
+        + (f" ({summary['worst_workload']})" if summary["worst_workload"] else "")
+        + f"; ran in {summary['runtime_s']:.0f} s",
+        file=out,
+    )
+    unsafe = summary["fit_on_mean_rows_only"]
+    if unsafe:
         print(
-            f"| {r['distribution']} | {r['gpus']} | {r['strategy']} | {r['layouts']} | "
-            f"{r['step_s']:.2f} | {r.get('speedup_vs_static', math.nan):.2f}× | "
-            f"{r['switch_share']:.1%} |"
+            f"{len(unsafe)} plans fit device memory on mean rows per step but not in the busiest "
+            f"sampled step (marked ✗): {', '.join(unsafe)}",
+            file=out,
         )
 
 

@@ -217,10 +217,18 @@ def shares_home(layout: ParallelLayout, home: ParallelLayout) -> bool:
     return (layout.tp, layout.pp) == (home.tp, home.pp)
 
 
+def _microbatches(stats: BucketStats, layout: ParallelLayout) -> int:
+    """Micro-batches per DP rank that memory is sized for: the fullest sampled step's (under
+    PP, how many are in flight at once depends on it)."""
+    return max(1, math.ceil(max(stats.step_rows or (stats.rows,)) / layout.dp))
+
+
 def _estimate(
     model, device, layout: ParallelLayout, *, length: int, stats: BucketStats, eff, method="none"
 ) -> Estimate:
-    microbatches = max(1, math.ceil(stats.rows / layout.dp))
+    """The estimator on one bucket's rows in ``layout``: memory for its fullest step; the time
+    is rescaled to the expected step by :func:`_choice`."""
+    microbatches = _microbatches(stats, layout)
     batch = Batch(micro_batch_size=1, num_microbatches=microbatches, distributed_optimizer=False)
     return estimate(
         model=model,
@@ -294,26 +302,36 @@ def choose_strategies(
     eff = efficiency or Efficiency()
     usable = int(device.memory_bytes * (1 - eff.headroom))
     common = dict(world_size=world_size, eff=eff, method=method, max_cp=max_cp)
-    per_bucket = [
-        _options(model, device, length=length, stats=st, **common)
-        for length, st in zip(bounds, stats)
-    ]
+    alone = None
+    if single is not None and len(bounds) > 1:
+        alone = _best_single(
+            model, device, length=bounds[-1], stats=single, usable=usable, **common
+        )
     fit = dict(
         usable=usable,
         device=device,
         dynamic_cp_only=mode == "dynamic-cp",
         copy_bytes=copy_bytes_per_param,
     )
-    plans = [
-        _plan_with_home(home, est, per_bucket, bounds, stats, **fit) for home, est in per_bucket[-1]
-    ]
-    plans = [plan for plan in plans if plan is not None]
-    if not plans:
-        raise StrategyError(_nothing_fits(per_bucket, bounds, usable, device, copy_bytes_per_param))
+    try:
+        per_bucket = [
+            _options(model, device, length=length, stats=st, **common)
+            for length, st in zip(bounds, stats)
+        ]
+        plans = [
+            _plan_with_home(home, est, per_bucket, bounds, stats, **fit)
+            for home, est in per_bucket[-1]
+        ]
+        plans = [plan for plan in plans if plan is not None]
+        if not plans:
+            raise StrategyError(
+                _nothing_fits(per_bucket, bounds, usable, device, copy_bytes_per_param)
+            )
+    except StrategyError:
+        if alone is None:
+            raise
+        return replace(alone, baseline=alone)  # only one layout for every bucket fits
     best = min(plans, key=lambda plan: plan.step_s)
-    if single is None or len(bounds) == 1:
-        return best
-    alone = _best_single(model, device, length=bounds[-1], stats=single, usable=usable, **common)
     if alone is None or best.step_s * (1 + SWITCH_MARGIN) < alone.step_s:
         return replace(best, baseline=alone)
     return replace(alone, baseline=alone)
@@ -474,11 +492,10 @@ def _choices_given_home(
 
 
 def _choice(length, stats: BucketStats, layout, est: Estimate, peak, *, on_home, switch_s):
-    """A bucket's expected cost per step in ``layout``: ``est`` priced its mean rows; the
-    per-slot time is scaled to the expected slots, and the bucket's own gradient reduction and
+    """A bucket's expected cost per step in ``layout``: ``est`` priced its fullest step's rows;
+    the per-slot time is scaled to the expected slots, and the bucket's own gradient reduction and
     switch are paid in the steps that have rows (see :meth:`BucketStats.slots`)."""
-    microbatches = max(1, math.ceil(stats.rows / layout.dp))
-    per_slot = (est.step_time_s - est.grad_sync_s) / (microbatches + layout.pp - 1)
+    per_slot = (est.step_time_s - est.grad_sync_s) / (_microbatches(stats, layout) + layout.pp - 1)
     sync = 0.0 if on_home else est.grad_sync_s * stats.active
     return BucketChoice(
         length,

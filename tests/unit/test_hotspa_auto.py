@@ -270,3 +270,31 @@ def test_resolved_run_records_the_plan_and_warns_of_slow_strategies(caplog):
     assert slow.buckets == (8192, 32768)
     assert slow.predicted_step_s > slow.predicted_single_layout_s
     assert "predicted slower than one layout for every bucket" in caplog.text
+
+
+def test_one_layout_when_no_bucketed_plan_fits(short_documents, monkeypatch):
+    import memo_ext.hotspa.auto as auto
+
+    stats, single = short_documents
+    monkeypatch.setattr(auto, "_plan_with_home", lambda *args, **kwargs: None)
+    plan = auto.choose_strategies(bounds=BOUNDS, stats=stats, single=single, **A800)
+    assert plan.single_layout and plan.baseline is not None
+    with pytest.raises(StrategyError, match="no home layout leaves room"):
+        auto.choose_strategies(bounds=BOUNDS, stats=stats, **A800)
+
+
+def test_memory_is_sized_for_the_fullest_step():
+    # a 32K bucket with 0 or 3 rows per step: 3 micro-batches are in flight on 4 stages
+    sparse = BucketStats(rows=0.75, attention_fraction=1.0, step_rows=(3, 0, 0, 0))
+    steady = BucketStats(rows=3, attention_fraction=1.0, step_rows=(3, 3, 3, 3))
+    layout = ParallelLayout(tp=8, sp=True, pp=4, dp=1)
+    kwargs = dict(bounds=[CONTEXT], layouts=[layout], model=model_shape("llama-13b"))
+    a800 = device_spec("a800-80g")
+    peak = [
+        evaluate_strategies(stats=[s], device=a800, **kwargs).choices[0].peak_bytes
+        for s in (sparse, steady)
+    ]
+    assert peak[0] == peak[1]
+    # ... while its time is paid in one step of four
+    times = [evaluate_strategies(stats=[s], device=a800, **kwargs).step_s for s in (sparse, steady)]
+    assert times[0] < 0.3 * times[1]

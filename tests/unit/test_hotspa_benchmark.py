@@ -1,0 +1,188 @@
+"""``benchmarks/hotspa_strategies.py``: the length spec language, the CommonCrawl fit, cutting at
+the context, and a ``--quick --check`` run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.hotspa_strategies import (
+    BUILTIN_SPECS,
+    COMMONCRAWL_SIGMA,
+    SpecError,
+    check_summary,
+    cut_to_context,
+    main,
+    parse_named_spec,
+    parse_spec,
+    read_lengths_file,
+)
+
+
+def test_spec_components_weights_and_argument_forms():
+    mix = parse_spec(" 0.7 * lognormal(median=300, sigma=1.3) + 0.3*uniform(8192,32768) ")
+    assert mix.weights == pytest.approx((0.7, 0.3))
+    assert [c.kind for c in mix.components] == ["lognormal", "uniform"]
+    assert mix.components[0].params == (300, 1.3)
+    assert mix.components[1].params == (8192, 32768)
+    # named out of order, positional, scientific notation; an omitted weight is 1 (relative)
+    mix = parse_spec("3*pareto(alpha=1.5, xm=8e3)+lognormal(1000,0)")
+    assert mix.weights == pytest.approx((0.75, 0.25))
+    assert mix.components[0].params == (8000, 1.5)
+    # the printed form parses back to the same mixture
+    assert parse_spec(str(mix)) == mix
+
+
+def test_spec_samples_follow_their_components():
+    lengths = parse_spec("uniform(5,5)").sample_lengths(1000, seed=0)
+    assert set(lengths.tolist()) == {5}
+    # sigma 0: every draw is the median
+    assert set(parse_spec("lognormal(median=777,sigma=0)").sample_lengths(50, seed=0)) == {777}
+    # Pareto: never below xm, and P(> 2 xm) = 2^-alpha (binomial s.d. at 20,000 draws: 0.0035)
+    pareto = parse_spec("pareto(xm=1000,alpha=2)").sample_lengths(20000, seed=1)
+    assert pareto.min() >= 1000
+    assert np.mean(pareto > 2000) == pytest.approx(0.25, abs=0.015)
+    # mixture weights: 0.2 of draws from the short component (s.d. 0.004 at 10,000 draws)
+    mix = parse_spec("0.2*uniform(1,10)+0.8*uniform(100,200)").sample_lengths(10000, seed=2)
+    assert np.mean(mix <= 10) == pytest.approx(0.2, abs=0.02)
+    assert mix.min() >= 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("normal(300,1)", "unknown component 'normal'"),
+        ("lognormal(300)", "takes 2 parameters"),
+        ("lognormal(median=300,scale=2)", "no parameter 'scale'"),
+        ("lognormal(median=300,median=2)", "median twice"),
+        ("lognormal(median=-3,sigma=1)", "needs median > 0"),
+        ("pareto(xm=100,alpha=0)", "needs xm > 0 and alpha > 0"),
+        ("uniform(100,10)", "needs 1 <= lo <= hi"),
+        ("0*uniform(1,2)", "must be positive"),
+        ("uniform(1,2)+", "expected a component"),
+        ("lognormal median=3", "expected '\\('"),
+        ("uniform(1,2", "expected ',' or '\\)'"),
+        ("uniform(1,2) uniform(3,4)", "unexpected 'uniform'"),
+        ("uniform(1;2)", "unexpected ';2\\)'"),
+        ("   ", "the spec is empty"),
+    ],
+)
+def test_bad_specs_are_one_sentence(spec, match):
+    with pytest.raises(SpecError, match=match) as err:
+        parse_spec(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_named_specs():
+    name, mix = parse_named_spec("web=lognormal(300,1.27)")
+    assert name == "web" and mix.components[0].params == (300, 1.27)
+    for text in ("lognormal(300,1.27)", "=uniform(1,2)", "a b=uniform(1,2)"):
+        with pytest.raises(SpecError, match="must be NAME=SPEC"):
+            parse_named_spec(text)
+
+
+def test_commoncrawl_fit():
+    # σ = ln(4096 / 300) / z_0.98, computed by hand
+    sigma = COMMONCRAWL_SIGMA
+    assert sigma == pytest.approx(2.61400 / 2.05375, rel=1e-4)
+    lengths = parse_spec(BUILTIN_SPECS["commoncrawl"]).sample_lengths(200_000, seed=3)
+    # sampling noise at 200,000 draws: the median's s.e. is about 0.3%, the 98% share's 0.03 pt;
+    # rounding to whole tokens moves neither visibly
+    assert np.median(lengths) == pytest.approx(300, rel=0.02)
+    assert np.mean(lengths <= 4096) == pytest.approx(0.98, abs=0.002)
+
+
+def test_github_is_longer_and_control_is_long():
+    github = parse_spec(BUILTIN_SPECS["github"]).sample_lengths(50_000, seed=4)
+    web = parse_spec(BUILTIN_SPECS["commoncrawl"]).sample_lengths(50_000, seed=4)
+    assert np.median(github) > 2 * np.median(web)
+    assert np.percentile(github, 98) > 4 * np.percentile(web, 98)
+    control = parse_spec(BUILTIN_SPECS["control"]).sample_lengths(10_000, seed=4)
+    assert control.min() >= 16384 and control.max() <= 32768
+
+
+def test_cut_to_context_keeps_every_token():
+    lengths = np.array([10, 32768, 32769, 70000, 1])
+    pieces = cut_to_context(lengths, 32768)
+    # 32769 → 32768 + 1; 70000 → 2 × 32768 + 4464
+    assert sorted(pieces.tolist()) == sorted([10, 32768, 32768, 1, 32768, 32768, 4464, 1])
+    assert pieces.sum() == lengths.sum() and pieces.max() <= 32768 and pieces.min() >= 1
+    rng = np.random.default_rng(5)
+    many = rng.integers(1, 10**6, size=1000)
+    cut = cut_to_context(many, 4096)
+    assert cut.sum() == many.sum() and cut.max() <= 4096
+    assert len(cut) == sum(math.ceil(n / 4096) for n in many.tolist())
+
+
+def test_lengths_file(tmp_path):
+    good = tmp_path / "corpus.txt"
+    good.write_text("12\n\n40000\n 7 \n")
+    assert read_lengths_file(str(good)).tolist() == [12, 40000, 7]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\n3.5\n")
+    with pytest.raises(SpecError, match="line 2: '3.5' is not a positive integer"):
+        read_lengths_file(str(bad))
+    with pytest.raises(SpecError, match="cannot read it"):
+        read_lengths_file(str(tmp_path / "missing.txt"))
+
+
+def test_check_fails_below_threshold():
+    def workload(ratio, fits=True):
+        key = dict(distribution="d", model="m", gpus=8, device="x")
+        auto = {"fits_worst_step": fits}
+        return {**key, "auto_vs_best_static": ratio, "strategies": {"auto": auto}}
+
+    summary = check_summary([workload(1.0), workload(0.98), workload(None)])
+    assert not summary["passed"] and summary["min_auto_vs_best_static"] == 0.98
+    assert summary["checked"] == 2 and summary["worst_workload"] == "d m 8×x"
+    summary = check_summary([workload(0.995), workload(None, fits=False)])
+    assert summary["passed"] and summary["fit_on_mean_rows_only"] == ["d m 8×x auto"]
+
+
+def test_bad_distribution_flag_exits_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--quick", "--distribution", "mix=gauss(1,2)"])
+    assert exit_info.value.code == 2
+    assert "unknown component 'gauss'" in capsys.readouterr().err
+
+
+def test_quick_check_end_to_end(tmp_path, capsys):
+    out = tmp_path / "quick.json"
+    argv = ["--quick", "--check", "--steps", "4", "--documents", "4000", "--json", str(out)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())
+    assert set(results["distributions"]) == {"commoncrawl", "control"}
+    assert len(results["workloads"]) == 2
+    for w in results["workloads"]:
+        assert set(w["strategies"]) == {
+            "packed-causal",
+            "pad",
+            "static",
+            "static-cp",
+            "dynamic-cp",
+            "paper-layouts",
+            "auto",
+        }
+        auto, best = w["strategies"]["auto"], w["strategies"][w["best_static"]]
+        assert w["auto_vs_best_static"] == pytest.approx(best["step_s"] / auto["step_s"])
+        assert w["auto_vs_best_static"] >= 0.99
+        packed = w["strategies"]["packed-causal"]
+        assert packed["speedup_vs_packed_causal"] == 1.0
+        # the busiest sampled step needs at least the memory of the mean one
+        for record in w["strategies"].values():
+            if record.get("fits_worst_step"):
+                assert record["worst_step_peak_gib"] >= record["peak_gib"] - 1e-9
+    by_name = {w["distribution"]: w for w in results["workloads"]}
+    # control: no document shorter than 16K, so buckets cannot help
+    assert by_name["control"]["auto_vs_best_static"] < 1.02
+    # commoncrawl: per-document attention over packed rows beats causal attention over them
+    assert by_name["commoncrawl"]["strategies"]["static"]["speedup_vs_packed_causal"] > 1.1
+    summary = results["summary"]
+    assert summary["passed"] and summary["checked"] == 2
+    printed = capsys.readouterr()
+    assert "| commoncrawl | llama-7b | 8 | a800-80g |" in printed.out
+    assert "auto / best static: min" in printed.out
+    assert "[2/2] control" in printed.err
