@@ -36,6 +36,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("layout", ParallelLayout, "parallelism"),
     ("distributed", c.DistributedConfig, "parallelism"),
     ("recompute", c.RecomputeConfig, "activation recomputation (Megatron baselines)"),
+    ("offload", c.MegatronOffloadConfig, "activation offloading (megatron-core baselines)"),
     ("data", c.DataConfig, "data"),
     ("logging", c.LoggingConfig, "logging"),
     ("profile", c.ProfileConfig, "profiling"),

@@ -18,9 +18,10 @@ memory) stands next to every measurement, and the per-layer figures traced on fa
         --methods full@tp8 full@tp4cp2 memo@tp8 --find-max --granularity 65536 \\
         --calibrate runs/compare_7b/calibration.json --out runs/compare_7b -- --bf16
 
-Methods: ``none``, ``selective``, ``full`` (Megatron's), ``memo`` (α by the rule) or
-``memo=A``, ``memo+plan`` (with the planned allocator), each optionally ``@LAYOUT`` (``tp4cp2``:
-TP 4 with SP, CP 2, DP the rest); ``megatron-offload`` is refused (not wired into the trainer).
+Methods: ``none``, ``selective``, ``full`` (Megatron's), ``megatron-offload`` (megatron-core's
+fine-grained activation offloading; CUDA and transformer-engine, else each of its rows says
+``refused`` and no job starts), ``memo`` (α by the rule) or ``memo=A``, ``memo+plan`` (with the
+planned allocator), each optionally ``@LAYOUT`` (``tp4cp2``: TP 4 with SP, CP 2, DP the rest).
 Flags after ``--`` go to every job unchanged (``--bf16``, ``--attention-backend flash``, …).
 
 Written to ``--out``: ``compare.json`` (every run's raw figures, the longest lengths found, the
@@ -85,8 +86,10 @@ from tools.memory_report import Setup, method_figures  # noqa: E402
 from tools.method_jobs import (  # noqa: E402
     OK,
     OOM,
+    REFUSED,
     ROOT,
     TIMEOUT,
+    JobOutcome,
     Launch,
     Method,
     measured_figures,
@@ -115,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=["none", "full", "memo"],
-        help="METHOD[=ALPHA][@LAYOUT] each: none, selective, full, memo (=A: fixed α, else auto), "
-        "memo+plan; @tp4cp2 gives a method its own layout.",
+        help="METHOD[=ALPHA][@LAYOUT] each: none, selective, full, megatron-offload, memo (=A: "
+        "fixed α, else auto), memo+plan; @tp4cp2 gives a method its own layout.",
     )
     what.add_argument("--seq-lengths", nargs="+", type=int, default=[], help="Lengths to run.")
     what.add_argument(
@@ -550,6 +553,8 @@ def traced_figures(comp: Comparison, method: Method, seq: int, alpha: float | No
     layout = comp.layouts[method.label]
     if layout.cp > 1:
         return {"note": "context parallelism cannot be traced on fake tensors"}
+    if method.name == "megatron-offload":
+        return {"note": "megatron-core's offloading is not traced on fake tensors"}
     key = method.estimator_method()
     if method.is_memo:
         key = f"memo-{alpha if alpha is not None else 0.0:g}"
@@ -644,17 +649,26 @@ class Runner:
         (comp.out / "jobs").mkdir(parents=True, exist_ok=True)
 
     def run(self, method: Method, seq: int) -> dict:
-        """The record of ``method`` at ``seq`` tokens: from the file, else from a new job."""
+        """The record of ``method`` at ``seq`` tokens: from the file, else from a new job; for a
+        method this machine cannot run, a ``refused`` record (decided anew on every invocation,
+        so a machine that can run it does)."""
         key = run_key(self.comp, method, seq)
         if self.bar.n >= self.bar.total:  # a search's runs are not known in advance
             self.bar.total = self.bar.n + 1
         done = self.results.runs.get(key)
-        if done is not None and not (self.comp.retry_errors and done["status"] == "error"):
+        retry = done is not None and (
+            done["status"] == REFUSED or (self.comp.retry_errors and done["status"] == "error")
+        )
+        if done is not None and not retry:
             self.bar.update(1)
             return done
-        if time.monotonic() > self.deadline:
+        refusal = method.refusal()
+        if refusal is None and time.monotonic() > self.deadline:
             raise BudgetSpent
-        record = self._run_job(method, seq, key)
+        if refusal is not None:
+            record = self._record(method, seq, key, JobOutcome(REFUSED, None, 0.0, refusal))
+        else:
+            record = self._run_job(method, seq, key)
         self.results.runs[key] = record
         self.results.save()
         self.bar.update(1)
@@ -678,6 +692,23 @@ class Runner:
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
             on_tick=tick,
         )
+        return self._record(
+            method, seq, key, outcome, log=str(log.relative_to(comp.out)), command=argv
+        )
+
+    def _record(
+        self,
+        method: Method,
+        seq: int,
+        key: str,
+        outcome: JobOutcome,
+        *,
+        log: str | None = None,
+        command: list[str] | None = None,
+    ) -> dict:
+        """The JSON record of one configuration: what ``outcome`` says, next to the estimate and
+        the traced figures (``log`` and ``command`` are ``None`` where no job ran)."""
+        comp = self.comp
         measured = measured_figures(outcome.records, warmup_steps=comp.warmup_steps)
         measured["peak_rss_bytes"] = outcome.peak_rss_bytes
         cuda_peak = measured.get("mem_allocated_bytes")
@@ -700,8 +731,8 @@ class Runner:
             "measured": measured,
             "predicted": predicted,
             "deterministic": traced_figures(comp, method, seq, method.alpha or alpha),
-            "log": str(log.relative_to(comp.out)),
-            "command": argv,
+            "log": log,
+            "command": command,
         }
 
 
@@ -801,7 +832,12 @@ def calibrate(comp: Comparison, results: Results) -> Calibration:
     prior = dataclasses.replace(
         comp.efficiency, matmul=base.matmul_efficiency, attention=base.attention_efficiency
     )
-    runs = [r for r in results.current() if r["status"] == OK and r["measured"]["step_time_s"]]
+    # a method the estimator does not model (megatron-offload) has no prediction to fit
+    runs = [
+        r
+        for r in results.current()
+        if r["status"] == OK and r["measured"]["step_time_s"] and r["predicted"]["step_time_s"]
+    ]
     methods = {m.label: m for m in comp.methods}
     if not runs:
         return base

@@ -107,7 +107,9 @@ def format_summary(runs: list[dict], methods: list[str], searches: dict[str, dic
     for method in methods:
         run, search = best[method], searches.get(method, {})
         if run is None:
-            lines.append(f"{method}: no length trained")
+            mine = [r for r in runs if r["method"] == method and r["status"] == "refused"]
+            why = f" (refused: {mine[0]['message']})" if mine else ""
+            lines.append(f"{method}: no length trained{why}")
             continue
         bound = search.get("bound")
         note = f" ({bound})" if bound else ""

@@ -1,16 +1,16 @@
 """One configuration of ``tools.compare_methods`` as one torchrun job, and what came of it.
 
-A :class:`Method` is what a comparison varies (Megatron's recomputation, MEMO, …) and how it is
-spelled on the command line (``memo=0.25@tp4cp2``); :func:`trainer_argv` is the command of one
-job; :func:`run_job` runs it with a time limit and returns a :class:`JobOutcome`, in which an
-out-of-memory failure is a result (``oom``, with the bytes the allocator was asked for) and a
-job past its limit is stopped and recorded (``timeout``).
+A :class:`Method` is what a comparison varies (Megatron's recomputation, megatron-core's
+offloading, MEMO, …), how it is spelled on the command line (``memo=0.25@tp4cp2``) and which
+trainer flags select it; :func:`run_job` runs one job with a time limit and returns a
+:class:`JobOutcome`, in which an out-of-memory failure is a result (``oom``, with the bytes the
+allocator was asked for) and a job past its limit is stopped and recorded (``timeout``). A method
+this machine cannot run (:meth:`Method.refusal`) is a result too (``refused``), and no job starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memo_ext.config import OFFLOAD_MODULES, megatron_offload_missing
 from memo_ext.errors import OutOfMemory, UsageError, out_of_memory
 from memo_ext.parallel import ParallelLayout, parse_layout
 
@@ -31,7 +32,22 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("none", "selective", "full", "megatron-offload", "memo", "memo+plan")
 """What a comparison can run: no recomputation, Megatron's selective and full recomputation,
 megatron-core's own activation offloading, MEMO (α auto or fixed), MEMO with the planned
-allocator."""
+allocator.
+
+``megatron-offload`` is megatron-core's fine-grained activation offloading of every dense module
+it offers (``--fine-grained-activation-offloading --offload-modules attn_norm qkv_linear
+core_attn attn_proj mlp_norm``), the more usable of its two variants: it runs with pipeline
+parallelism, and its saved-tensor hooks move whatever those modules save for backward (attention's
+inputs and output included) whichever layer spec built them, our SDPA and flash core attention
+too. The layer-level variant (``--cpu-offloading-num-layers``, a trainer flag) refuses PP and
+moves what transformer-engine's offload context selects. Both need CUDA and transformer-engine."""
+
+MEGATRON_OFFLOAD_FLAGS = (
+    "--fine-grained-activation-offloading",
+    "--offload-modules",
+    *OFFLOAD_MODULES,
+)
+"""The trainer's flags of ``megatron-offload``."""
 
 _SPEC = re.compile(r"^(?P<name>[a-z+-]+)(?:=(?P<alpha>[^@]+))?(?:@(?P<layout>[a-z0-9]+))?$")
 
@@ -76,7 +92,17 @@ class Method:
             alpha = "auto" if self.alpha is None else f"{self.alpha:g}"
             flags = ["--memo", "--memo-alpha", alpha]
             return flags + (["--memo-allocator", "plan"] if self.name == "memo+plan" else [])
+        if self.name == "megatron-offload":
+            return list(MEGATRON_OFFLOAD_FLAGS)
         return []
+
+    def refusal(self) -> str | None:
+        """Why this machine cannot run the method (one sentence), or ``None``: asked on every
+        invocation, so a comparison resumed on a machine that can run it runs it."""
+        missing = megatron_offload_missing() if self.name == "megatron-offload" else None
+        if missing is None:
+            return None
+        return f"megatron-offload needs {missing}, which this machine lacks"
 
     def resolve_layout(self, default: ParallelLayout, world_size: int) -> ParallelLayout:
         """This method's layout: its own, or ``default`` with DP the rest of the world."""
@@ -89,8 +115,7 @@ def parse_method(text: str) -> Method:
     """``NAME[=ALPHA][@LAYOUT]``: ``memo``, ``memo=0.5``, ``full@tp8``, ``memo+plan=auto@tp4cp2``.
 
     Raises:
-        UsageError: for an unknown method, an α where none applies or out of [0, 1], and for
-            ``megatron-offload``, which this trainer cannot run.
+        UsageError: for an unknown method, and an α where none applies or out of [0, 1].
     """
     match = _SPEC.match(text.strip().lower())
     if match is None or match["name"] not in METHODS:
@@ -99,8 +124,6 @@ def parse_method(text: str) -> Method:
             f"{', '.join(METHODS)} (e.g. memo=0.5@tp4cp2)"
         )
     name, alpha_text = match["name"], match["alpha"]
-    if name == "megatron-offload":
-        raise UsageError(_offload_refusal())
     alpha = None
     if alpha_text is not None:
         if not name.startswith("memo"):
@@ -113,18 +136,6 @@ def parse_method(text: str) -> Method:
             if not 0.0 <= alpha <= 1.0:
                 raise UsageError(f"--methods: {text!r}: α must be in [0, 1] or auto")
     return Method(name=name, alpha=alpha, layout=match["layout"])
-
-
-def _offload_refusal() -> str:
-    if importlib.util.find_spec("transformer_engine") is None:
-        return (
-            "--methods megatron-offload needs transformer-engine (megatron-core's cpu_offloading "
-            "runs inside its layers), which is not installed here; drop it from --methods"
-        )
-    return (
-        "--methods megatron-offload: megatron-core's cpu_offloading is not wired into "
-        "pretrain_gpt_memo.py yet (it refuses --cpu-offloading-num-layers); drop it from --methods"
-    )
 
 
 # --- the job's command line -------------------------------------------------------------------
@@ -174,8 +185,9 @@ class Launch:
 
 # --- running one job --------------------------------------------------------------------------
 
-OK, OOM, TIMEOUT, ERROR = "ok", "oom", "timeout", "error"
-"""A job's status: trained, out of memory, stopped at its time limit, failed otherwise."""
+OK, OOM, TIMEOUT, ERROR, REFUSED = "ok", "oom", "timeout", "error", "refused"
+"""A job's status: trained, out of memory, stopped at its time limit, failed otherwise; or the
+method cannot run on this machine and no job started."""
 
 _OUR_OOM = re.compile(r"tried to allocate (\d+) bytes")
 _RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception): .*$")

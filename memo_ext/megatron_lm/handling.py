@@ -245,9 +245,6 @@ HANDLING: dict[str, Handling] = {
     "--recompute-modules": refused(
         "per-module selective recomputation is not wired here; use --recompute-granularity"
     ),
-    "--cpu-offloading-num-layers": refused(
-        "megatron-core's activation offloading is not wired here; use --memo"
-    ),
     "--no-clone-scatter-output-in-embedding": refused("not wired here"),
     "--iterations-to-skip": refused("skipping listed iterations is not implemented here"),
     "--result-rejected-tracker-filename": refused("needs Megatron-LM's rerun state machine"),
@@ -584,6 +581,17 @@ del _name
 LATER_FLAGS: dict[str, MegatronFlag] = {
     "--step-batch-size-schedule": MegatronFlag(
         names=("--step-batch-size-schedule",), group="training", type="str"
+    ),
+    # generated from megatron-core's TransformerConfig fields (ArgumentGroupFactory, called in
+    # Megatron-LM's _add_network_size_args) once megatron-core had them
+    "--fine-grained-activation-offloading": MegatronFlag(
+        names=("--fine-grained-activation-offloading",), group="network_size", action="store_true"
+    ),
+    "--offload-modules": MegatronFlag(
+        names=("--offload-modules",), group="network_size", nargs="+", type="str", default=[]
+    ),
+    "--min-offloaded-tensor-size": MegatronFlag(
+        names=("--min-offloaded-tensor-size",), group="network_size", type="int", default=1048576
     ),
 }
 """Flags Megatron-LM added after the commit of the list that its example scripts already use."""

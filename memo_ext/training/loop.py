@@ -191,6 +191,9 @@ def _maybe_preflight(run: RunConfig) -> None:
     """
     if not run.preflight.enabled or run.hotspa.enabled:  # HotSPa's auto checks each bucket
         return
+    if run.offload.enabled:  # it would check the run without offloading and refuse too much
+        logger.info("preflight skipped: the estimator does not model %s", run.offload.flag)
+        return
     device = device_spec(run.preflight.device) if run.preflight.device else None
     check_preflight(run, device=device)
 

@@ -27,6 +27,7 @@ from tools.method_jobs import OK, OOM, TIMEOUT, Launch, _classify, measured_figu
         ("memo=0.25", "memo=0.25", ["--memo", "--memo-alpha", "0.25"]),
         ("memo=auto@tp4cp2", "memo@tp4cp2", ["--memo", "--memo-alpha", "auto"]),
         ("memo+plan=1", "memo+plan=1", ["--memo", "--memo-alpha", "1", "--memo-allocator"]),
+        ("megatron-offload", "megatron-offload", ["--fine-grained-activation-offloading"]),
     ],
 )
 def test_method_specs(text, label, flags):
@@ -42,7 +43,7 @@ def test_method_specs(text, label, flags):
         ("full=0.5", "only memo and memo+plan take an α"),
         ("memo=1.5", "α must be in [0, 1]"),
         ("memo=x", "α must be in [0, 1]"),
-        ("megatron-offload", "megatron-offload"),
+        ("megatron-offload=0.5", "only memo and memo+plan take an α"),
     ],
 )
 def test_bad_method_specs_are_one_sentence(text, says):
