@@ -72,12 +72,14 @@ tokens plus the remainder, as a pretraining loader splits it (megatron's ``GPTDa
 never drops a document's tail); the pieces are trained as documents of their own.
 
 **Memory.** Every strategy is priced as the trainer's ``auto`` prices a bucket: activations as
-``--method`` keeps them (default ``none``, every activation stored, what the trainer passes
-without ``--recompute-granularity``), model states without the distributed optimizer. Under
-``none`` llama-30b at 32K fits no static layout on up to 32 GPUs; ``--method full`` makes it fit
-on 16 and 32. The cost model sizes a bucket's activations by its *mean* rows per step (the
-micro-batches in flight under PP), so each plan is priced again with every bucket at its most
-rows in any sampled step: the peak in brackets, ✗ where that step would not fit.
+``--method`` keeps them, model states without the distributed optimizer. ``--method auto`` (the
+default) takes, per workload, the least recomputation under which the strong baseline fits —
+``none`` (every activation stored) if it fits, else ``full`` — as a user would set
+``--recompute-granularity``; every strategy then runs with it, except that ``auto`` may give a
+layout with a model of its own less or more recomputation (``none`` / ``full``), as the
+trainer's ``auto`` does. Memory is sized for each bucket's fullest sampled step; each plan is
+also priced again with every bucket at its most rows (the peak in brackets, ✗ where that step
+would not fit).
 
 **Outputs.** A markdown table on stdout, one row per workload (``--detail`` adds one row per
 strategy), progress lines on stderr, a summary line with the least ``auto / best static``, and
@@ -110,6 +112,7 @@ from memo_ext.errors import UsageError
 from memo_ext.estimate.model import METHODS
 from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
 from memo_ext.hotspa.auto import (
+    AUTO_RECOMPUTE,
     BucketStats,
     StrategyError,
     StrategyPlan,
@@ -559,7 +562,11 @@ def strategy_plans(
             model, device, gpus=gpus, bounds=bounds, stats=stats.bucketed, method=method
         ),
         "auto": lambda: choose_strategies(
-            **bucketed, world_size=gpus, mode="switch", single=stats.single
+            **bucketed,
+            world_size=gpus,
+            mode="switch",
+            single=stats.single,
+            recompute_choices=AUTO_RECOMPUTE,
         ),
     }
     for name in STRATEGIES:
@@ -594,11 +601,16 @@ def worst_step_record(
             stats=worst,
             layouts=plan.layouts,
             method=method,
+            recompute=plan.methods,
         )
     except StrategyError as err:
         return {"fits_worst_step": False, "worst_step_error": str(err)}
     peak = max(c.peak_bytes for c in again.choices if c.rows > 0) / GIB
     return {"fits_worst_step": True, "worst_step_peak_gib": peak}
+
+
+AUTO_METHODS = ("none", "full")
+"""What ``--method auto`` tries per workload, least recomputation first."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,6 +636,7 @@ def plan_record(plan: StrategyPlan, *, tokens_per_step: float) -> dict:
                 "length": c.length,
                 "rows": c.rows,
                 "layout": c.layout.name,
+                "recompute": c.method,
                 "compute_s": c.compute_s,
                 "sync_s": c.sync_s,
                 "switch_s": c.switch_s,
@@ -634,9 +647,25 @@ def plan_record(plan: StrategyPlan, *, tokens_per_step: float) -> dict:
     }
 
 
+def workload_method(model, device, *, gpus: int, stats: DistributionStats, context: int) -> str:
+    """``--method auto``: the least recomputation under which the strong baseline (one layout,
+    CP allowed) fits; the last choice when none does (every strategy then reports why)."""
+    for method in AUTO_METHODS:
+        try:
+            best_single(
+                model, device, gpus=gpus, context=context, stats=stats.single, method=method
+            )
+        except StrategyError:
+            continue
+        return method
+    return AUTO_METHODS[-1]
+
+
 def run_workload(workload: Workload, stats: DistributionStats, *, bounds, method: str) -> dict:
     """All strategies of one workload, with speedups and ``auto / best static``."""
     model, device = model_shape(workload.model), device_spec(workload.device)
+    if method == "auto":
+        method = workload_method(model, device, gpus=workload.gpus, stats=stats, context=bounds[-1])
     pricing = dict(model=model, device=device, method=method)
     strategies = {}
     for name, plan in strategy_plans(
@@ -662,6 +691,7 @@ def run_workload(workload: Workload, stats: DistributionStats, *, bounds, method
         ratio = strategies["auto"].get("speedup_vs_best_static", 0.0)
     return {
         **dataclasses.asdict(workload),
+        "method": method,
         "best_static": best_static,
         "auto_vs_best_static": ratio,
         "strategies": strategies,
@@ -709,12 +739,12 @@ def print_summary_table(workloads: Sequence[dict], out) -> None:
     """One row per workload: each strategy's speedup over ``packed-causal``, auto's details."""
     others = [s for s in STRATEGIES if s != "packed-causal"]
     print(
-        "| distribution | model | GPUs | device | packed-causal | "
+        "| distribution | model | GPUs | device | recompute | packed-causal | "
         + " | ".join(others)
         + " | auto layouts | auto switch | auto peak GiB (worst step) | auto / best static |",
         file=out,
     )
-    print("|" + "---|" * (9 + len(others)), file=out)
+    print("|" + "---|" * (10 + len(others)), file=out)
     for w in workloads:
         s = w["strategies"]
         base = s["packed-causal"]
@@ -726,7 +756,10 @@ def print_summary_table(workloads: Sequence[dict], out) -> None:
             ["—", "—", "—"]
             if "error" in auto
             else [
-                ";".join(auto["layouts"]),
+                ";".join(
+                    b["layout"] + ("" if b["recompute"] == w["method"] else f":{b['recompute']}")
+                    for b in auto["buckets"]
+                ),
                 f"{auto['switch_share']:.1%}",
                 _peaks(auto),
             ]
@@ -737,6 +770,7 @@ def print_summary_table(workloads: Sequence[dict], out) -> None:
             w["model"],
             str(w["gpus"]),
             w["device"],
+            w["method"],
             base_cell,
             *(_speedup(s[name]) for name in others),
             *auto_cells,
@@ -845,10 +879,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--method",
-        default="none",
-        choices=METHODS,
+        default="auto",
+        choices=("auto", *METHODS),
         help="Activation memory method, as the trainer's --recompute-granularity passes it "
-        "to auto (default: none, every activation kept).",
+        "to auto; auto (default): per workload, none if the strong baseline fits so, else full.",
     )
     parser.add_argument(
         "--quick",

@@ -1234,9 +1234,12 @@ class HotSPaConfig:
     )
     """One layout per bucket, shortest first, separated by ';', each a product of dp<N>, tp<N>,
     pp<N>, cp<N> (e.g. 'dp4;dp2tp2;tp2cp2'; a missing dp takes the remaining processes; SP is on
-    with TP > 1). 'auto' picks, per bucket, the fastest layout that fits device memory by the
-    estimator's model, for --preflight-device (default: the CUDA device, or h100-80g on a machine
-    without one)."""
+    with TP > 1), optionally with the recomputation of that layout's model after a colon
+    ('dp4:none;tp8:full'; default: --recompute-granularity; a layout that runs on the home model
+    keeps home's). 'auto' picks, per bucket, the fastest layout and recomputation that fit
+    device memory by the estimator's model, for --preflight-device (default: the CUDA device,
+    or h100-80g on a machine without one); it trains one layout for every bucket when switching
+    is not predicted to pay."""
     backfill: bool = True
     """Fill the room long documents leave in longer buckets' rows with shorter documents before
     opening shorter rows; --no-hotspa-backfill keeps every document in the smallest bucket that
@@ -1248,6 +1251,10 @@ class HotSPaConfig:
     model in both modes."""
     strategies: tuple[ParallelLayout, ...] | None = field(default=None, metadata={"cli": False})
     """One layout per bucket (shortest first); ``None`` while ``auto`` has not chosen."""
+    recompute: tuple[str | None, ...] | None = field(default=None, metadata={"cli": False})
+    """Per bucket, the recomputation of its layout's model where it is not the run's
+    --recompute-granularity (``none``, ``selective`` or ``full``; ``None``: the run's); from a
+    ``:method`` suffix of --hotspa-strategies, or chosen by ``auto``."""
     predicted_step_s: float | None = field(default=None, metadata={"cli": False})
     """The estimator's step time for these layouts (once resolved against a device)."""
     predicted_single_layout_s: float | None = field(default=None, metadata={"cli": False})
@@ -1289,8 +1296,9 @@ class HotSPaConfig:
         check_buckets(buckets, seq_length=seq_length)
         if self.auto:
             return dataclasses.replace(self, buckets=buckets)
+        spec, recompute = split_recompute(self.strategy_spec)
         try:
-            layouts = parse_strategies(self.strategy_spec, world_size)
+            layouts = parse_strategies(spec, world_size)
             for layout, bucket in zip(layouts, buckets):
                 layout.check_fits(shape, bucket, length=f"the {bucket}-token bucket")
         except LayoutError as err:
@@ -1308,7 +1316,36 @@ class HotSPaConfig:
                         f"--hotspa-mode dynamic-cp changes only CP: layout {layout.name} has "
                         f"other TP / PP than home ({home.name})"
                     )
-        return dataclasses.replace(self, buckets=buckets, strategies=layouts)
+        return dataclasses.replace(
+            self,
+            buckets=buckets,
+            strategies=layouts,
+            recompute=recompute if any(recompute) else None,
+        )
+
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+"""What a ``:method`` suffix of --hotspa-strategies may say."""
+
+
+def split_recompute(spec: str) -> tuple[str, tuple[str | None, ...]]:
+    """``"dp4:none;tp8"`` → (``"dp4;tp8"``, (``"none"``, ``None``)).
+
+    Raises:
+        UsageError: for a suffix that is not a recomputation.
+    """
+    layouts, methods = [], []
+    for part in spec.split(";"):
+        layout, colon, method = part.partition(":")
+        method = method.strip().lower()
+        if colon and method not in RECOMPUTE_CHOICES:
+            raise UsageError(
+                f"--hotspa-strategies: {part.strip()!r} ends in {method!r}; after a colon comes "
+                f"the layout's recomputation, one of {', '.join(RECOMPUTE_CHOICES)}"
+            )
+        layouts.append(layout)
+        methods.append(method if colon else None)
+    return ";".join(layouts), tuple(methods)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1602,13 +1639,6 @@ class RunConfig:
             return
         if not self.data.variable_seq_lengths:
             raise UsageError("--hotspa trains whole documents: add --variable-seq-lengths")
-        if self.train.fp16:
-            # megatron's loss scale reaches the home model's schedule only: the other layouts'
-            # gradients would come back unscaled, too small by the loss scale
-            raise UsageError(
-                "--hotspa does not scale the losses of buckets in other layouts; use --bf16 "
-                "instead of --fp16"
-            )
         dropout = max(self.model.attention_dropout, self.model.hidden_dropout)
         if dropout > 0:
             raise UsageError(
@@ -1626,6 +1656,21 @@ class RunConfig:
                 raise UsageError(
                     f"with --hotspa the layouts come from --hotspa-strategies; drop {flag}"
                 )
-        self.hotspa.parsed(
+        hot = self.hotspa.parsed(
             seq_length=self.data.seq_length, world_size=self.world_size, shape=self.shape
         )
+        if hot.recompute:
+            self._check_hotspa_recompute(hot)
+
+    def _check_hotspa_recompute(self, hot: HotSPaConfig) -> None:
+        """``:method`` suffixes: not on buckets that run on the home model."""
+        own = self.recompute.granularity or "none"
+        home = hot.strategies[-1]
+        for layout, method in zip(hot.strategies, hot.recompute):
+            on_home = (layout.tp, layout.pp) == (home.tp, home.pp)
+            if method is not None and method != own and on_home:
+                raise UsageError(
+                    f"--hotspa-strategies: {layout.name}:{method} runs on the home model (same TP "
+                    f"and PP as home, {home.name}), whose recomputation is "
+                    f"--recompute-granularity's ({own}); drop ':{method}' or change the flag"
+                )

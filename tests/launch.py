@@ -67,9 +67,18 @@ def free_port() -> int:
 
 
 def run_pretrain(
-    args: list[str], *, nproc: int, workdir: Path, name: str, timeout_s: int = 600
+    args: list[str],
+    *,
+    nproc: int,
+    workdir: Path,
+    name: str,
+    timeout_s: int = 600,
+    module: str | None = None,
 ) -> list[dict]:
     """Train with ``args`` on ``nproc`` processes; return the metrics records.
+
+    ``module``: a module to run instead of ``pretrain_gpt_memo.py`` (``python -m`` style, from
+    the repository root), for tests that patch the trainer before calling its ``main``.
 
     Raises:
         AssertionError: when the job fails, with its output for diagnosis.
@@ -85,7 +94,7 @@ def run_pretrain(
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        str(ROOT / "pretrain_gpt_memo.py"),
+        *(["--module", module] if module else [str(ROOT / "pretrain_gpt_memo.py")]),
         *args,
         "--metrics-file",
         str(metrics),

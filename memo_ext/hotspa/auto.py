@@ -41,6 +41,8 @@ WORKING_COPY_BYTES_PER_PARAM = 2 + 4
 """A non-home layout's bf16 working weight and fp32 gradient, per parameter it holds (2 + 2
 with ``--grad-reduce-in-bf16``). It is held only while the layout's buckets run."""
 MODES = ("switch", "dynamic-cp")
+AUTO_RECOMPUTE = ("none", "full")
+"""The recomputations the trainer's ``auto`` may give a layout with a model of its own."""
 SWITCH_MARGIN = 0.02
 """Switching must be predicted this much faster than the best single layout to be chosen: its
 extra costs (more models, switches, a pipeline fill and a partly empty row per bucket) are the
@@ -68,6 +70,8 @@ class BucketChoice:
     switch_s: float
     """Predicted weight + gradient switch time (0 on the home model)."""
     peak_bytes: int
+    method: str = "none"
+    """Activation recomputation of the layout's model (the estimator's method names)."""
 
     @property
     def total_s(self) -> float:
@@ -97,6 +101,11 @@ class StrategyPlan:
     @property
     def bounds(self) -> list[int]:
         return [c.length for c in self.choices]
+
+    @property
+    def methods(self) -> list[str]:
+        """Each bucket's recomputation (``none``, ``selective``, ``full``)."""
+        return [c.method for c in self.choices]
 
     @property
     def single_layout(self) -> bool:
@@ -249,8 +258,9 @@ def _switch_s(est: Estimate, device: DeviceSpec, world_size: int, copy_bytes: in
     return 2 * latency + est.params_per_gpu * copy_bytes / (link * 1e9)
 
 
-def _options(model, device, *, length, stats, world_size, eff, method, max_cp=None):
-    """(layout, estimate) of every candidate layout the estimator can price for one bucket."""
+def _options(model, device, *, length, stats, world_size, eff, method, max_cp=None, methods=()):
+    """(layout, estimate) of every candidate layout the estimator can price for one bucket, with
+    the run's ``method`` and each of ``methods`` (``Estimate.method`` tells them apart)."""
     options = []
     for layout in candidate_layouts(
         model,
@@ -259,13 +269,14 @@ def _options(model, device, *, length, stats, world_size, eff, method, max_cp=No
         length=length,
         max_cp=max_cp,
     ):
-        try:
-            est = _estimate(
-                model, device, layout, length=length, stats=stats, eff=eff, method=method
-            )
-        except EstimateError:
-            continue
-        options.append((layout, est))
+        for m in dict.fromkeys((method, *methods)):
+            try:
+                est = _estimate(
+                    model, device, layout, length=length, stats=stats, eff=eff, method=m
+                )
+            except EstimateError:
+                continue
+            options.append((layout, est))
     if not options:
         raise StrategyError(
             f"no DP × TP × PP × CP layout of {world_size} processes can run "
@@ -287,6 +298,7 @@ def choose_strategies(
     single: BucketStats | None = None,
     max_cp: int | None = None,
     copy_bytes_per_param: int = WORKING_COPY_BYTES_PER_PARAM,
+    recompute_choices: Sequence[str] = (),
 ) -> StrategyPlan:
     """The fastest fitting layout per bucket (see the module docstring).
 
@@ -296,6 +308,9 @@ def choose_strategies(
     chosen unless switching is predicted at least :data:`SWITCH_MARGIN` faster: the returned
     plan's :attr:`~StrategyPlan.baseline` is it either way. ``max_cp`` bounds the CP degree;
     ``copy_bytes_per_param`` is what a non-home layout's working copy holds per parameter.
+    A layout with a model of its own may use any of ``recompute_choices`` instead of the run's
+    ``method`` (e.g. no recomputation for short rows where home needs full recomputation);
+    buckets on the home model keep ``method``.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -314,9 +329,17 @@ def choose_strategies(
         copy_bytes=copy_bytes_per_param,
     )
     try:
+        last = len(bounds) - 1
         per_bucket = [
-            _options(model, device, length=length, stats=st, **common)
-            for length, st in zip(bounds, stats)
+            _options(
+                model,
+                device,
+                length=length,
+                stats=st,
+                methods=recompute_choices if b < last else (),
+                **common,
+            )
+            for b, (length, st) in enumerate(zip(bounds, stats))
         ]
         plans = [
             _plan_with_home(home, est, per_bucket, bounds, stats, **fit)
@@ -365,15 +388,20 @@ def evaluate_strategies(
     efficiency: Efficiency | None = None,
     single: BucketStats | None = None,
     copy_bytes_per_param: int = WORKING_COPY_BYTES_PER_PARAM,
+    recompute: Sequence[str | None] | None = None,
 ) -> StrategyPlan:
     """Predicted cost of given layouts (the last is home), with the best single layout as
-    :attr:`~StrategyPlan.baseline` when ``single`` is given; refuses a bucket that cannot fit."""
+    :attr:`~StrategyPlan.baseline` when ``single`` is given; refuses a bucket that cannot fit.
+    ``recompute`` gives a bucket's method where it is not the run's ``method``."""
     eff = efficiency or Efficiency()
     usable = int(device.memory_bytes * (1 - eff.headroom))
     per_bucket = []
-    for length, st, layout in zip(bounds, stats, layouts):
+    methods = recompute or [None] * len(bounds)
+    for length, st, layout, m in zip(bounds, stats, layouts, methods):
         try:
-            est = _estimate(model, device, layout, length=length, stats=st, eff=eff, method=method)
+            est = _estimate(
+                model, device, layout, length=length, stats=st, eff=eff, method=m or method
+            )
         except EstimateError as err:
             raise StrategyError(f"layout {layout.name}, {length}-token bucket: {err}") from None
         per_bucket.append([(layout, est)])
@@ -472,6 +500,8 @@ def _choices_given_home(
             if dynamic_cp_only and not shares_home(layout, home):
                 continue
             on_home = shares_home(layout, home)
+            if on_home and est.method != home_est.method:
+                continue  # the home model's recomputation is the run's
             peak = bucket_peak_bytes(est, home_est, on_home=on_home, copy_bytes=copy_bytes)
             switch = 0.0 if on_home else _switch_s(est, device, world_size, copy_bytes)
             if peak <= usable:
@@ -505,6 +535,7 @@ def _choice(length, stats: BucketStats, layout, est: Estimate, peak, *, on_home,
         sync,
         switch_s * stats.active,
         peak,
+        est.method,
     )
 
 
@@ -550,8 +581,11 @@ def describe(plan: StrategyPlan) -> str:
     """One line per bucket, and the step, for the log."""
     lines = []
     for c in plan.choices:
+        method = ""
+        if c.method != plan.choices[-1].method:
+            method = " (no recomputation)" if c.method == "none" else f" ({c.method} recomputation)"
         lines.append(
-            f"≤{c.length} tokens: {c.rows:.1f} rows/step → {c.layout.name} "
+            f"≤{c.length} tokens: {c.rows:.1f} rows/step → {c.layout.name}{method} "
             f"(predicted {(c.compute_s + c.sync_s) * 1e3:.3g} ms + switch "
             f"{c.switch_s * 1e3:.3g} ms, "
             f"peak {c.peak_bytes / 2**30:.3g} GiB)"

@@ -8,9 +8,23 @@ needs them. A step:
 
 1. buckets in the home layout run first, then ``finalize_model_grads`` (DP × CP sum, SP norms
    over TP, tied embeddings over PP) in the home groups;
-2. for each other layout: switch the weights home → layout, zero its gradients, run its
-   buckets, finalize in its groups, switch the gradients layout → home, adding them;
+2. for each other layout: allocate its working copy, switch the weights home → layout, zero its
+   gradients, run its buckets, finalize in its groups, switch the gradients layout → home,
+   adding them, release its working copy;
 3. divide the home gradients by the real tokens of the whole global batch.
+
+A working copy (:class:`WorkingCopy`: the storage behind a layout model's weights and gradient
+buffers) exists only while that layout's buckets run, so a process holds at most one at a time.
+Between steps the non-home models keep their shapes, views and hooks but no storage: nothing may
+read them then (checkpoints and weight statistics read the home model only).
+
+Loss scaling (``--fp16``): megatron's schedules scale each micro-batch's loss by the
+``grad_scale_func`` of the model's own ``TransformerConfig``. The trainer sets it on the home
+config only, so every step first copies it to the other layouts' configs (the optimizer, at home,
+unscales the summed gradients once). The other schedule hooks need no copying: every layout
+finalizes through this engine (``finalize_model_grads_func`` is unset on all of them), and
+``no_sync_func`` / ``grad_sync_func`` only act with ``--overlap-grad-reduce``, which HotSPa turns
+off.
 
 After finalisation every holder of a gradient slice holds the complete sum over its layout's
 micro-batches, so any holder can send it and home receives each slice exactly once: the sum is
@@ -47,6 +61,52 @@ from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
+Variant = tuple[ParallelLayout, "str | None"]
+"""A bucket's layout and its model's recomputation where not the run's (``None``)."""
+
+
+class WorkingCopy:
+    """The storage behind one layout model's weights and gradient buffers, released between
+    uses and re-allocated before the next.
+
+    The storages are those of the model's parameters and of megatron DDP's contiguous buffers
+    (``grad_data``, and ``param_data`` under the distributed optimizer), of which
+    ``param.main_grad`` and the DDP buckets' tensors are views. Resizing a storage to 0 bytes and
+    back keeps every view (shape, offset) valid, so the model, its DDP hooks and the switch
+    plans need no rebuilding; re-allocated storage holds garbage until written. The weight
+    switch writes every element of the weights (``SwitchPlan.check_fills``, checked when its
+    plan is built) and ``zero_grad_buffer`` zeroes the gradients.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        """``model``: a megatron ``DistributedDataParallel``, its storage allocated."""
+        tensors = list(model.parameters())
+        for buffer in model.buffers + model.expert_parallel_buffers:
+            tensors.append(buffer.grad_data)
+            if buffer.param_data is not None:
+                tensors.append(buffer.param_data)
+        by_address: dict[int, torch.UntypedStorage] = {}
+        for tensor in tensors:  # parameters inside a buffer share its storage: count it once
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                by_address.setdefault(storage.data_ptr(), storage)
+        self.storages = list(by_address.values())
+        self.sizes_bytes = [storage.nbytes() for storage in self.storages]
+
+    def held_bytes(self) -> int:
+        """Bytes allocated now: all of ``sizes_bytes``, or 0."""
+        return sum(storage.nbytes() for storage in self.storages)
+
+    def allocate(self) -> None:
+        """Give every storage its bytes back (contents undefined)."""
+        for storage, size in zip(self.storages, self.sizes_bytes):
+            storage.resize_(size)
+
+    def release(self) -> None:
+        """Free every storage; the tensors keep their shapes but must not be read."""
+        for storage in self.storages:
+            storage.resize_(0)
+
 
 @dataclass
 class LayoutRuntime:
@@ -59,12 +119,22 @@ class LayoutRuntime:
     shares_home: bool = False
     """Same TP and PP as home (only CP / DP differ): runs on the home model itself, with its
     CP group swapped for the bucket (dynamic CP), so nothing is switched."""
+    copy: WorkingCopy | None = None
+    """A model of its own (not home's): its weights and gradients, allocated only while its
+    buckets run."""
+    recompute: str | None = None
+    """The model's recomputation where it is not the run's (``--hotspa-strategies`` ``:method``
+    suffix or ``auto``'s choice): the same layout with two recomputations is two models."""
     forward_backward: Callable = field(init=False)
     p2p: P2PCommunicator | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.forward_backward = get_forward_backward_func(pp_size=self.layout.pp)
         self.p2p = P2PCommunicator(pp_group=self.pgs.pp, config=self.config)
+
+    @property
+    def name(self) -> str:
+        return self.layout.name + (f":{self.recompute}" if self.recompute else "")
 
     @property
     def reports_loss(self) -> bool:
@@ -80,6 +150,8 @@ class StepFigures:
     grad: SwitchStats = field(default_factory=SwitchStats)
     bucket_rows: list[int] = field(default_factory=list)
     bucket_documents: list[int] = field(default_factory=list)
+    working_copy_bytes: int = 0
+    """Most bytes of non-home working copies this process held at once in the step."""
 
 
 class HotSPaEngine:
@@ -98,30 +170,43 @@ class HotSPaEngine:
         ``home_config``: the home model's ``TransformerConfig``; ``build_model(config=,
         pg_collection=)`` builds the model of another layout on these processes."""
         self.layouts = list(run.hotspa.strategies)
-        self.home = self.layouts[-1]
-        self.runtimes: dict[ParallelLayout, LayoutRuntime] = {}
+        own = run.recompute.granularity or "none"
+        methods = [
+            m if m != own else None for m in run.hotspa.recompute or [None] * len(self.layouts)
+        ]
+        self.keys: list[Variant] = list(zip(self.layouts, methods))
+        """Per bucket, its (layout, recomputation): what picks the model that runs it."""
+        self.home: Variant = self.keys[-1]
+        home_layout = self.home[0]
+        self.runtimes: dict[Variant, LayoutRuntime] = {}
         self.runtimes[self.home] = LayoutRuntime(
-            layout=self.home, config=home_config, pgs=home_process_groups(), model=home_model
+            layout=home_layout, config=home_config, pgs=home_process_groups(), model=home_model
         )
-        for layout in dict.fromkeys(self.layouts):  # distinct, in bucket order, on every rank
-            if layout == self.home:
+        groups = {home_layout: self.runtimes[self.home].pgs}
+        for key in dict.fromkeys(self.keys):  # distinct, in bucket order, on every rank
+            if key == self.home:
                 continue
-            pgs = build_process_groups(layout)
-            if share_home_model and (layout.tp, layout.pp) == (self.home.tp, self.home.pp):
-                self.runtimes[layout] = LayoutRuntime(
+            layout, method = key
+            if layout not in groups:
+                groups[layout] = build_process_groups(layout)
+            pgs = groups[layout]
+            if share_home_model and (layout.tp, layout.pp) == (home_layout.tp, home_layout.pp):
+                self.runtimes[key] = LayoutRuntime(
                     layout=layout, config=home_config, pgs=pgs, model=home_model, shares_home=True
                 )
                 continue
-            config = run.transformer_config(layout)
+            config = run.transformer_config(layout, recompute=method)
             model = build_model(config=config, pg_collection=pgs)
-            self.runtimes[layout] = LayoutRuntime(
-                layout=layout, config=config, pgs=pgs, model=model
+            copy = WorkingCopy(model)
+            copy.release()  # until its first bucket: the weight switch will fill it
+            self.runtimes[key] = LayoutRuntime(
+                layout=layout, config=config, pgs=pgs, model=model, copy=copy, recompute=method
             )
         rank = dist.get_rank()
         gated = run.shape.swiglu
         switched = [rt for rt in self.runtimes.values() if not rt.shares_home]
         local = {
-            rt.layout.name: describe_shards(
+            rt.name: describe_shards(
                 rt.model, rank=rank, tp=rt.layout.tp, tp_rank=rt.pgs.tp.rank(), gated=gated
             )
             for rt in switched
@@ -129,23 +214,26 @@ class HotSPaEngine:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
         self._shards = {
-            rt.layout.name: merge_shards([per_rank[rt.layout.name] for per_rank in everyone])
-            for rt in switched
+            rt.name: merge_shards([per_rank[rt.name] for per_rank in everyone]) for rt in switched
         }
         self._plans: dict[tuple[str, str], SwitchPlan] = {}
         self._rank, self._ranks_per_node = rank, ranks_per_node()
         self.last = StepFigures()
 
-    def plan(self, source: ParallelLayout, target: ParallelLayout) -> SwitchPlan:
+    def plan(self, source: Variant, target: Variant) -> SwitchPlan:
         """The cached plan that fills ``target``'s shards from ``source``'s."""
-        key = (source.name, target.name)
+        names = (self.runtimes[source].name, self.runtimes[target].name)
+        key = names
         if key not in self._plans:
-            self._plans[key] = build_plan(
-                self._shards[source.name],
-                self._shards[target.name],
+            plan = build_plan(
+                self._shards[names[0]],
+                self._shards[names[1]],
                 rank=self._rank,
                 ranks_per_node=self._ranks_per_node,
             )
+            if target != self.home:  # weights into a working copy allocated uninitialised
+                plan.check_fills(local_tensors(self.runtimes[target].model))
+            self._plans[key] = plan
         return self._plans[key]
 
     def step(self, buckets: Sequence[BucketBatch], forward_step: Callable) -> torch.Tensor:
@@ -153,17 +241,21 @@ class HotSPaEngine:
 
         The home model's gradient buffers must be zero on entry. Returns this process's
         (loss sum, real tokens) contribution; summed over the world it is the batch's pair.
+        Each non-home layout's working copy is allocated for its buckets and released after
+        its gradients reach home.
         """
         figures = StepFigures(
             bucket_rows=[0] * len(self.layouts), bucket_documents=[0] * len(self.layouts)
         )
-        by_layout: dict[ParallelLayout, list[BucketBatch]] = {}
+        by_layout: dict[Variant, list[BucketBatch]] = {}
         for bucket in buckets:
             figures.bucket_rows[bucket.bucket] = bucket.rows
             figures.bucket_documents[bucket.bucket] = len(bucket.document_lengths)
-            by_layout.setdefault(self.layouts[bucket.bucket], []).append(bucket)
+            by_layout.setdefault(self.keys[bucket.bucket], []).append(bucket)
         pair = torch.zeros(2, dtype=torch.float64)
         home = self.runtimes[self.home]
+        self._share_loss_scale()
+        figures.working_copy_bytes = self._held_copy_bytes()
         # the home model first (home and dynamic-CP layouts), one gradient reduction for all
         on_home = [lay for lay in by_layout if self.runtimes[lay].model is home.model]
         for layout in on_home:
@@ -173,6 +265,8 @@ class HotSPaEngine:
             finalize_model_grads([home.model], num_tokens=None, pg_collection=home.pgs)
         for layout in (lay for lay in by_layout if lay not in on_home):
             rt = self.runtimes[layout]
+            rt.copy.allocate()
+            figures.working_copy_bytes = max(figures.working_copy_bytes, self._held_copy_bytes())
             figures.weight.add(
                 self.plan(self.home, layout).run(local_tensors(home.model), local_tensors(rt.model))
             )
@@ -187,11 +281,23 @@ class HotSPaEngine:
                     accumulate=True,
                 )
             )
+            rt.copy.release()
         total = sum(b.labelled_tokens for b in buckets)
         if total:
             home.model.scale_gradients(1.0 / total)
         self.last = figures
         return pair
+
+    def _share_loss_scale(self) -> None:
+        """The home config's ``grad_scale_func`` (``--fp16``'s loss scale) on every layout's
+        config, each step: the trainer sets it on the home config, possibly after building the
+        engine."""
+        scale = self.runtimes[self.home].config.grad_scale_func
+        for rt in self.runtimes.values():
+            rt.config.grad_scale_func = scale
+
+    def _held_copy_bytes(self) -> int:
+        return sum(rt.copy.held_bytes() for rt in self.runtimes.values() if rt.copy is not None)
 
     def _run_bucket(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> torch.Tensor:
         with swap_cp_group(rt.model, rt.pgs.cp) if rt.shares_home else contextlib.nullcontext():
@@ -226,6 +332,7 @@ class HotSPaEngine:
             "hotspa_switch_bytes_sent": f.weight.bytes_sent + f.grad.bytes_sent,
             "hotspa_switch_bytes_reused": f.weight.bytes_reused + f.grad.bytes_reused,
             "hotspa_switch_s": f.weight.seconds + f.grad.seconds,
+            "hotspa_working_copy_bytes": f.working_copy_bytes,
         }
 
 

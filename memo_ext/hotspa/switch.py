@@ -12,7 +12,9 @@ two ends of a message agree on its layout without talking. Plans are built once 
 pair and direction, and cached by the caller.
 
 Weights are copied; gradients are added (``accumulate=True``) into the receiving layout's
-gradients, which is how a bucket's contribution joins the home layout's.
+gradients, which is how a bucket's contribution joins the home layout's. A weight switch writes
+every element of its target (:meth:`SwitchPlan.check_fills`), so the target's storage may be
+re-allocated, uninitialised, right before it.
 """
 
 from __future__ import annotations
@@ -150,6 +152,42 @@ class SwitchPlan:
             world_bytes_moved=self.world_elements_moved * element,
             seconds=time.perf_counter() - start,
         )
+
+    def check_fills(self, dst: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` unless running the plan writes every element of every ``dst``
+        tensor (this process's side) exactly once.
+
+        Only shapes are read, so ``dst`` may have released storage. A target whose storage is
+        re-allocated before each switch relies on this: an element left out would keep garbage.
+        """
+        written: dict[str, list[Piece]] = defaultdict(list)
+        for piece in self.local + [p for pieces in self.recvs.values() for p in pieces]:
+            written[piece.name].append(piece)
+        for name, tensor in dst.items():
+            pieces = sorted(written.pop(name, []), key=lambda p: p.dst_start)
+            if not _tiles(pieces, tensor):
+                raise ValueError(
+                    f"the switch plan does not write every element of {name} "
+                    f"{tuple(tensor.shape)} exactly once: it writes "
+                    f"{[(p.dim, p.dst_start, p.length) for p in pieces]} (dim, start, length)"
+                )
+        if written:
+            raise ValueError(f"the switch plan writes tensors the target lacks: {sorted(written)}")
+
+
+def _tiles(pieces: list[Piece], tensor: torch.Tensor) -> bool:
+    """``pieces`` (sorted by start) cover ``tensor`` along their dimension without gap or
+    overlap, each piece whole in the other dimensions."""
+    if tensor.numel() == 0:
+        return True
+    if not pieces:
+        return False
+    dim, end = pieces[0].dim, 0
+    for p in pieces:
+        if p.dim != dim or p.dst_start != end or p.inner * tensor.shape[dim] != tensor.numel():
+            return False
+        end += p.length
+    return end == tensor.shape[dim]
 
 
 @dataclass

@@ -333,7 +333,7 @@ def _build_hotspa(run: RunConfig, ctx: ParallelContext, home_model, home_config)
     logger.info(
         "HotSPa: buckets %s in layouts %s (home %s)",
         ",".join(map(str, run.hotspa.buckets)),
-        ";".join(layout.name for layout in run.hotspa.strategies),
+        ";".join(rt.name for rt in map(engine.runtimes.get, engine.keys)),
         run.hotspa.home.name,
     )
     return engine

@@ -75,10 +75,24 @@ def _resolve_hotspa(run: RunConfig, tokenizer) -> RunConfig:
         copy_bytes_per_param=2 + (2 if run.distributed.grad_reduce_in_bf16 else 4),
     )
     if hot.strategies is None:
-        plan = auto.choose_strategies(world_size=run.world_size, mode=hot.mode, **common)
-        hot = dataclasses.replace(hot, buckets=tuple(plan.bounds), strategies=tuple(plan.layouts))
+        plan = auto.choose_strategies(
+            world_size=run.world_size,
+            mode=hot.mode,
+            # layouts with a model of their own may recompute less (or more) than home
+            recompute_choices=auto.AUTO_RECOMPUTE,
+            **common,
+        )
+        own = common["method"]
+        hot = dataclasses.replace(
+            hot,
+            buckets=tuple(plan.bounds),
+            strategies=tuple(plan.layouts),
+            recompute=tuple(m if m != own else None for m in plan.methods),
+        )
+        if not any(hot.recompute):
+            hot = dataclasses.replace(hot, recompute=None)
     else:
-        plan = auto.evaluate_strategies(layouts=hot.strategies, **common)
+        plan = auto.evaluate_strategies(layouts=hot.strategies, recompute=hot.recompute, **common)
     hot = dataclasses.replace(
         hot,
         predicted_step_s=plan.step_s,

@@ -35,6 +35,8 @@ MODEL = cli(
     seed=3,
 )
 BUCKETS = ["--hotspa", "--hotspa-buckets", "32,64,128"]
+PROBE = "tests.dist.hotspa_probe"
+"""The trainer with test probes: a constant loss scale, storage checks (see the module)."""
 
 
 def preprocess(tmp_path, texts: list[str], name: str) -> str:
@@ -116,6 +118,7 @@ def test_switching_layouts_match_one_process(corpus, reference, tmp_path, strate
         nproc=nproc,
         workdir=tmp_path,
         name="mix",
+        module=PROBE,  # which also fails the run if a working copy outlives its step
     )
     assert_same_curves(reference, curves, rtol=1e-4)
     moved = sum(r["hotspa_weight_switch_bytes"] + r["hotspa_grad_switch_bytes"] for r in curves)
@@ -172,6 +175,51 @@ def test_switch_moves_the_hand_counted_bytes(corpus, tmp_path):
         assert record["hotspa_grad_switch_bytes"] == expected
 
 
+def test_loss_scale_reaches_every_layout(corpus, tmp_path):
+    """--fp16's loss scale, stood in for by a constant 1024 in fp32 (fp16 needs CUDA): each
+    layout's schedule must scale its own losses, else the gradients of the buckets outside home
+    come back 1024 times too small. One step (its 12 documents fill all three buckets),
+    compared before any update."""
+    args = train_args(corpus, iters=1, gbs=12)
+    plain = run_pretrain(args, nproc=1, workdir=tmp_path, name="plain")
+    args = ["--probe-loss-scale", "1024", *args]
+    scaled = run_pretrain(args, nproc=1, workdir=tmp_path, name="one", module=PROBE)
+    # the scale took effect: the fp32 optimizer does not unscale the gradients it clips
+    assert scaled[0]["grad_norm"] == pytest.approx(1024 * plain[0]["grad_norm"], rel=1e-6)
+    curves = run_pretrain(
+        args + BUCKETS + ["--hotspa-strategies", "dp2;tp2;pp2"],
+        nproc=2,
+        workdir=tmp_path,
+        name="hot",
+        module=PROBE,
+    )
+    assert all(curves[0]["hotspa_bucket_rows"]), "every layout must run a bucket"
+    assert_same_curves(scaled, curves, rtol=1e-4)
+
+
+def test_working_copies_live_only_while_their_buckets_run(corpus, tmp_path):
+    """Home PP2; DP2 (the whole model on each process) and TP2 (half of every sharded tensor)
+    have models of their own. After every step they hold no storage (the probe fails the run
+    otherwise), and the step's peak on rank 0 is the largest copy among the layouts that ran:
+    fp32 weights and an fp32 gradient buffer, 8 bytes per element, one copy at a time."""
+    curves = run_pretrain(
+        train_args(corpus) + BUCKETS + ["--hotspa-strategies", "dp2;tp2;pp2"],
+        nproc=2,
+        workdir=tmp_path,
+        name="copies",
+        module=PROBE,
+    )
+    sharded = sharded_elements(hidden=32, heads=4, groups=2, ffn=128, layers=2, vocab=384)
+    replicated = 2 * 4 * 32 + 32  # per layer: two norms, linear_proj / fc2 biases; final norm
+    copy_bytes = [8 * (sharded + replicated), 8 * (sharded // 2 + replicated)]  # DP2, TP2
+    for record in curves:
+        assert record["probe_nonhome_held_bytes"] == 0
+        ran = [copy_bytes[b] for b in (0, 1) if record["hotspa_bucket_rows"][b]]
+        assert record["hotspa_working_copy_bytes"] == max(ran, default=0)
+    both = [r for r in curves if all(r["hotspa_bucket_rows"][:2])]
+    assert both, "no step ran both non-home layouts: the peak would not show one at a time"
+
+
 def test_single_document_bucket_and_empty_bucket(tmp_path):
     """Four documents, every step all of them: the long bucket holds exactly one document and
     the middle bucket none, on every step."""
@@ -207,3 +255,20 @@ def test_resume_from_a_checkpoint_continues_exactly(corpus, tmp_path):
     tail = run_pretrain(args + ["--load", str(save)], nproc=2, workdir=tmp_path, name="tail")
     assert [r["iteration"] for r in tail] == [3, 4]
     assert_same_curves(whole[2:], tail, rtol=1e-6)
+
+
+def test_a_layouts_own_recomputation_matches_one_process(corpus, reference, tmp_path):
+    """Full recomputation at home (PP 2) and for one DP 2 bucket, none for the other: the same
+    layout with two recomputations is two models, each switched in and out, and recomputation
+    changes no number."""
+    full = cli(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    curves = run_pretrain(
+        train_args(corpus) + full + BUCKETS + ["--hotspa-strategies", "dp2:none;dp2;pp2"],
+        nproc=2,
+        workdir=tmp_path,
+        name="recompute",
+        module=PROBE,
+    )
+    assert_same_curves(reference, curves, rtol=1e-4)
+    assert sum(r["hotspa_weight_switch_bytes"] for r in curves) > 0
+    assert curves[-1]["probe_recompute"] == {"dp1pp2": "full", "dp2:none": None, "dp2": "full"}

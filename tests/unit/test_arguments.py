@@ -171,11 +171,14 @@ def test_entry_point_exits_2_with_the_message(capsys):
     assert "not divisible by --num-query-groups 3" in capsys.readouterr().err
 
 
-def test_hotspa_refuses_fp16_whose_other_layouts_are_not_loss_scaled():
+def test_hotspa_accepts_fp16_and_refuses_dropout():
+    # every layout's losses are scaled (tests/dist/test_hotspa_training.py checks the gradients);
     # --fp16 needs CUDA, which TrainConfig refuses first on this machine: check the rule alone
     import dataclasses
 
     run = parse(*HOT, world_size=2)
     fp16 = dataclasses.replace(run, train=dataclasses.replace(run.train, fp16=True))
-    with pytest.raises(UsageError, match="use --bf16 instead of --fp16"):
-        fp16._check_hotspa()
+    fp16._check_hotspa()
+    dropout = dataclasses.replace(fp16, model=dataclasses.replace(run.model, hidden_dropout=0.1))
+    with pytest.raises(UsageError, match="--hidden-dropout 0"):
+        dropout._check_hotspa()

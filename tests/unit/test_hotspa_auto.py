@@ -298,3 +298,70 @@ def test_memory_is_sized_for_the_fullest_step():
     # ... while its time is paid in one step of four
     times = [evaluate_strategies(stats=[s], device=a800, **kwargs).step_s for s in (sparse, steady)]
     assert times[0] < 0.3 * times[1]
+
+
+# --- recomputation per layout --------------------------------------------------------------
+
+
+def test_auto_lets_short_rows_skip_the_recomputation_home_needs(short_documents):
+    # 13B at 32K on 8 A800 fits no layout without recomputation: with full recomputation for
+    # every bucket the best one layout is the strong baseline; short rows need none
+    stats, single = short_documents
+    common = dict(model=model_shape("llama-13b"), device=device_spec("a800-80g"), world_size=8)
+    with pytest.raises(StrategyError, match="32768-token bucket does not fit any layout"):
+        choose_strategies(bounds=BOUNDS, stats=stats, single=single, method="none", **common)
+    plan = choose_strategies(
+        bounds=BOUNDS,
+        stats=stats,
+        single=single,
+        method="full",
+        recompute_choices=("none", "full"),
+        **common,
+    )
+    assert plan.methods[-1] == "full" and plan.methods[0] == "none"
+    assert plan.baseline.methods == ["full"]
+    # the target for this setting: at least 1.3× the strong static baseline
+    assert plan.predicted_gain >= 1.3
+    home = plan.layouts[-1]
+    for c in plan.choices:  # the home model keeps the run's recomputation
+        if (c.layout.tp, c.layout.pp) == (home.tp, home.pp):
+            assert c.method == "full"
+    assert "(no recomputation)" in describe(plan)
+    # priced back through evaluate_strategies with the same per-bucket methods
+    again = evaluate_strategies(
+        bounds=BOUNDS,
+        stats=stats,
+        layouts=plan.layouts,
+        recompute=plan.methods,
+        method="full",
+        model=common["model"],
+        device=common["device"],
+    )
+    assert again.step_s == pytest.approx(plan.step_s)
+
+
+def _parse_hot(*extra: str, world_size: int = 2):
+    from memo_ext.arguments import parse_args
+    from tests.launch import SMALL_GPT
+
+    hot = ["--hotspa", "--variable-seq-lengths", "--micro-batch-size", "1"]
+    return parse_args([*SMALL_GPT, *hot, *extra], world_size=world_size)
+
+
+def test_strategy_suffixes_set_a_layouts_recomputation():
+    from memo_ext.errors import UsageError
+
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    full += ["--recompute-num-layers", "1"]
+    buckets = ["--hotspa-buckets", "64,128"]
+    run = _parse_hot(*full, *buckets, "--hotspa-strategies", "dp2:none;tp2")
+    assert run.hotspa.recompute == ("none", None)
+    config = run.transformer_config(run.hotspa.strategies[0], recompute="none")
+    assert config.recompute_granularity is None
+    config = run.transformer_config(run.hotspa.strategies[0], recompute="full")
+    assert (config.recompute_granularity, config.recompute_method) == ("full", "uniform")
+    assert _parse_hot(*buckets, "--hotspa-strategies", "dp2;tp2").hotspa.recompute is None
+    with pytest.raises(UsageError, match="after a colon comes the layout's recomputation"):
+        _parse_hot(*buckets, "--hotspa-strategies", "dp2:all;tp2")
+    with pytest.raises(UsageError, match="runs on the home model"):
+        _parse_hot(*full, *buckets, "--hotspa-strategies", "cp2:none;dp2")

@@ -323,6 +323,27 @@ def test_build_plan_errors():
         build_plan(half, REPLICATED, rank=0, ranks_per_node=8)
 
 
+@pytest.mark.parametrize(
+    ("source", "target"), [(REPLICATED, TP2), (TP2, REPLICATED), (REPLICATED, GATED_TP2)]
+)
+def test_weight_switch_writes_every_element_once(source, target):
+    # what a working copy allocated uninitialised relies on; the engine checks its own plans
+    for rank in range(2):
+        plan = build_plan(source, target, rank=rank, ranks_per_node=8)
+        rows = sum(n for _, n, _ in target["w"][rank].segments)
+        plan.check_fills({"w": torch.empty(rows, 3)})
+        with pytest.raises(ValueError, match=r"every element of w \(9, 3\) exactly once"):
+            plan.check_fills({"w": torch.empty(9, 3)})
+        with pytest.raises(ValueError, match=r"every element of v"):
+            plan.check_fills({"w": torch.empty(rows, 3), "v": torch.empty(2)})
+    overlapping = build_plan(REPLICATED, TP2, rank=0, ranks_per_node=8)
+    overlapping.local.append(overlapping.local[0])
+    with pytest.raises(ValueError, match="exactly once"):
+        overlapping.check_fills({"w": torch.empty(4, 3)})
+    with pytest.raises(ValueError, match=r"writes tensors the target lacks: \['w'\]"):
+        overlapping.check_fills({})
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 def test_run_all_local_plan(dim):
     full = torch.arange(24, dtype=torch.float32).view(8, 3)

@@ -1,0 +1,78 @@
+"""``pretrain_gpt_memo.py`` with probes for the HotSPa tests, run as a module under torchrun::
+
+    torchrun --nproc-per-node 2 -m tests.dist.hotspa_probe --probe-loss-scale 1024 \\
+        <pretrain_gpt_memo.py flags>
+
+``--probe-loss-scale S``: the home config's ``grad_scale_func`` multiplies every loss by ``S``,
+as ``--fp16``'s loss scaler does (fp16 itself needs CUDA). The fp32 optimizer does not unscale,
+so the gradients and their norm come out ``S`` times larger, but only where the scale reached
+the schedule that ran the loss.
+
+With ``--hotspa``, after every step each process walks the non-home layouts' models (not the
+engine's own records) and fails unless their parameters and DDP gradient buffers hold 0 bytes;
+the metrics record gets what it found as ``probe_nonhome_held_bytes``, and each layout model's
+``recompute_granularity`` as ``probe_recompute``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from memo_ext.hotspa.engine import HotSPaEngine
+from memo_ext.training import loop
+
+
+def scale_losses(scale: float) -> None:
+    """Every later ``_connect_schedule_hooks`` also sets a constant loss scale."""
+    connect = loop._connect_schedule_hooks
+
+    def connect_and_scale(config, model, optimizer, *, hotspa: bool) -> None:
+        connect(config, model, optimizer, hotspa=hotspa)
+        config.grad_scale_func = lambda loss: loss * scale
+
+    loop._connect_schedule_hooks = connect_and_scale
+
+
+def nonhome_held_bytes(engine: HotSPaEngine) -> int:
+    """Bytes of storage behind the non-home models' parameters and gradient buffers now."""
+    home = engine.runtimes[engine.home].model
+    total = 0
+    for rt in engine.runtimes.values():
+        if rt.model is home:
+            continue
+        total += sum(p.untyped_storage().nbytes() for p in rt.model.parameters())
+        total += sum(b.grad_data.untyped_storage().nbytes() for b in rt.model.buffers)
+    return total
+
+
+def check_released_after_steps() -> None:
+    """``HotSPaEngine.step_metrics`` (collected after every step) also checks the models."""
+    metrics = HotSPaEngine.step_metrics
+
+    def metrics_and_check(self: HotSPaEngine) -> dict:
+        held = nonhome_held_bytes(self)
+        if held:
+            raise AssertionError(f"the non-home models hold {held} bytes between steps")
+        recompute = {rt.name: rt.config.recompute_granularity for rt in self.runtimes.values()}
+        return {
+            **metrics(self),
+            "probe_nonhome_held_bytes": held,
+            "probe_recompute": recompute,
+        }
+
+    HotSPaEngine.step_metrics = metrics_and_check
+
+
+def main(argv: list[str]) -> int:
+    if "--probe-loss-scale" in argv:
+        at = argv.index("--probe-loss-scale")
+        scale_losses(float(argv[at + 1]))
+        argv = argv[:at] + argv[at + 2 :]
+    check_released_after_steps()
+    from pretrain_gpt_memo import main as pretrain_main
+
+    return pretrain_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
