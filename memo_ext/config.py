@@ -1046,7 +1046,7 @@ class PreflightConfig:
     calibration: str | None = field(default=None, metadata={"metavar": "FILE"})
     """Estimator calibration (memo-calibration/1 JSON, written by python -m tools.compare_methods
     --calibrate): the measured matmul / attention efficiencies and host-link bandwidth replace the
-    estimator's assumptions in the preflight."""
+    estimator's assumptions in the preflight and in HotSPa's auto layouts."""
     memory_limit_gb: float | None = None
     """Cap this process's memory so that a run too big for a smaller device fails here with out
     of memory (exit status 3): on CUDA the device memory torch may use, in GiB (the preflight

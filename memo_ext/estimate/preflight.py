@@ -81,7 +81,7 @@ def preflight(
     if device is None:
         return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
     efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
-    device, efficiency = _as_configured(run, device, efficiency)
+    device, efficiency = as_configured(run, device, efficiency)
     layout = run.layout
     if host_memory_bytes is None:
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
@@ -105,7 +105,7 @@ def preflight(
     return Report(checked=True, fits=False, message=message, estimate=est)
 
 
-def _as_configured(
+def as_configured(
     run: RunConfig, device: DeviceSpec, efficiency: Efficiency
 ) -> tuple[DeviceSpec, Efficiency]:
     """The device and efficiencies after ``--calibration`` and ``--memory-limit-gb``."""

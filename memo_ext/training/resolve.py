@@ -22,6 +22,8 @@ import math
 import os
 
 from memo_ext.config import RunConfig
+from memo_ext.estimate.model import Efficiency
+from memo_ext.estimate.preflight import as_configured
 from memo_ext.hardware import DEVICES, cuda_device, device_spec
 from memo_ext.hotspa import auto
 from memo_ext.shapes import padded_vocab_size
@@ -56,7 +58,8 @@ def _resolve_hotspa(run: RunConfig, tokenizer) -> RunConfig:
     device = device_spec(run.preflight.device) if run.preflight.device else cuda_device()
     if device is None and hot.strategies is not None:  # nothing to check the given layouts on
         return dataclasses.replace(run, layout=hot.home)
-    device = device or DEVICES[AUTO_DEVICE]
+    # --calibration and --memory-limit-gb as the preflight applies them
+    device, efficiency = as_configured(run, device or DEVICES[AUTO_DEVICE], Efficiency())
     source = document_source(run, vocab_size=tokenizer.vocab_size)
     sampling = dict(
         global_batch_size=run.train.global_batch_size, seed=run.train.seed, backfill=hot.backfill
@@ -71,6 +74,7 @@ def _resolve_hotspa(run: RunConfig, tokenizer) -> RunConfig:
         stats=stats,
         single=single if len(hot.buckets) > 1 else None,
         method=run.recompute.granularity or "none",
+        efficiency=efficiency,
         # the working copy's gradient buffer has the dtype home's has
         copy_bytes_per_param=2 + (2 if run.distributed.grad_reduce_in_bf16 else 4),
     )

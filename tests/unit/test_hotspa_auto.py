@@ -365,3 +365,21 @@ def test_strategy_suffixes_set_a_layouts_recomputation():
         _parse_hot(*buckets, "--hotspa-strategies", "dp2:all;tp2")
     with pytest.raises(UsageError, match="runs on the home model"):
         _parse_hot(*full, *buckets, "--hotspa-strategies", "cp2:none;dp2")
+
+
+def test_auto_plans_with_the_calibration_file(tmp_path):
+    from memo_ext.hardware import Calibration, write_calibration
+
+    path = tmp_path / "calibration.json"
+    slow = Calibration(
+        device="a800-80g",
+        peak_tflops=312.0,
+        matmul_efficiency=0.25,
+        attention_efficiency=0.2,
+        host_link_gbps=20.0,
+    )
+    write_calibration(str(path), slow)
+    assumed = _resolved().hotspa.predicted_step_s
+    calibrated = _resolved("--calibration", str(path)).hotspa.predicted_step_s
+    # a third of the assumed matmul rate: the compute-bound step takes about three times as long
+    assert 2.5 * assumed < calibrated < 4 * assumed
