@@ -14,8 +14,9 @@ How the figures are made: one transformer layer is traced per method, inside a m
 ``TransformerBlock`` built with the method's settings, and multiplied by the layers of the stage.
 ``device_activation_bytes`` is what autograd still holds on the device after the forward (unique
 storages of saved tensors, parameters excluded; for MEMO, the kept last layers plus the tensors
-MEMO keeps on the device, plus two layers of ping-pong copy sources, the most that can be in
-flight); ``host_bytes`` is what MEMO holds in host memory; ``recompute_flops`` is the backward's
+MEMO keeps on the device, plus the ping-pong copy sources still in flight when the forward ends:
+two layers' with no kept layer, one with one, none with two or more, which take the slots'
+place); ``host_bytes`` is what MEMO holds in host memory; ``recompute_flops`` is the backward's
 FLOPs (torch's ``FlopCounterMode``) minus those of the backward without recomputation. Only the
 transformer layers are counted: embedding, loss and logits are the same for every method. With
 ``--json`` the last line printed is one JSON object.
@@ -35,6 +36,7 @@ from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, trace_layer
 from memo_ext.flags import add_flags, flag_values
+from memo_ext.offload.alpha import slots_after_forward
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
@@ -141,7 +143,7 @@ def method_figures(setup: Setup, layer: dict[str, LayerFigures]) -> dict[str, Me
         if method.startswith("memo-"):
             kept = min(setup.keep_last_layers, stage_layers)
             offloaded = stage_layers - kept
-            pingpong = min(2, offloaded) * fig.slot_bytes
+            pingpong = slots_after_forward(offloaded=offloaded, kept=kept) * fig.slot_bytes
             device = in_flight * (kept * layer["none"].saved_bytes + offloaded * fig.saved_bytes)
             out[method] = MethodFigures(
                 device_activation_bytes=device + pingpong,

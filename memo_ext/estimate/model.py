@@ -20,7 +20,12 @@ from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, layer_fit, transient_fit
 from memo_ext.hardware import DeviceSpec
-from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.offload.alpha import (
+    HostMemoryError,
+    LayerCost,
+    slots_after_forward,
+    solve_alpha,
+)
 from memo_ext.parallel import LayoutError, ParallelLayout
 from memo_ext.shapes import ModelShape, padded_vocab_size, train_flops
 
@@ -491,11 +496,15 @@ def _memo_stage(
             notes.append(str(err))
     m = memo_at(model, layout, batch, tokens=tokens, alpha=alpha)
     host = resident * m.host_bytes
+    # the kept layers take the ping-pong slots' place (``slots_after_forward``); while the
+    # offloaded layers run, two slots of copy sources may be in flight
+    slots = slots_after_forward(offloaded=resident, kept=keep)
     stored = (
         in_flight * keep * none.saved_bytes
         + resident * m.backward.saved_bytes
-        + min(2, resident) * m.slot_bytes
+        + slots * m.slot_bytes
     )
+    during = resident * m.backward.saved_bytes + min(2, resident) * m.slot_bytes
     # backward of an offloaded layer: its restored set plus the next one's prefetched set
     restored = (2 * none.saved_bytes if offloaded else 0) + (in_flight - 1) * keep * (
         none.saved_bytes
@@ -505,7 +514,9 @@ def _memo_stage(
     time.add(plain, keep)
     return _Stage(
         stored=stored,
-        peak_activations=max(stored + loss_t, stored + layer_t, restored + layer_t),
+        peak_activations=max(
+            stored + loss_t, stored + layer_t, restored + layer_t, during + layer_t
+        ),
         time=time,
         recompute_flops=offloaded * (_backward_flops(m.backward) - _backward_flops(none)),
         alpha=alpha,

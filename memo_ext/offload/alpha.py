@@ -4,6 +4,9 @@
 longer than the layer's forward, so the copy hides under compute, and (b) the offloaded bytes of
 every layer this process holds at once fit the host-memory budget. A layer offloads
 ``full_bytes`` (input, attention output and state) whatever α is, plus ``α · tokenwise_bytes``.
+
+:func:`slots_after_forward` is the runtime's rule for the ping-pong slots at the end of the
+forward, shared by the estimator and ``tools.memory_report``.
 """
 
 from __future__ import annotations
@@ -64,3 +67,17 @@ def _fraction(room: float, tokenwise_bytes: int) -> float:
     if tokenwise_bytes <= 0:
         return 1.0 if room >= 0 else 0.0
     return max(0.0, min(1.0, room / tokenwise_bytes))
+
+
+def slots_after_forward(*, offloaded: int, kept: int) -> int:
+    """Ping-pong slots still holding copy sources when a stage's forward ends.
+
+    The offloaded layers keep at most two slots in flight; a kept layer first waits for every
+    copy but the previous layer's (``MemoRuntime.before_kept_layer``), so one kept layer ends
+    the forward next to one slot and two or more next to none.
+    """
+    if offloaded == 0:
+        return 0
+    if kept == 0:
+        return min(2, offloaded)
+    return 1 if kept == 1 else 0

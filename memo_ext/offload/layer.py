@@ -76,14 +76,17 @@ class MemoTransformerLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         kwargs = transformer_layer_arguments(args, kwargs)
-        if not self._memo_applies(kwargs):
+        if not self._training_forward(kwargs):
+            return super().forward(**kwargs)
+        if not self.memo_offloads:
+            # a kept layer's activations take the place of the ping-pong slots
+            self.memo_runtime.before_kept_layer(self.memo_index)
             return super().forward(**kwargs)
         return self.memo_runtime.forward_layer(self, kwargs)
 
-    def _memo_applies(self, kwargs: dict[str, Any]) -> bool:
+    def _training_forward(self, kwargs: dict[str, Any]) -> bool:
         return (
-            self.memo_offloads
-            and self.training
+            self.training
             and torch.is_grad_enabled()
             and kwargs.get("inference_context") is None
             and kwargs.get("inference_params") is None

@@ -9,6 +9,13 @@ Ping-pong rule: the forward of the k-th offloaded layer puts its copy sources in
 before that, the compute stream waits for the copies of layer ``k - 2`` in the same slot and drops
 their sources. So at most two layers' worth of sources wait for copies at any time, and a layer's
 compute never waits for the copies of the layer just before it.
+
+The kept last layers take the slots' place (the paper's last two layers stay in the slots they
+were produced in): before a kept layer's forward the compute stream waits for the copies of every
+offloaded layer but the one just before it, whose copy still hides under this layer. With two
+kept layers the device therefore holds two layers' sets when the forward ends, not two kept
+layers plus two slots; the wait costs nothing when the copies kept pace with the compute (the
+α rule makes them).
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ BANDWIDTH_PROBE_BYTES = 64 * 2**20
 class _Slot:
     completion: Completion
     sources: list[Tensor] = field(default_factory=list)
+    layer_index: int = -1
+    """Index within the stage of the layer whose sources these are."""
 
 
 class PassObserver(Protocol):
@@ -179,7 +188,7 @@ class MemoRuntime:
         reuse = [buf.last_read for buf in acts.host_buffers]
         acts.offloaded = self.engine.to_host(pairs, reuse=reuse)
         sources = [src for _, src in pairs]
-        self._slots[slot_index] = _Slot(acts.offloaded, sources)
+        self._slots[slot_index] = _Slot(acts.offloaded, sources, acts.layer_index)
         self.slot_bytes = max(self.slot_bytes, _storage_bytes(sources))
         self._drop_finished_slots()
         self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
@@ -190,6 +199,16 @@ class MemoRuntime:
             acts.previous = weakref.ref(last)
         self._last = weakref.ref(acts)
         self.live.add(acts)
+
+    def before_kept_layer(self, index: int) -> None:
+        """A kept layer's forward (``index`` within the stage) starts: wait for the copies of
+        every offloaded layer but the one just before it and drop their sources."""
+        if self.engine is None:
+            return
+        for i, slot in enumerate(self._slots):
+            if slot is not None and slot.layer_index != index - 1:
+                self.engine.wait(slot.completion)
+                self._slots[i] = None
 
     def _drop_finished_slots(self) -> None:
         for i, slot in enumerate(self._slots):

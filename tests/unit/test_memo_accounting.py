@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
@@ -160,27 +161,48 @@ class HeldCopies(SyncTransferEngine):
             self.waited.append(completion.event)
 
 
-def test_ping_pong_keeps_at_most_two_layers_of_sources():
-    layers, s, b = 5, 8, 2
-    ref, mem = build_pair(make_config(layers=layers), alpha=0.5, keep_last=1, layers=layers)
+def _held_after_each_layer(*, layers: int, keep_last: int):
+    s, b = 8, 2
+    _, mem = build_pair(make_config(layers=layers), alpha=0.5, keep_last=keep_last, layers=layers)
     runtime = memo_runtime_of(mem)
     engine = HeldCopies()
     runtime.engine = engine
     from memo_ext.offload.transfer import HostPool
 
     runtime.pool = HostPool(budget_bytes=2**30, pin_memory=False)
-    x = torch.randn(s, b, H, requires_grad=True)
-    h = x
+    h = torch.randn(s, b, H, requires_grad=True)
     held = []
     for layer in mem:
         h, _ = layer(hidden_states=h, attention_mask=None)
         held.append(runtime.in_flight_source_bytes())
-    # layer k's copy waits for layer k - 2's: the 3rd and 4th offloaded layers waited on the
-    # 1st and 2nd; sources of at most two layers are held at any time
-    assert engine.waited == [1, 2]
+    return runtime, engine, h, held
+
+
+def test_ping_pong_keeps_at_most_two_layers_of_sources():
+    runtime, engine, h, held = _held_after_each_layer(layers=5, keep_last=0)
+    # layer k's copy waits for layer k - 2's: the 3rd, 4th and 5th offloaded layers waited on
+    # the 1st, 2nd and 3rd; sources of at most two layers are held at any time
+    assert engine.waited == [1, 2, 3]
     per_layer = held[0]
     assert per_layer > 0
-    assert held == [per_layer, 2 * per_layer, 2 * per_layer, 2 * per_layer, 2 * per_layer]
+    assert held == [per_layer] + [2 * per_layer] * 4
     h.sum().backward()  # the backward waits on the last two and frees them
     assert runtime.in_flight_source_bytes() == 0
-    assert engine.waited == [1, 2, 3, 4]
+    assert sorted(engine.waited) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_kept_layers_take_the_place_of_the_slots(keep_last):
+    # 5 layers, the last keep_last kept: a kept layer first waits for every offloaded layer's
+    # copy but the previous layer's, so one kept layer ends the forward next to one slot, two
+    # kept layers next to none: never more than two layers' sets
+    runtime, engine, h, held = _held_after_each_layer(layers=5, keep_last=keep_last)
+    offloaded = 5 - keep_last
+    per_layer = held[0]
+    assert held[:offloaded] == [per_layer] + [2 * per_layer] * (offloaded - 1)
+    # both wait on layer 2's copy (event 3) before the forward ends
+    assert engine.waited == [1, 2, 3]
+    assert held[offloaded:] == ([per_layer] if keep_last == 1 else [per_layer, 0])
+    h.sum().backward()
+    assert runtime.in_flight_source_bytes() == 0
+    assert sorted(engine.waited) == list(range(1, offloaded + 1))
