@@ -1,11 +1,18 @@
 """``--hotspa-strategies auto``: each bucket's layout from the estimator's cost model.
 
-Inputs: the model shape, a device preset, the bucket bounds and the expected rows per bucket
-and step (measured by packing the run's first global batches, :func:`expected_rows`). For every
-candidate home layout that fits the longest bucket, each other bucket takes the layout with the
-least predicted time (the estimator's step time for its rows, plus the switch when it is not
-home) among those that fit device memory next to the home layout's model states; the home with
-the least total wins. A bucket that fits no layout is refused with the numbers.
+Inputs: the model shape, a device preset, the bucket bounds and each bucket's statistics
+(:class:`BucketStats`: rows in every sampled step, attention share and fill, measured by packing
+the run's first global batches, :func:`bucket_statistics`). For every candidate home layout that
+fits the longest bucket, each other bucket takes the layout (and, for a layout with a model of
+its own, the recomputation) with the least expected time per step — the estimator's time for
+its rows, plus its own gradient reduction and the switch when it is not on the home model, paid
+in the steps where it has rows — among those that fit device memory next to home's model
+states; the home with the least total wins. A bucket that fits no layout is refused with the
+numbers.
+
+Never slower than one layout: given the statistics of packing every document into
+``--seq-length`` rows, the best single layout is priced too and chosen unless switching is
+predicted :data:`SWITCH_MARGIN` faster (:attr:`StrategyPlan.baseline`, ``predicted_gain``).
 
 Candidates are DP × TP × PP × CP splits of the world with TP a power of two inside a node, CP a
 power of two and SP on with TP > 1. A layout with home's TP and PP runs on the home model itself
