@@ -586,9 +586,9 @@ def priced_stats(name: str, plan: StrategyPlan, stats: DistributionStats) -> lis
 def worst_step_record(
     plan: StrategyPlan, stats: Sequence[BucketStats], *, model, device, method: str
 ) -> dict:
-    """Memory in the busiest sampled step: the estimator prices a bucket's peak on its *mean*
-    rows per step (micro-batches in flight under PP), so a plan can fit on average yet not in a
-    step where a bucket has more rows. Re-priced with each bucket at its most rows."""
+    """Memory in the busiest sampled step, as a cross-check: ``auto`` already sizes a bucket's
+    memory for its fullest sampled step; here every bucket is re-priced with its rows fixed at
+    that step's, independently of how the plan was chosen."""
     worst = [
         dataclasses.replace(s, rows=float(max(s.step_rows or (s.rows,))), step_rows=())
         for s in stats
@@ -780,7 +780,8 @@ def print_summary_table(workloads: Sequence[dict], out) -> None:
 
 
 def _peaks(record: dict) -> str:
-    """``58.4 (81.1 ✗)``: the peak priced on mean rows, and in the busiest sampled step."""
+    """``58.4 (58.4)``: the plan's peak, and the re-priced peak of the busiest sampled step
+    (``✗`` where that does not fit)."""
     if record["fits_worst_step"]:
         return f"{record['peak_gib']:.1f} ({record['worst_step_peak_gib']:.1f})"
     return f"{record['peak_gib']:.1f} (✗ does not fit)"
@@ -1049,7 +1050,7 @@ def print_report(results: dict, *, detail: bool) -> None:
     unsafe = summary["fit_on_mean_rows_only"]
     if unsafe:
         print(
-            f"{len(unsafe)} plans fit device memory on mean rows per step but not in the busiest "
+            f"{len(unsafe)} plans do not fit device memory when re-priced at the busiest "
             f"sampled step (marked ✗): {', '.join(unsafe)}",
             file=out,
         )

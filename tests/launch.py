@@ -59,6 +59,20 @@ TINY_LLAMA = cli(
 """A LLaMA-style layer (GQA, RoPE, RMSNorm, SwiGLU, no biases) small enough for many runs; the
 tests add the schedule."""
 
+GPU_LLAMA = cli(
+    hidden_size=256,
+    num_attention_heads=4,
+    lr="1e-3",
+    mock_data=True,
+    position_embedding_type="rope",
+    swiglu=True,
+    normalization="RMSNorm",
+    attention_dropout=0,
+    hidden_dropout=0,
+)
+"""The GPU tests' LLaMA-style model, wide enough for real kernels; each test adds the layers,
+sequence, batch and steps it needs."""
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -5,28 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import cli, run_pretrain
+from tests.launch import GPU_LLAMA, cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-ARGS = cli(
-    num_layers=2,
-    hidden_size=256,
-    num_attention_heads=4,
-    seq_length=1024,
-    micro_batch_size=2,
-    train_iters=20,
-    lr="1e-3",
-    mock_data=True,
-    position_embedding_type="rope",
-    swiglu=True,
-    normalization="RMSNorm",
-    attention_dropout=0,
-    hidden_dropout=0,
-)
+ARGS = GPU_LLAMA + cli(num_layers=2, seq_length=1024, micro_batch_size=2, train_iters=20)
 
 
 def test_bf16_training_reports_mfu_and_memory(tmp_path):

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.launch import cli, run_pretrain
+from tests.launch import GPU_LLAMA, cli, run_pretrain
 from tools.method_jobs import MEGATRON_OFFLOAD_FLAGS
 
 pytestmark = [
@@ -24,21 +24,7 @@ pytestmark = [
 
 # [s, b, h] = 4096 × 2 × 256 = 2M elements: above megatron-core's 1M-element floor for offloading,
 # so the modules' saved inputs and the attention's q / k / v / output leave the device
-ARGS = cli(
-    num_layers=4,
-    hidden_size=256,
-    num_attention_heads=4,
-    seq_length=4096,
-    micro_batch_size=2,
-    train_iters=4,
-    lr="1e-3",
-    mock_data=True,
-    position_embedding_type="rope",
-    swiglu=True,
-    normalization="RMSNorm",
-    attention_dropout=0,
-    hidden_dropout=0,
-)
+ARGS = GPU_LLAMA + cli(num_layers=4, seq_length=4096, micro_batch_size=2, train_iters=4)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "te"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import cli, run_pretrain
+from tests.launch import GPU_LLAMA, cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -134,21 +134,8 @@ def test_layer_gradients_match_plain(megatron_cuda):
 
 
 def test_training_matches_plain_run(tmp_path):
-    args = cli(
-        num_layers=4,
-        hidden_size=256,
-        num_attention_heads=4,
-        seq_length=1024,
-        micro_batch_size=2,
-        train_iters=5,
-        lr="1e-3",
-        mock_data=True,
-        position_embedding_type="rope",
-        swiglu=True,
-        normalization="RMSNorm",
-        attention_dropout=0,
-        hidden_dropout=0,
-        attention_backend="sdpa",
+    args = GPU_LLAMA + cli(
+        num_layers=4, seq_length=1024, micro_batch_size=2, train_iters=5, attention_backend="sdpa"
     )
     plain = run_pretrain(args, nproc=1, workdir=tmp_path, name="plain")
     memo = run_pretrain(
