@@ -107,7 +107,6 @@ from statistics import NormalDist
 import numpy as np
 
 from memo_ext.config import parse_buckets
-from memo_ext.data.documents import global_batches
 from memo_ext.errors import UsageError
 from memo_ext.estimate.model import METHODS
 from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
@@ -116,9 +115,10 @@ from memo_ext.hotspa.auto import (
     BucketStats,
     StrategyError,
     StrategyPlan,
-    bucket_statistics,
     choose_strategies,
     evaluate_strategies,
+    length_statistics,
+    sampled_lengths,
 )
 from memo_ext.parallel import LayoutError, ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape
@@ -413,20 +413,23 @@ def measure_distribution(
     pieces: np.ndarray, *, bounds: Sequence[int], global_batch_size: int, seed: int, steps: int
 ) -> DistributionStats:
     """Pack the first ``steps`` global batches of ``pieces`` every way the strategies need."""
-    source, context = LengthSource(pieces), bounds[-1]
-    common = dict(global_batch_size=global_batch_size, seed=seed, steps=steps)
-    documents = tokens = squares = 0.0
-    batches = global_batches(
-        source, global_batch_size=global_batch_size, seq_length=context, seed=seed
+    context = bounds[-1]
+    per_step = sampled_lengths(
+        LengthSource(pieces),
+        seq_length=context,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        steps=steps,
     )
-    for _, batch in zip(range(steps), batches):
-        lengths = np.array([len(d) for d in batch], dtype=np.float64)
+    documents = tokens = squares = 0.0
+    for step in per_step:
+        lengths = np.array(step, dtype=np.float64)
         documents += len(lengths)
         tokens += lengths.sum()
         squares += (lengths**2).sum() / context**2
     return DistributionStats(
-        bucketed=bucket_statistics(source, bounds=bounds, **common),
-        single=bucket_statistics(source, bounds=[context], **common)[0],
+        bucketed=length_statistics(per_step, bounds=bounds),
+        single=length_statistics(per_step, bounds=[context])[0],
         pad=BucketStats(
             rows=documents / steps,
             attention_fraction=squares / documents,

@@ -175,28 +175,55 @@ def bucket_statistics(
 ) -> list[BucketStats]:
     """Rows and attention share per bucket over the first ``steps`` global batches of the run,
     packed as the trainer packs them (``memo_ext.hotspa.buckets.bucket_rows``, CP = 1)."""
+    lengths = sampled_lengths(
+        source,
+        seq_length=bounds[-1],
+        global_batch_size=global_batch_size,
+        seed=seed,
+        steps=steps,
+    )
+    return length_statistics(lengths, bounds=bounds, backfill=backfill)
+
+
+def sampled_lengths(
+    source: DocumentSource,
+    *,
+    seq_length: int,
+    global_batch_size: int,
+    seed: int,
+    steps: int = SAMPLED_STEPS,
+) -> list[list[int]]:
+    """The document lengths of the run's first ``steps`` global batches, one list per step."""
+    batches = global_batches(
+        source, global_batch_size=global_batch_size, seq_length=seq_length, seed=seed
+    )
+    return [[len(d) for d in documents] for _, documents in zip(range(steps), batches)]
+
+
+def length_statistics(
+    per_step: Sequence[Sequence[int]], *, bounds: Sequence[int], backfill: bool = True
+) -> list[BucketStats]:
+    """:class:`BucketStats` of the steps' documents (``per_step``: lengths per step) packed into
+    ``bounds`` as the trainer packs them."""
     rows = [0] * len(bounds)
     squares = [0.0] * len(bounds)
     tokens = [0.0] * len(bounds)
-    per_step: list[list[int]] = [[] for _ in bounds]
-    batches = global_batches(
-        source, global_batch_size=global_batch_size, seq_length=bounds[-1], seed=seed
-    )
-    for _, documents in zip(range(steps), batches):
-        lengths = [len(d) for d in documents]
+    counts: list[list[int]] = [[] for _ in bounds]
+    for lengths in per_step:
         for b, groups in enumerate(bucket_rows(lengths, bounds, backfill=backfill)):
             rows[b] += len(groups)
-            per_step[b].append(len(groups))
+            counts[b].append(len(groups))
             squares[b] += sum(lengths[i] ** 2 for g in groups for i in g) / bounds[b] ** 2
             tokens[b] += sum(lengths[i] for g in groups for i in g) / bounds[b]
+    steps = max(1, len(per_step))
     return [
         BucketStats(
             rows=r / steps,
             attention_fraction=(sq / r if r else 1.0),
             fill=(t / r if r else 1.0),
-            step_rows=tuple(counts),
+            step_rows=tuple(c),
         )
-        for r, sq, t, counts in zip(rows, squares, tokens, per_step)
+        for r, sq, t, c in zip(rows, squares, tokens, counts)
     ]
 
 

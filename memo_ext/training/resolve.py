@@ -60,13 +60,16 @@ def _resolve_hotspa(run: RunConfig, tokenizer) -> RunConfig:
         return dataclasses.replace(run, layout=hot.home)
     # --calibration and --memory-limit-gb as the preflight applies them
     device, efficiency = as_configured(run, device or DEVICES[AUTO_DEVICE], Efficiency())
-    source = document_source(run, vocab_size=tokenizer.vocab_size)
-    sampling = dict(
-        global_batch_size=run.train.global_batch_size, seed=run.train.seed, backfill=hot.backfill
+    # one sample of the run's first global batches, packed both ways
+    lengths = auto.sampled_lengths(
+        document_source(run, vocab_size=tokenizer.vocab_size),
+        seq_length=hot.buckets[-1],
+        global_batch_size=run.train.global_batch_size,
+        seed=run.train.seed,
     )
-    stats = auto.bucket_statistics(source, bounds=hot.buckets, **sampling)
+    stats = auto.length_statistics(lengths, bounds=hot.buckets, backfill=hot.backfill)
     # the single-layout alternative: every document packed into --seq-length rows
-    (single,) = auto.bucket_statistics(source, bounds=hot.buckets[-1:], **sampling)
+    (single,) = auto.length_statistics(lengths, bounds=hot.buckets[-1:], backfill=hot.backfill)
     common = dict(
         model=run.shape,
         device=device,
