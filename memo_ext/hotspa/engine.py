@@ -222,12 +222,11 @@ class HotSPaEngine:
 
     def plan(self, source: Variant, target: Variant) -> SwitchPlan:
         """The cached plan that fills ``target``'s shards from ``source``'s."""
-        names = (self.runtimes[source].name, self.runtimes[target].name)
-        key = names
+        key = (self.runtimes[source].name, self.runtimes[target].name)
         if key not in self._plans:
             plan = build_plan(
-                self._shards[names[0]],
-                self._shards[names[1]],
+                self._shards[key[0]],
+                self._shards[key[1]],
                 rank=self._rank,
                 ranks_per_node=self._ranks_per_node,
             )
