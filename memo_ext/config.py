@@ -1078,6 +1078,18 @@ def parse_alpha(text: str) -> float | None:
         ) from None
 
 
+def parse_chunk_tokens(text: str) -> int | str:
+    """``--memo-chunk-tokens``: a token count, or ``auto`` (settled by ``resolve_run``)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive token count or 'auto', got {text!r}"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoConfig:
     """Token-wise activation swapping and recomputation (MEMO) for every transformer layer."""
@@ -1095,6 +1107,15 @@ class MemoConfig:
     keep_last_layers: int = 2
     """Layers at the end of each pipeline stage that keep their activations on the device: their
     backward starts right after their forward, so a round trip to the host would not pay."""
+    chunk_tokens: int | Literal["auto"] | None = field(
+        default=None, metadata={"parse": parse_chunk_tokens}
+    )
+    """Run each layer's token-local work (norms, QKV and output projections, MLP, residual adds)
+    over sub-sequence chunks of this many local tokens (after SP / CP sharding), the core
+    attention still over the whole sequence; MEMO then offloads or drops saved tensors chunk by
+    chunk, so a layer's device memory beyond attention's inputs and output is a few chunks, not
+    the sequence. 'auto': the smallest chunk whose matrix products and collectives the estimator
+    puts within 2% of the whole sequence's time on this run's device. Default: off."""
     allocator: Literal["off", "plan"] = "off"
     """plan: serve each offloaded layer's forward / backward transients at the offsets the memory
     planner computed for its recorded request sequence, inside one arena (no fragmentation); off:
@@ -1137,6 +1158,8 @@ class MemoConfig:
             raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
         if self.plan_time_limit <= 0:
             raise UsageError(f"--memo-plan-time-limit must be positive, got {self.plan_time_limit}")
+        if isinstance(self.chunk_tokens, int) and self.chunk_tokens < 1:
+            raise UsageError(f"--memo-chunk-tokens must be >= 1 or 'auto', got {self.chunk_tokens}")
 
     @staticmethod
     def check_combination(

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from memo_ext.mcore.chunked import ChunkedLayer
 from memo_ext.mcore.compat import transformer_layer_arguments
 from memo_ext.offload.runtime import MemoRuntime
 
@@ -81,6 +82,9 @@ class MemoTransformerLayer(TransformerLayer):
         if not self.memo_offloads:
             # a kept layer's activations take the place of the ping-pong slots
             self.memo_runtime.before_kept_layer(self.memo_index)
+            chunk = self.memo_runtime.chunk_tokens
+            if chunk is not None:
+                return ChunkedLayer(self, kwargs, chunk).forward()
             return super().forward(**kwargs)
         return self.memo_runtime.forward_layer(self, kwargs)
 

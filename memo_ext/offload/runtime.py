@@ -25,6 +25,7 @@ import logging
 import math
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ from megatron.core.tensor_parallel import random as mrandom
 from torch import Tensor
 
 from memo_ext.config import MemoConfig
+from memo_ext.mcore.chunked import sp_groups
 from memo_ext.offload.activations import (
     LayerActivations,
     MemoStats,
@@ -42,6 +44,7 @@ from memo_ext.offload.activations import (
     run_token_slice,
 )
 from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.offload.chunked import ChunkedActivations
 from memo_ext.offload.transfer import (
     Completion,
     HostPool,
@@ -53,6 +56,9 @@ from memo_ext.offload.transfer import (
 logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 1
+COPIES_IN_FLIGHT = 4
+"""Chunked layers: batches of device → host copies (one chunk's phase, or a layer's whole
+storages) in flight at once; issuing another first waits for the oldest."""
 # the bandwidth probe copies this much at most (enough to reach steady PCIe throughput)
 BANDWIDTH_PROBE_BYTES = 64 * 2**20
 
@@ -83,7 +89,11 @@ class MemoRuntime:
     """MEMO for the layers of one model in this process (see the module docstring)."""
 
     def __init__(self, config: MemoConfig):
+        if config.chunk_tokens == "auto":
+            raise ValueError("--memo-chunk-tokens auto must be settled (resolve_run) first")
         self.config = config
+        self.chunk_tokens: int | None = config.chunk_tokens
+        """Local tokens per sub-sequence chunk; ``None``: layers run whole."""
         self.alpha: float | None = config.alpha
         """α in use; ``None`` until ``auto`` has been solved."""
         self.budget_bytes = host_budget_bytes(config)
@@ -94,6 +104,8 @@ class MemoRuntime:
         """What the first offloaded layer measured (bytes, and for ``auto`` the times)."""
         self._probes: dict[tuple, ProbeShapes] = {}
         self._slots: list[_Slot | None] = [None, None]
+        self._copies: deque[_Slot] = deque()
+        """Chunked layers' copy batches in flight, oldest first."""
         self._forwards = 0
         self._last: weakref.ref | None = None
         self._budget_checked = False
@@ -122,11 +134,17 @@ class MemoRuntime:
     def _forward_layer(self, layer: torch.nn.Module, kwargs: dict[str, Any]):
         x = kwargs["hidden_states"]
         self._ensure_engine(x.device)
-        groups = _sp_groups(layer)
+        groups = sp_groups(layer)
         if self.alpha is None:
             self._solve_alpha(layer, kwargs, groups)
         n = x.size(0)
         a = self.host_tokens(n)
+        if self.chunk_tokens is not None:
+            acts = self._chunked(layer, kwargs, host_tokens=a)
+            out = acts.run()
+            self._check_budget(layer, acts)
+            self._track(acts)
+            return out
         if 0 < a < n and kwargs.get("packed_seq_params") is not None:
             raise ValueError(
                 "MEMO with 0 < --memo-alpha < 1 does not support packed sequences yet; "
@@ -139,6 +157,21 @@ class MemoRuntime:
         self._check_budget(layer, acts)
         self._offload(acts, acts.end_forward())
         return out
+
+    def _chunked(self, layer, kwargs: dict[str, Any], **options) -> ChunkedActivations:
+        """A chunked layer's saves, offloaded through :meth:`_copy_chunk`."""
+        index = layer.memo_index
+        return ChunkedActivations(
+            layer,
+            kwargs,
+            chunk_tokens=self.chunk_tokens,
+            pool=self.pool,
+            engine=self.engine,
+            stats=self.stats,
+            offload=lambda pairs, reuse: self._copy_chunk(index, pairs, reuse),
+            on_backward=self.begin_backward,
+            **options,
+        )
 
     def _activations(self, layer, kwargs: dict[str, Any], **options) -> LayerActivations:
         """A layer's saved tensors, served by this runtime's pool and transfer engine."""
@@ -200,6 +233,30 @@ class MemoRuntime:
         self._last = weakref.ref(acts)
         self.live.add(acts)
 
+    def _copy_chunk(self, layer_index: int, pairs, reuse) -> Completion:
+        """Issue one batch of a chunked layer's copies, at most :data:`COPIES_IN_FLIGHT` in
+        flight: the oldest is waited for (its sources dropped) first."""
+        while len(self._copies) >= COPIES_IN_FLIGHT:
+            self.engine.wait(self._copies.popleft().completion)
+        completion = self.engine.to_host(pairs, reuse=reuse)
+        self._copies.append(_Slot(completion, [src for _, src in pairs], layer_index))
+        self.slot_bytes = max(self.slot_bytes, self.in_flight_source_bytes())
+        while self._copies and self.engine.done(self._copies[0].completion):
+            self._copies.popleft()
+        self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        return completion
+
+    def _track(self, acts: ChunkedActivations) -> None:
+        """A chunked layer's forward is done (its copies are issued): link it for prefetching."""
+        self.stats.offloaded_layers += 1
+        self._forwards += 1
+        weakref.finalize(acts, self.pool.release, list(acts.host_buffers))
+        last = self._last() if self._last is not None else None
+        if last is not None and last.layer_index == acts.layer_index - 1:
+            acts.previous = weakref.ref(last)
+        self._last = weakref.ref(acts)
+        self.live.add(acts)
+
     def before_kept_layer(self, index: int) -> None:
         """A kept layer's forward (``index`` within the stage) starts: wait for the copies of
         every offloaded layer but the one just before it and drop their sources."""
@@ -209,6 +266,9 @@ class MemoRuntime:
             if slot is not None and slot.layer_index != index - 1:
                 self.engine.wait(slot.completion)
                 self._slots[i] = None
+        for slot in [c for c in self._copies if c.layer_index != index - 1]:
+            self.engine.wait(slot.completion)
+            self._copies.remove(slot)
 
     def _drop_finished_slots(self) -> None:
         for i, slot in enumerate(self._slots):
@@ -217,7 +277,8 @@ class MemoRuntime:
 
     def in_flight_source_bytes(self) -> int:
         """Device bytes held only until in-flight device → host copies finish."""
-        return sum(_storage_bytes(slot.sources) for slot in self._slots if slot is not None)
+        slots = [slot for slot in self._slots if slot is not None] + list(self._copies)
+        return _storage_bytes([t for slot in slots for t in slot.sources])
 
     # ----------------------------------------------------------------------------- backward
 
@@ -229,6 +290,8 @@ class MemoRuntime:
             if slot is not None:
                 self.engine.wait(slot.completion)
                 self._slots[i] = None
+        while self._copies:
+            self.engine.wait(self._copies.popleft().completion)
         previous = acts.previous() if acts.previous is not None else None
         if previous is not None:
             previous.prefetch()
@@ -239,18 +302,24 @@ class MemoRuntime:
         """``auto``: measure one layer (bytes, forward time) and the copy bandwidth, solve α."""
         x = kwargs["hidden_states"]
         n = x.size(0)
-        probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
-        acts = self._activations(
-            layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
-        )
+        if self.chunk_tokens is not None:
+            acts = self._chunked(layer, kwargs, host_tokens=n, measure_only=True)
+            capturing, run = contextlib.nullcontext(), acts.run
+        else:
+            probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
+            acts = self._activations(
+                layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
+            )
+            capturing, run = acts.capturing(), lambda: layer.forward_plain(**kwargs)
         with _preserved_rng():
             _synchronize(x.device)
             start = time.perf_counter()
-            with acts.capturing():
-                layer.forward_plain(**kwargs)
+            with capturing:
+                run()
             _synchronize(x.device)
             forward_s = time.perf_counter() - start
-        acts.end_forward()
+        if self.chunk_tokens is None:
+            acts.end_forward()
         full, scaled = acts.host_bytes(0), acts.host_bytes(n) - acts.host_bytes(0)
         gbps = measure_copy_gbps(
             self.engine, device=x.device, nbytes=max(1, min(full + scaled, BANDWIDTH_PROBE_BYTES))
@@ -342,14 +411,6 @@ def format_bytes(n: float) -> str:
 def _storage_bytes(tensors: list[Tensor]) -> int:
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
-
-
-def _sp_groups(layer) -> int:
-    """Token blocks of TP-gathered tensors: the TP size under sequence parallelism, else 1."""
-    if not layer.config.sequence_parallel:
-        return 1
-    tp = layer.pg_collection.tp
-    return tp.size() if tp is not None else 1
 
 
 def _resident_layers(layer) -> int:

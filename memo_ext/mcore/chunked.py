@@ -1,0 +1,201 @@
+"""megatron-core's transformer layer forward, with its token-local work done by sub-sequence chunks.
+
+A GPT layer is token-local except for its core attention: the input norm, the QKV projection,
+RoPE, the output projection, the residual adds, the pre-MLP norm and the MLP treat every token
+on its own. :class:`ChunkedLayer` runs those parts over chunks of ``chunk_tokens`` local tokens
+and only the core attention over the whole sequence, so the layer's transients (the gathered norm
+output under sequence parallelism, the MLP's ``4h``-wide tensors, the projections' inputs) are
+the size of a chunk, not of the sequence:
+
+- ``pre_attention(c)``: norm, QKV projection, RoPE on chunk ``c``, giving its q / k / v rows;
+- ``assemble``: the chunks' rows put back in sequence order, the core attention's inputs;
+- ``post_attention(c)``: the output projection of the attention output's rows of chunk ``c``,
+  the residual add, the pre-MLP norm, the MLP and its residual add: chunk ``c`` of the output.
+
+Under sequence parallelism the local tokens are this rank's shard and megatron's column- and
+row-parallel layers all-gather / reduce-scatter over the tensor-parallel group along dimension
+0, so chunk ``c`` all-gathers into ``[rank 0's rows of c, rank 1's rows of c, ...]``:
+``assemble`` reorders those blocks into the sequence's order, and ``attention_rows`` hands
+the output projection the attention output's rows in that same interleaved order, so its
+reduce-scatter gives each rank its own rows of chunk ``c``.
+
+Every value equals megatron's ``TransformerLayer.forward`` for the same input. The matrix
+products of a chunk compute each output row from the same row and weights as the whole-sequence
+product, and on the CPU the results match bit for bit; a GPU library may pick another kernel
+(another summation order) for another row count, which changes a row by rounding only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.utils import make_viewless_tensor
+from torch import Tensor
+
+from memo_ext.errors import UsageError
+
+
+class ChunkingError(UsageError):
+    """A layer or an input that sub-sequence chunking cannot run; the message says why."""
+
+
+def chunk_bounds(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each chunk of ``tokens`` local tokens; the last may be shorter."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return [(s, min(s + chunk_tokens, tokens)) for s in range(0, tokens, chunk_tokens)]
+
+
+def check_chunkable(layer: torch.nn.Module) -> None:
+    """Refuse, in one sentence, a layer whose forward ``ChunkedLayer`` does not reproduce."""
+    config = layer.config
+    problems = []
+    if not isinstance(layer.self_attention, SelfAttention):
+        problems.append("its attention is not megatron's SelfAttention")
+    if not isinstance(layer.mlp, MLP):
+        problems.append("its MLP is not megatron's dense MLP (mixture of experts?)")
+    if not isinstance(layer.cross_attention, (IdentityOp, IdentityFuncOp)):
+        problems.append("it has cross-attention")
+    if getattr(config, "attention_output_gate", False):
+        problems.append("--attention-output-gate is set")
+    if getattr(config, "fused_single_qkv_rope", False):
+        problems.append("--fused-single-qkv-rope is set")
+    if getattr(config, "multi_latent_attention", False):
+        problems.append("it uses multi-latent attention")
+    if problems:
+        raise ChunkingError(f"--memo-chunk-tokens cannot chunk this layer: {'; '.join(problems)}")
+
+
+@dataclass
+class ChunkedLayer:
+    """One forward of ``layer`` (a megatron ``TransformerLayer``) on ``hidden_states``, in
+    chunks (see the module docstring). ``kwargs`` are the layer's forward arguments."""
+
+    layer: torch.nn.Module
+    kwargs: dict[str, Any]
+    chunk_tokens: int
+
+    def __post_init__(self):
+        if self.kwargs.get("packed_seq_params") is not None:
+            raise ChunkingError(
+                "--memo-chunk-tokens does not support packed sequences (RoPE positions restart "
+                "per document); drop --memo-chunk-tokens or the packing"
+            )
+        x = self.kwargs["hidden_states"]
+        self.tokens = x.size(0)
+        """Local tokens (the input's dimension 0)."""
+        self.groups = sp_groups(self.layer)
+        """Blocks of a tensor gathered over the tensor-parallel group: its size under SP, else 1."""
+        self.bounds = chunk_bounds(self.tokens, self.chunk_tokens)
+        config = self.layer.config
+        rope = self.kwargs.get("rotary_pos_emb")
+        no_rope = config.no_rope_freq[self.layer.layer_number - 1] if config.no_rope_freq else False
+        if rope is not None and not isinstance(rope, tuple):
+            rope = (rope, rope)
+        self.rope = None if no_rope else rope
+
+    # ------------------------------------------------------------------------ the phases
+
+    def pre_attention(self, x: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Input norm, QKV projection and RoPE of chunk ``chunk`` of the layer input ``x``."""
+        start, stop = self.bounds[chunk]
+        attention = self.layer.self_attention
+        normed = self.layer.input_layernorm(x[start:stop])
+        query, key, value = attention.get_query_key_value_tensors(normed, None, split_qkv=True)
+        if self.rope is not None:
+            config = self.layer.config
+            mscale = _yarn_get_concentration_factor_from_config(config)
+            cp = attention.pg_collection.cp
+            q_rope, k_rope = (self._rope_rows(r, start, stop) for r in self.rope)
+            if q_rope is not None:
+                query = apply_rotary_pos_emb(
+                    query, q_rope, config=config, mscale=mscale, cp_group=cp
+                )
+            if k_rope is not None:
+                key = apply_rotary_pos_emb(key, k_rope, config=config, mscale=mscale, cp_group=cp)
+        return query, key, value
+
+    def assemble(self, parts: list[Tensor]) -> Tensor:
+        """The chunks' gathered rows (``pre_attention`` outputs) in sequence order."""
+        if self.groups == 1:
+            return torch.cat(parts, dim=0)
+        blocks = [p.unflatten(0, (self.groups, p.size(0) // self.groups)) for p in parts]
+        return torch.cat(blocks, dim=1).flatten(0, 1)
+
+    def attention(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """The core attention over the whole sequence."""
+        attention = self.layer.self_attention
+        return attention.core_attention(
+            query,
+            key,
+            value,
+            self.kwargs.get("attention_mask"),
+            attn_mask_type=attention.attn_mask_type,
+            attention_bias=self.kwargs.get("attention_bias"),
+            packed_seq_params=None,
+        )
+
+    def attention_rows(self, out: Tensor, chunk: int) -> Tensor:
+        """Rows of the attention output ``out`` that the output projection of chunk ``chunk``
+        takes (its local rows; under SP every rank's rows of the chunk, rank by rank)."""
+        start, stop = self.bounds[chunk]
+        if self.groups == 1:
+            return out[start:stop]
+        blocks = out.unflatten(0, (self.groups, self.tokens))
+        return blocks[:, start:stop].flatten(0, 1)
+
+    def post_attention(self, x: Tensor, rows: Tensor, chunk: int) -> Tensor:
+        """Output projection, residual adds, pre-MLP norm and MLP of chunk ``chunk``."""
+        start, stop = self.bounds[chunk]
+        layer, config = self.layer, self.layer.config
+        projected = layer.self_attention.linear_proj(rows)
+        with layer.bias_dropout_add_exec_handler():
+            hidden = layer.self_attn_bda(layer.training, config.bias_dropout_fusion)(
+                projected, x[start:stop], layer.hidden_dropout
+            )
+        mlp_out = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        with layer.bias_dropout_add_exec_handler():
+            return layer.mlp_bda(layer.training, config.bias_dropout_fusion)(
+                mlp_out, hidden, layer.hidden_dropout
+            )
+
+    def finish(self, outputs: list[Tensor]) -> Tensor:
+        """The layer output from the chunks' outputs."""
+        out = torch.cat(outputs, dim=0)
+        return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
+
+    def forward(self) -> tuple[Tensor, None]:
+        """The whole forward, as ``TransformerLayer.forward`` returns it."""
+        x = self.kwargs["hidden_states"]
+        chunks = range(len(self.bounds))
+        q, k, v = zip(*(self.pre_attention(x, c) for c in chunks))
+        out = self.attention(self.assemble(q), self.assemble(k), self.assemble(v))
+        return self.finish(
+            [self.post_attention(x, self.attention_rows(out, c), c) for c in chunks]
+        ), None
+
+    def _rope_rows(self, table: Tensor | None, start: int, stop: int) -> Tensor | None:
+        if table is None:
+            return None
+        if table.size(0) != self.groups * self.tokens:
+            raise ChunkingError(
+                f"the RoPE table has {table.size(0)} rows, expected {self.groups * self.tokens}"
+            )
+        return table.unflatten(0, (self.groups, self.tokens))[:, start:stop].flatten(0, 1)
+
+
+def sp_groups(layer) -> int:
+    """Token blocks of tensors gathered over the TP group: the TP size under SP, else 1."""
+    if not layer.config.sequence_parallel:
+        return 1
+    tp = layer.pg_collection.tp
+    return tp.size() if tp is not None else 1

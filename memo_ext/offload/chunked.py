@@ -1,0 +1,397 @@
+"""MEMO on a layer that runs by sub-sequence chunks: saved tensors leave the device chunk by chunk.
+
+:class:`ChunkedActivations` runs one offloaded layer's forward as
+:class:`~memo_ext.mcore.chunked.ChunkedLayer` does (token-local work by chunks, the core attention
+whole) and is autograd's saved-tensor hook meanwhile. The saves fall into *records*: one per
+phase of one chunk (``pre``: norm, QKV, RoPE; ``post``: output projection, MLP) and one for the
+core attention. A save is
+
+- ``full`` when it lives on the storage of the layer input, of the attention output or of a
+  tensor the core attention saved for itself (log-sum-exp, gathered keys / values): those
+  storages go to host memory whole, once per layer, as the unchunked MEMO does;
+- ``qkv`` when it is a view of the core attention's inputs, which are rebuilt in the backward
+  from the ``pre`` records' outputs (put back in sequence order exactly as in the forward);
+- ``device`` when it lives on a tensor the layer was given (the RoPE table): kept as is;
+- otherwise the record's own: a *host* record copies its own storages to host memory as soon
+  as its chunk is done, a *recompute* record drops them on the spot.
+
+α chooses the host records: the chunks that lie wholly inside the first ``floor(α · s)`` local
+tokens; the others are recomputed. So the device holds one chunk's saves at a time in the
+forward, plus the copies in flight (a few records, :data:`COPIES_IN_FLIGHT` in the runtime).
+
+In the backward the layer's whole storages come back first; then each record is restored when
+autograd first unpacks one of its saves, and released once every save has been unpacked. A
+recompute record re-runs its phase on its chunk, the same code on the same shapes, so it saves
+the same tensors in the same order and the i-th save replaces the i-th. Restoring the attention
+record restores every ``pre`` record (their q / k / v rows make the attention's inputs); those
+stay until the ``pre`` backward reads them. While a record is restored the one created just
+before it (the next one the backward needs) is prefetched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memo_ext.mcore.chunked import ChunkedLayer
+from memo_ext.offload.activations import MemoStats, RecomputeMismatch, unpack_saved
+from memo_ext.offload.tensors import TensorMeta, storage_bytes, storage_key, view_of
+from memo_ext.offload.transfer import DONE, Completion, HostBuffer, HostPool, host_view
+
+
+@dataclass(eq=False)
+class _Save:
+    kind: str
+    """``full``, ``qkv``, ``device`` or ``own`` (see the module docstring)."""
+    meta: TensorMeta
+    device: Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Record:
+    """The saves of one phase of one chunk, or of the core attention."""
+
+    phase: str
+    """``pre``, ``attention`` or ``post``."""
+    chunk: int
+    host: bool
+    saves: list[_Save] = field(default_factory=list)
+    outputs: list[TensorMeta] = field(default_factory=list)
+    """``pre``: q, k and v of the chunk."""
+    sources: dict[int, Tensor] = field(default_factory=dict)
+    """Own storage key → a tensor on it, until the copies are issued (host records)."""
+    storages: dict[int, int] = field(default_factory=dict)
+    """Own storage key → bytes (outputs included), whether the record is host or recompute."""
+    hosts: dict[int, Tensor] = field(default_factory=dict)
+    """Own storage key → its bytes in host memory."""
+    completion: Completion = field(default_factory=lambda: DONE)
+    prefetched: tuple[list[Tensor], Completion] | None = None
+    restored: dict[int, Tensor] | None = None
+    """Host records in the backward: own storage key → device copy (``uint8``)."""
+    recomputed: list[Tensor] | None = None
+    """Recompute records in the backward: the recompute pass's saves, in order."""
+    recomputed_outputs: list[Tensor] | None = None
+    consumed: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.restored is not None or self.recomputed is not None
+
+
+@dataclass
+class _Ref:
+    """What autograd holds instead of a saved tensor."""
+
+    __slots__ = ("acts", "record", "index")
+    acts: ChunkedActivations
+    record: _Record
+    index: int
+
+
+def unpack_any(obj: Any) -> Tensor:
+    """Unpack hook for chunked and unchunked MEMO layers."""
+    if isinstance(obj, _Ref):
+        return obj.acts.unpack(obj.record, obj.index)
+    return unpack_saved(obj)
+
+
+class ChunkedActivations:
+    """One forward of one chunked MEMO layer, its saves and their restoration."""
+
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        kwargs: dict[str, Any],
+        *,
+        chunk_tokens: int,
+        host_tokens: int,
+        pool: HostPool | None,
+        engine,
+        stats: MemoStats,
+        offload: Callable[[list[tuple[Tensor, Tensor]], list[Completion]], Completion],
+        on_backward: Callable[[Any], None],
+        measure_only: bool = False,
+    ):
+        """``offload`` issues device → host copies (the runtime bounds those in flight);
+        ``on_backward`` is called when the layer's backward starts."""
+        x = kwargs["hidden_states"]
+        self.layer = layer
+        self.layer_index = layer.memo_index
+        self.phases = ChunkedLayer(layer, kwargs, chunk_tokens)
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        self.tokens = x.size(0)
+        self.sequences = x.size(1) if x.dim() == 3 else 1
+        self.host_tokens = host_tokens
+        self.pool, self.engine, self.stats = pool, engine, stats
+        self._offload, self._on_backward = offload, on_backward
+        self.measure_only = measure_only
+        self.input_meta = TensorMeta.of(x)
+        self.input_requires_grad = x.requires_grad
+        self.records: list[_Record] = []
+        self.full_sources: dict[int, Tensor] = {storage_key(x): x.detach()}
+        """Storage key → a tensor on it: storages that go to host memory whole."""
+        self.full_hosts: dict[int, Tensor] = {}
+        self.full_completion: Completion = DONE
+        self.qkv_keys: list[int] = []
+        """Storage keys of the core attention's inputs q, k and v in the forward."""
+        self.output_meta: TensorMeta | None = None
+        self.host_buffers: list[HostBuffer] = []
+        self._full_bytes = 0
+        self._unreleased = 0
+        self.previous: weakref.ref | None = None
+        self._external = {storage_key(t) for t in _tensors(self.kwargs)}
+        self._params = {storage_key(p) for p in layer.parameters()}
+        self._record: _Record | None = None
+        self._full: dict[int, Tensor] | None = None
+        self._full_prefetched: tuple[list[Tensor], Completion] | None = None
+        self._qkv: dict[int, Tensor] | None = None
+
+    # ----------------------------------------------------------------------------- forward
+
+    def run(self) -> tuple[Tensor, None]:
+        """The layer's forward (as ``TransformerLayer.forward`` returns it), saves captured."""
+        phases = self.phases
+        x = phases.kwargs["hidden_states"]
+        chunks = range(len(phases.bounds))
+        hosts = [stop <= self.host_tokens for _, stop in phases.bounds]
+        parts: list[tuple[Tensor, Tensor, Tensor]] = []
+        for c in chunks:
+            with self._capturing(_Record("pre", c, hosts[c])) as record:
+                q, k, v = phases.pre_attention(x, c)
+            record.outputs = [TensorMeta.of(t) for t in (q, k, v)]
+            for t in (q, k, v):
+                record.storages.setdefault(storage_key(t), t.untyped_storage().nbytes())
+                if record.host:
+                    record.sources.setdefault(storage_key(t), t.detach())
+            self._end_record(record)
+            parts.append((q, k, v))
+        q, k, v = (phases.assemble(list(p)) for p in zip(*parts))
+        del parts
+        self.qkv_keys = [storage_key(t) for t in (q, k, v)]
+        with self._capturing(_Record("attention", -1, True)):
+            out = phases.attention(q, k, v)
+        del q, k, v
+        self.output_meta = TensorMeta.of(out)
+        self.full_sources.setdefault(storage_key(out), out.detach())
+        self._offload_full()
+        outputs = []
+        for c in chunks:
+            with self._capturing(_Record("post", c, hosts[c])) as record:
+                outputs.append(phases.post_attention(x, phases.attention_rows(out, c), c))
+            self._end_record(record)
+        # held until here so that no later tensor takes a storage key they are known by
+        self.full_sources = {}
+        return phases.finish(outputs), None
+
+    @contextlib.contextmanager
+    def _capturing(self, record: _Record) -> Iterator[_Record]:
+        self.records.append(record)
+        self._record = record
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_any):
+                yield record
+        finally:
+            self._record = None
+
+    def _pack(self, t: Tensor) -> Any:
+        key = storage_key(t)
+        if isinstance(t, torch.nn.Parameter) or key in self._params:
+            return t
+        record, meta = self._record, TensorMeta.of(t)
+        save = _Save("own", meta)
+        if record.phase == "attention" and key in self.qkv_keys:
+            save.kind = "qkv"
+        elif key in self._external:
+            save.kind, save.device = "device", t.detach()
+        elif key in self.full_sources or record.phase == "attention":
+            save.kind = "full"
+            self.full_sources.setdefault(key, t.detach())
+        if save.kind == "own":
+            record.storages[key] = t.untyped_storage().nbytes()
+            if record.host:
+                record.sources.setdefault(key, t.detach())
+        record.saves.append(save)
+        return _Ref(self, record, len(record.saves) - 1)
+
+    def _end_record(self, record: _Record) -> None:
+        """A chunk's phase is done: copy its own storages to the host, or drop them."""
+        pairs = []
+        for key, src in record.sources.items():
+            nbytes = src.untyped_storage().nbytes()
+            dst = self._host(nbytes)
+            record.hosts[key] = dst
+            pairs.append((dst, storage_bytes(src)))
+        record.sources = {}
+        if pairs and not self.measure_only:
+            record.completion = self._offload(pairs, self._reuse(pairs))
+
+    def _offload_full(self) -> None:
+        pairs = []
+        for key, src in self.full_sources.items():
+            dst = self._host(src.untyped_storage().nbytes())
+            self.full_hosts[key] = dst
+            pairs.append((dst, storage_bytes(src)))
+        self._full_bytes = sum(dst.numel() for dst, _ in pairs)
+        if not self.measure_only:
+            self.full_completion = self._offload(pairs, self._reuse(pairs))
+
+    def _host(self, nbytes: int) -> Tensor:
+        if self.measure_only:
+            return torch.empty(0, dtype=torch.uint8)
+        buf = self.pool.acquire(nbytes)
+        self.host_buffers.append(buf)
+        return host_view(buf, (nbytes,), torch.uint8)
+
+    def _reuse(self, pairs) -> list[Completion]:
+        return [buf.last_read for buf in self.host_buffers[-len(pairs) :]]
+
+    def host_bytes(self, host_tokens: int | None = None) -> int:
+        """Host bytes of this layer if the chunks within ``host_tokens`` went to host memory."""
+        a = self.host_tokens if host_tokens is None else host_tokens
+        total = self._full_bytes
+        for r in self.records:
+            if r.phase != "attention" and self.phases.bounds[r.chunk][1] <= a:
+                total += sum(r.storages.values())
+        return total
+
+    def device_bytes(self) -> int:
+        """Bytes this layer keeps on the device after its forward: none of its own."""
+        return 0
+
+    # ---------------------------------------------------------------------------- backward
+
+    def prefetch(self) -> None:
+        """Start bringing back the whole storages and the last record (the backward's first)."""
+        if self._full is None and self._full_prefetched is None:
+            self._full_prefetched = self._fetch_full()
+        self._prefetch_record(len(self.records) - 1)
+
+    def _fetch_full(self) -> tuple[list[Tensor], Completion]:
+        hosts = list(self.full_hosts.values())
+        self.stats.h2d_bytes += sum(h.numel() for h in hosts)
+        return self.engine.to_device(
+            hosts, device=self.input_meta.device, after=self.full_completion
+        )
+
+    def _prefetch_record(self, index: int) -> None:
+        if index < 0:
+            return
+        record = self.records[index]
+        if record.host and record.hosts and not record.live and record.prefetched is None:
+            record.prefetched = self._fetch_record(record)
+
+    def _fetch_record(self, record: _Record) -> tuple[list[Tensor], Completion]:
+        hosts = list(record.hosts.values())
+        self.stats.h2d_bytes += sum(h.numel() for h in hosts)
+        return self.engine.to_device(hosts, device=self.input_meta.device, after=record.completion)
+
+    def unpack(self, record: _Record, index: int) -> Tensor:
+        """Autograd's unpack hook: the saved tensor, rebuilt exactly."""
+        if self._full is None:
+            self._materialize()
+        if not record.live:
+            self._restore(record)
+        save = record.saves[index]
+        if save.kind == "device":
+            value = save.device
+        elif save.kind == "full":
+            value = view_of(self._full[save.meta.storage], save.meta)
+        elif save.kind == "qkv":
+            value = view_of(self._qkv[save.meta.storage], save.meta)
+        elif record.host:
+            value = view_of(record.restored[save.meta.storage], save.meta)
+        else:
+            value = record.recomputed[index]
+        record.consumed += 1
+        if record.consumed == len(record.saves):
+            self._release(record)
+        return value
+
+    def _materialize(self) -> None:
+        fetched, completion = self._full_prefetched or self._fetch_full()
+        self._full_prefetched = None
+        self.engine.wait(completion)
+        self._full = dict(zip(self.full_hosts, fetched))
+        self._unreleased = sum(1 for r in self.records if r.saves)
+        self._on_backward(self)
+
+    def _restore(self, record: _Record) -> None:
+        if record.phase == "attention":
+            parts = [self._outputs(r) for r in self.records if r.phase == "pre"]
+            assembled = [self.phases.assemble(list(p)) for p in zip(*parts)]
+            self._qkv = {key: storage_bytes(t) for key, t in zip(self.qkv_keys, assembled)}
+            record.restored = {}
+        elif record.host:
+            fetched, completion = record.prefetched or self._fetch_record(record)
+            record.prefetched = None
+            self.engine.wait(completion)
+            record.restored = dict(zip(record.hosts, fetched))
+        else:
+            self._recompute(record)
+        self._prefetch_record(self.records.index(record) - 1)
+
+    def _outputs(self, record: _Record) -> list[Tensor]:
+        """A restored ``pre`` record's q, k and v."""
+        if not record.live:
+            self._restore(record)
+        if record.host:
+            return [view_of(record.restored[m.storage], m) for m in record.outputs]
+        return record.recomputed_outputs
+
+    def _recompute(self, record: _Record) -> None:
+        """Re-run the record's phase on its chunk; its saves replace the forward's, in order."""
+        x = view_of(self._full[self.input_meta.storage], self.input_meta)
+        x = x.detach().requires_grad_(self.input_requires_grad)
+        phases = ChunkedLayer(
+            self.layer, {**self.kwargs, "hidden_states": x}, self.phases.chunk_tokens
+        )
+        saves: list[Tensor] = []
+
+        def pack(t: Tensor) -> Any:
+            if isinstance(t, torch.nn.Parameter) or storage_key(t) in self._params:
+                return t
+            saves.append(t.detach())
+            return None
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+            if record.phase == "pre":
+                outputs = phases.pre_attention(x, record.chunk)
+                record.recomputed_outputs = [t.detach() for t in outputs]
+            else:
+                out = view_of(self._full[self.output_meta.storage], self.output_meta)
+                out = out.detach().requires_grad_(True)
+                phases.post_attention(x, phases.attention_rows(out, record.chunk), record.chunk)
+                start, stop = phases.bounds[record.chunk]
+                self.stats.recomputed_tokens += (stop - start) * self.sequences
+        if len(saves) != len(record.saves):
+            raise RecomputeMismatch(
+                f"layer {self.layer_index}, {record.phase} chunk {record.chunk}: the recompute "
+                f"pass saved {len(saves)} tensors, the forward {len(record.saves)}"
+            )
+        record.recomputed = saves
+
+    def _release(self, record: _Record) -> None:
+        record.restored = record.recomputed = record.recomputed_outputs = None
+        record.consumed = 0
+        if record.phase == "attention":
+            self._qkv = None
+        self._unreleased -= 1
+        if self._unreleased == 0:  # every record has been read back: the backward is done
+            self._full = None
+
+
+def _tensors(kwargs: dict[str, Any]) -> Iterator[Tensor]:
+    for value in kwargs.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, Tensor):
+                yield v
+
+
+def _never_unpacked(obj: Any) -> Tensor:
+    raise RuntimeError("a chunked MEMO recompute graph was run backward")
