@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Trace the layers under MEMO with this alpha in [0, 1] (default: without MEMO).",
     )
+    model.add_argument(
+        "--memo-chunk-tokens",
+        type=int,
+        default=None,
+        help="With --memo-alpha: run the MEMO layers by sub-sequence chunks of this many local "
+        "tokens (default: whole).",
+    )
     model.add_argument("--save-trace", help="Also write the captured trace here.")
     report = parser.add_argument_group("fragmentation report")
     report.add_argument(
@@ -112,6 +119,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--time-limit must be positive, got {args.time_limit}")
     if args.memo_alpha is not None and (args.model is None or not 0 <= args.memo_alpha <= 1):
         raise UsageError("--memo-alpha needs --model and a value in [0, 1]")
+    if args.memo_chunk_tokens is not None and (
+        args.memo_alpha is None or args.memo_chunk_tokens < 1
+    ):
+        raise UsageError("--memo-chunk-tokens needs --memo-alpha and a positive token count")
 
 
 def _trace_model(args: argparse.Namespace):
@@ -127,7 +138,9 @@ def _trace_model(args: argparse.Namespace):
     options = {}
     if args.memo_alpha is not None:
         spec = build_layer_spec(config=config, attention_backend="sdpa")
-        options = memo_trace_options(config, spec, alpha=args.memo_alpha)
+        options = memo_trace_options(
+            config, spec, alpha=args.memo_alpha, chunk_tokens=args.memo_chunk_tokens
+        )
     try:
         return trace_transformer_layer(
             config=config,

@@ -105,11 +105,12 @@ class ChunkedLayer:
 
     # ------------------------------------------------------------------------ the phases
 
-    def pre_attention(self, x: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Input norm, QKV projection and RoPE of chunk ``chunk`` of the layer input ``x``."""
+    def pre_attention(self, rows: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Input norm, QKV projection and RoPE of chunk ``chunk``, whose layer-input rows are
+        ``rows``: the chunk's q, k and v (gathered rows under SP)."""
         start, stop = self.bounds[chunk]
         attention = self.layer.self_attention
-        normed = self.layer.input_layernorm(x[start:stop])
+        normed = self.layer.input_layernorm(rows)
         query, key, value = attention.get_query_key_value_tensors(normed, None, split_qkv=True)
         if self.rope is not None:
             config = self.layer.config
@@ -124,13 +125,6 @@ class ChunkedLayer:
                 key = apply_rotary_pos_emb(key, k_rope, config=config, mscale=mscale, cp_group=cp)
         return query, key, value
 
-    def assemble(self, parts: list[Tensor]) -> Tensor:
-        """The chunks' gathered rows (``pre_attention`` outputs) in sequence order."""
-        if self.groups == 1:
-            return torch.cat(parts, dim=0)
-        blocks = [p.unflatten(0, (self.groups, p.size(0) // self.groups)) for p in parts]
-        return torch.cat(blocks, dim=1).flatten(0, 1)
-
     def attention(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """The core attention over the whole sequence."""
         attention = self.layer.self_attention
@@ -144,23 +138,14 @@ class ChunkedLayer:
             packed_seq_params=None,
         )
 
-    def attention_rows(self, out: Tensor, chunk: int) -> Tensor:
-        """Rows of the attention output ``out`` that the output projection of chunk ``chunk``
-        takes (its local rows; under SP every rank's rows of the chunk, rank by rank)."""
-        start, stop = self.bounds[chunk]
-        if self.groups == 1:
-            return out[start:stop]
-        blocks = out.unflatten(0, (self.groups, self.tokens))
-        return blocks[:, start:stop].flatten(0, 1)
-
-    def post_attention(self, x: Tensor, rows: Tensor, chunk: int) -> Tensor:
-        """Output projection, residual adds, pre-MLP norm and MLP of chunk ``chunk``."""
-        start, stop = self.bounds[chunk]
+    def post_attention(self, rows: Tensor, attention_rows: Tensor) -> Tensor:
+        """Output projection, residual adds, pre-MLP norm and MLP of one chunk, from its
+        layer-input rows and its attention-output rows (see :meth:`rows`)."""
         layer, config = self.layer, self.layer.config
-        projected = layer.self_attention.linear_proj(rows)
+        projected = layer.self_attention.linear_proj(attention_rows)
         with layer.bias_dropout_add_exec_handler():
             hidden = layer.self_attn_bda(layer.training, config.bias_dropout_fusion)(
-                projected, x[start:stop], layer.hidden_dropout
+                projected, rows, layer.hidden_dropout
             )
         mlp_out = layer.mlp(layer.pre_mlp_layernorm(hidden))
         with layer.bias_dropout_add_exec_handler():
@@ -168,20 +153,64 @@ class ChunkedLayer:
                 mlp_out, hidden, layer.hidden_dropout
             )
 
-    def finish(self, outputs: list[Tensor]) -> Tensor:
-        """The layer output from the chunks' outputs."""
-        out = torch.cat(outputs, dim=0)
-        return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
+    # ------------------------------------------------------------------- rows of a chunk
+
+    def rows(self, whole: Tensor, chunk: int, *, gathered: bool) -> Tensor:
+        """Chunk ``chunk``'s rows of a whole-sequence tensor, as its phases take them: a view
+        of the local rows, or (``gathered``, under SP) every rank's rows of the chunk, rank by
+        rank (a copy)."""
+        start, stop = self.bounds[chunk]
+        groups = self.groups if gathered else 1
+        if groups == 1:
+            return whole[start:stop]
+        return whole.unflatten(0, (groups, self.tokens))[:, start:stop].flatten(0, 1)
+
+    def rows_view(self, whole: Tensor, chunk: int, *, gathered: bool) -> Tensor:
+        """Chunk ``chunk``'s rows of ``whole`` as a view, ``[groups, rows, ...]`` under SP."""
+        start, stop = self.bounds[chunk]
+        groups = self.groups if gathered else 1
+        if groups == 1:
+            return whole[start:stop]
+        return whole.unflatten(0, (groups, self.tokens))[:, start:stop]
+
+    def take(self, whole: Tensor, chunk: int, *, gathered: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`rows` of ``whole`` and ``whole`` itself, through one autograd node: chain a
+        tensor's chunks through ``take`` and its gradient is one buffer that each chunk's
+        backward fills in (row slicing alone would add up one zero-padded whole-size
+        gradient per chunk)."""
+        return _Take.apply(whole, self, chunk, gathered)
+
+    def place(self, whole: Tensor | None, part: Tensor, chunk: int, *, gathered: bool) -> Tensor:
+        """Write ``part`` into chunk ``chunk``'s rows of ``whole`` (allocated at the first chunk)
+        in place; the inverse of :meth:`rows`, with the same one-buffer gradient."""
+        if whole is None:
+            rows = self.tokens * (self.groups if gathered else 1)
+            whole = part.new_empty((rows, *part.shape[1:]))
+        return _Place.apply(whole, part, self, chunk, gathered)
 
     def forward(self) -> tuple[Tensor, None]:
         """The whole forward, as ``TransformerLayer.forward`` returns it."""
         x = self.kwargs["hidden_states"]
         chunks = range(len(self.bounds))
-        q, k, v = zip(*(self.pre_attention(x, c) for c in chunks))
-        out = self.attention(self.assemble(q), self.assemble(k), self.assemble(v))
-        return self.finish(
-            [self.post_attention(x, self.attention_rows(out, c), c) for c in chunks]
-        ), None
+        inputs, qkv = x, [None, None, None]
+        for c in chunks:
+            rows, inputs = self.take(inputs, c, gathered=False)
+            parts = self.pre_attention(rows, c)
+            qkv = [self.place(w, p, c, gathered=True) for w, p in zip(qkv, parts)]
+        out = self.attention(*qkv)
+        del qkv
+        inputs, outputs, result = x, out, None
+        for c in chunks:
+            rows, inputs = self.take(inputs, c, gathered=False)
+            attention_rows, outputs = self.take(outputs, c, gathered=True)
+            part = self.post_attention(rows, attention_rows)
+            result = self.place(result, part, c, gathered=False)
+        return self.finish(result), None
+
+    @staticmethod
+    def finish(result: Tensor) -> Tensor:
+        """The layer output as megatron returns it (not a view)."""
+        return make_viewless_tensor(inp=result, requires_grad=result.requires_grad, keep_graph=True)
 
     def _rope_rows(self, table: Tensor | None, start: int, stop: int) -> Tensor | None:
         if table is None:
@@ -191,6 +220,40 @@ class ChunkedLayer:
                 f"the RoPE table has {table.size(0)} rows, expected {self.groups * self.tokens}"
             )
         return table.unflatten(0, (self.groups, self.tokens))[:, start:stop].flatten(0, 1)
+
+
+class _Take(torch.autograd.Function):
+    """``(rows of a chunk, the whole)``; backward writes the rows' gradient into the whole's
+    (zeros for the chain's last chunk, the first the backward reaches) and passes it on."""
+
+    @staticmethod
+    def forward(ctx, whole, phases, chunk, gathered):
+        ctx.phases, ctx.chunk, ctx.gathered = phases, chunk, gathered
+        return phases.rows(whole, chunk, gathered=gathered), whole.view_as(whole)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_whole):
+        target = ctx.phases.rows_view(grad_whole, ctx.chunk, gathered=ctx.gathered)
+        target.copy_(grad_rows.view(target.shape))
+        return grad_whole, None, None, None
+
+
+class _Place(torch.autograd.Function):
+    """``whole`` with a chunk's rows overwritten by ``part``, in place; backward hands the
+    part its rows of the gradient and passes the gradient on."""
+
+    @staticmethod
+    def forward(ctx, whole, part, phases, chunk, gathered):
+        ctx.phases, ctx.chunk, ctx.gathered = phases, chunk, gathered
+        target = phases.rows_view(whole, chunk, gathered=gathered)
+        target.copy_(part.view(target.shape))
+        ctx.mark_dirty(whole)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = ctx.phases.rows(grad, ctx.chunk, gathered=ctx.gathered)
+        return grad, rows, None, None, None
 
 
 def sp_groups(layer) -> int:

@@ -62,8 +62,6 @@ class _Record:
     chunk: int
     host: bool
     saves: list[_Save] = field(default_factory=list)
-    outputs: list[TensorMeta] = field(default_factory=list)
-    """``pre``: q, k and v of the chunk."""
     sources: dict[int, Tensor] = field(default_factory=dict)
     """Own storage key → a tensor on it, until the copies are issued (host records)."""
     storages: dict[int, int] = field(default_factory=dict)
@@ -138,8 +136,11 @@ class ChunkedActivations:
         """Storage key → a tensor on it: storages that go to host memory whole."""
         self.full_hosts: dict[int, Tensor] = {}
         self.full_completion: Completion = DONE
-        self.qkv_keys: list[int] = []
-        """Storage keys of the core attention's inputs q, k and v in the forward."""
+        self.qkv_metas: list[TensorMeta] = []
+        """The core attention's inputs q, k and v in the forward (whole-sequence buffers)."""
+        self.qkv_hosts: list[Tensor] = []
+        """Host copies of the host chunks' rows of q, k and v (``_qkv_blocks`` order)."""
+        self._qkv_bytes = 0
         self.output_meta: TensorMeta | None = None
         self.host_buffers: list[HostBuffer] = []
         self._full_bytes = 0
@@ -154,40 +155,45 @@ class ChunkedActivations:
 
     # ----------------------------------------------------------------------------- forward
 
+    def host_rows(self, host_tokens: int) -> int:
+        """Local tokens of the host chunks: the chunks that end within ``host_tokens``."""
+        return max([stop for _, stop in self.phases.bounds if stop <= host_tokens], default=0)
+
     def run(self) -> tuple[Tensor, None]:
         """The layer's forward (as ``TransformerLayer.forward`` returns it), saves captured."""
         phases = self.phases
         x = phases.kwargs["hidden_states"]
         chunks = range(len(phases.bounds))
-        hosts = [stop <= self.host_tokens for _, stop in phases.bounds]
-        parts: list[tuple[Tensor, Tensor, Tensor]] = []
+        inputs, qkv = x, [None, None, None]
         for c in chunks:
-            with self._capturing(_Record("pre", c, hosts[c])) as record:
-                q, k, v = phases.pre_attention(x, c)
-            record.outputs = [TensorMeta.of(t) for t in (q, k, v)]
-            for t in (q, k, v):
-                record.storages.setdefault(storage_key(t), t.untyped_storage().nbytes())
-                if record.host:
-                    record.sources.setdefault(storage_key(t), t.detach())
+            rows, inputs = phases.take(inputs, c, gathered=False)
+            with self._capturing(_Record("pre", c, self._is_host(c))) as record:
+                parts = phases.pre_attention(rows, c)
             self._end_record(record)
-            parts.append((q, k, v))
-        q, k, v = (phases.assemble(list(p)) for p in zip(*parts))
-        del parts
-        self.qkv_keys = [storage_key(t) for t in (q, k, v)]
+            qkv = [phases.place(w, t, c, gathered=True) for w, t in zip(qkv, parts)]
+            del rows, parts
+        self.qkv_metas = [TensorMeta.of(t) for t in qkv]
         with self._capturing(_Record("attention", -1, True)):
-            out = phases.attention(q, k, v)
-        del q, k, v
+            out = phases.attention(*qkv)
         self.output_meta = TensorMeta.of(out)
         self.full_sources.setdefault(storage_key(out), out.detach())
-        self._offload_full()
-        outputs = []
+        self._offload_full(qkv)
+        del qkv
+        inputs, outputs, result = x, out, None
         for c in chunks:
-            with self._capturing(_Record("post", c, hosts[c])) as record:
-                outputs.append(phases.post_attention(x, phases.attention_rows(out, c), c))
+            rows, inputs = phases.take(inputs, c, gathered=False)
+            attention_rows, outputs = phases.take(outputs, c, gathered=True)
+            with self._capturing(_Record("post", c, self._is_host(c))) as record:
+                part = phases.post_attention(rows, attention_rows)
             self._end_record(record)
+            result = phases.place(result, part, c, gathered=False)
+            del rows, attention_rows, part
         # held until here so that no later tensor takes a storage key they are known by
         self.full_sources = {}
-        return phases.finish(outputs), None
+        return phases.finish(result), None
+
+    def _is_host(self, chunk: int) -> bool:
+        return self.phases.bounds[chunk][1] <= self.host_tokens
 
     @contextlib.contextmanager
     def _capturing(self, record: _Record) -> Iterator[_Record]:
@@ -205,7 +211,7 @@ class ChunkedActivations:
             return t
         record, meta = self._record, TensorMeta.of(t)
         save = _Save("own", meta)
-        if record.phase == "attention" and key in self.qkv_keys:
+        if record.phase == "attention" and key in {m.storage for m in self.qkv_metas}:
             save.kind = "qkv"
         elif key in self._external:
             save.kind, save.device = "device", t.detach()
@@ -223,21 +229,35 @@ class ChunkedActivations:
         """A chunk's phase is done: copy its own storages to the host, or drop them."""
         pairs = []
         for key, src in record.sources.items():
-            nbytes = src.untyped_storage().nbytes()
-            dst = self._host(nbytes)
+            dst = self._host(src.untyped_storage().nbytes())
             record.hosts[key] = dst
             pairs.append((dst, storage_bytes(src)))
         record.sources = {}
         if pairs and not self.measure_only:
             record.completion = self._offload(pairs, self._reuse(pairs))
 
-    def _offload_full(self) -> None:
+    def _qkv_blocks(self, qkv: list[Tensor], rows: int) -> Iterator[Tensor]:
+        """The first ``rows`` local tokens' rows of q, k and v, one contiguous block per SP
+        rank (the host chunks' rows)."""
+        n, groups = self.tokens, self.phases.groups
+        for t in qkv:
+            for g in range(groups):
+                yield t[g * n : g * n + rows]
+
+    def _offload_full(self, qkv: list[Tensor]) -> None:
+        """Copy the whole storages, and the host chunks' rows of q, k and v, to the host."""
         pairs = []
         for key, src in self.full_sources.items():
             dst = self._host(src.untyped_storage().nbytes())
             self.full_hosts[key] = dst
             pairs.append((dst, storage_bytes(src)))
         self._full_bytes = sum(dst.numel() for dst, _ in pairs)
+        self._qkv_bytes = sum(m.nbytes for m in self.qkv_metas)
+        for block in self._qkv_blocks(qkv, self.host_rows(self.host_tokens)):
+            if block.numel():
+                dst = self._host(block.numel() * block.element_size())
+                self.qkv_hosts.append(dst)
+                pairs.append((dst, block.reshape(-1).view(torch.uint8)))
         if not self.measure_only:
             self.full_completion = self._offload(pairs, self._reuse(pairs))
 
@@ -253,8 +273,8 @@ class ChunkedActivations:
 
     def host_bytes(self, host_tokens: int | None = None) -> int:
         """Host bytes of this layer if the chunks within ``host_tokens`` went to host memory."""
-        a = self.host_tokens if host_tokens is None else host_tokens
-        total = self._full_bytes
+        a = self.host_rows(self.host_tokens if host_tokens is None else host_tokens)
+        total = self._full_bytes + self._qkv_bytes * a // self.tokens
         for r in self.records:
             if r.phase != "attention" and self.phases.bounds[r.chunk][1] <= a:
                 total += sum(r.storages.values())
@@ -269,27 +289,31 @@ class ChunkedActivations:
     def prefetch(self) -> None:
         """Start bringing back the whole storages and the last record (the backward's first)."""
         if self._full is None and self._full_prefetched is None:
-            self._full_prefetched = self._fetch_full()
+            self._full_prefetched = self._fetch(
+                list(self.full_hosts.values()), self.full_completion
+            )
         self._prefetch_record(len(self.records) - 1)
 
-    def _fetch_full(self) -> tuple[list[Tensor], Completion]:
-        hosts = list(self.full_hosts.values())
+    def _fetch(self, hosts: list[Tensor], after: Completion) -> tuple[list[Tensor], Completion]:
         self.stats.h2d_bytes += sum(h.numel() for h in hosts)
-        return self.engine.to_device(
-            hosts, device=self.input_meta.device, after=self.full_completion
-        )
+        return self.engine.to_device(hosts, device=self.input_meta.device, after=after)
 
     def _prefetch_record(self, index: int) -> None:
         if index < 0:
             return
         record = self.records[index]
-        if record.host and record.hosts and not record.live and record.prefetched is None:
-            record.prefetched = self._fetch_record(record)
+        if record.live or record.prefetched is not None:
+            return
+        if record.phase == "attention" and self.qkv_hosts:
+            record.prefetched = self._fetch(self.qkv_hosts, self.full_completion)
+        elif record.host and record.hosts:
+            record.prefetched = self._fetch(list(record.hosts.values()), record.completion)
 
-    def _fetch_record(self, record: _Record) -> tuple[list[Tensor], Completion]:
-        hosts = list(record.hosts.values())
-        self.stats.h2d_bytes += sum(h.numel() for h in hosts)
-        return self.engine.to_device(hosts, device=self.input_meta.device, after=record.completion)
+    def _fetched(self, record: _Record, hosts: list[Tensor], after: Completion) -> list[Tensor]:
+        fetched, completion = record.prefetched or self._fetch(hosts, after)
+        record.prefetched = None
+        self.engine.wait(completion)
+        return fetched
 
     def unpack(self, record: _Record, index: int) -> Tensor:
         """Autograd's unpack hook: the saved tensor, rebuilt exactly."""
@@ -314,7 +338,9 @@ class ChunkedActivations:
         return value
 
     def _materialize(self) -> None:
-        fetched, completion = self._full_prefetched or self._fetch_full()
+        fetched, completion = self._full_prefetched or self._fetch(
+            list(self.full_hosts.values()), self.full_completion
+        )
         self._full_prefetched = None
         self.engine.wait(completion)
         self._full = dict(zip(self.full_hosts, fetched))
@@ -323,26 +349,36 @@ class ChunkedActivations:
 
     def _restore(self, record: _Record) -> None:
         if record.phase == "attention":
-            parts = [self._outputs(r) for r in self.records if r.phase == "pre"]
-            assembled = [self.phases.assemble(list(p)) for p in zip(*parts)]
-            self._qkv = {key: storage_bytes(t) for key, t in zip(self.qkv_keys, assembled)}
-            record.restored = {}
+            self._restore_qkv(record)
         elif record.host:
-            fetched, completion = record.prefetched or self._fetch_record(record)
-            record.prefetched = None
-            self.engine.wait(completion)
+            fetched = self._fetched(record, list(record.hosts.values()), record.completion)
             record.restored = dict(zip(record.hosts, fetched))
         else:
             self._recompute(record)
         self._prefetch_record(self.records.index(record) - 1)
 
-    def _outputs(self, record: _Record) -> list[Tensor]:
-        """A restored ``pre`` record's q, k and v."""
-        if not record.live:
-            self._restore(record)
-        if record.host:
-            return [view_of(record.restored[m.storage], m) for m in record.outputs]
-        return record.recomputed_outputs
+    def _restore_qkv(self, record: _Record) -> None:
+        """The core attention's inputs: host rows fetched, the other chunks' rows recomputed
+        (their ``pre`` records stay restored until their backward)."""
+        device = self.input_meta.device
+        qkv = [torch.empty(m.size, dtype=m.dtype, device=device) for m in self.qkv_metas]
+        if self.qkv_hosts:
+            fetched = self._fetched(record, self.qkv_hosts, self.full_completion)
+            blocks = self._qkv_blocks(qkv, self.host_rows(self.host_tokens))
+            with torch.no_grad():
+                for block, data in zip((b for b in blocks if b.numel()), fetched):
+                    block.view(-1).view(torch.uint8).copy_(data)
+        for pre in self.records:
+            if pre.phase == "pre" and not pre.host:
+                if not pre.live:
+                    self._recompute(pre)
+                with torch.no_grad():
+                    for whole, part in zip(qkv, pre.recomputed_outputs):
+                        target = self.phases.rows_view(whole, pre.chunk, gathered=True)
+                        target.copy_(part.view(target.shape))
+                pre.recomputed_outputs = None
+        self._qkv = {m.storage: storage_bytes(t) for m, t in zip(self.qkv_metas, qkv)}
+        record.restored = {}
 
     def _recompute(self, record: _Record) -> None:
         """Re-run the record's phase on its chunk; its saves replace the forward's, in order."""
@@ -359,14 +395,16 @@ class ChunkedActivations:
             saves.append(t.detach())
             return None
 
+        # the backward runs without grad mode; the pass needs it to save what the forward saved
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+            rows = phases.rows(x, record.chunk, gathered=False)
             if record.phase == "pre":
-                outputs = phases.pre_attention(x, record.chunk)
+                outputs = phases.pre_attention(rows, record.chunk)
                 record.recomputed_outputs = [t.detach() for t in outputs]
             else:
                 out = view_of(self._full[self.output_meta.storage], self.output_meta)
                 out = out.detach().requires_grad_(True)
-                phases.post_attention(x, phases.attention_rows(out, record.chunk), record.chunk)
+                phases.post_attention(rows, phases.rows(out, record.chunk, gathered=True))
                 start, stop = phases.bounds[record.chunk]
                 self.stats.recomputed_tokens += (stop - start) * self.sequences
         if len(saves) != len(record.saves):

@@ -89,21 +89,34 @@ TRACE_HOST_MEMORY_GB = float(2**40)
 """Host budget of traced MEMO layers: none, in effect; a trace states what MEMO would use."""
 
 
-def memo_trace_options(config: TransformerConfig, layer_spec: ModuleSpec, *, alpha: float) -> dict:
+def memo_trace_options(
+    config: TransformerConfig,
+    layer_spec: ModuleSpec,
+    *,
+    alpha: float,
+    chunk_tokens: int | None = None,
+) -> dict:
     """Keyword arguments of ``memo_ext.planner.capture.trace_transformer_layer`` that trace
-    ``layer_spec`` under MEMO at a fixed ``alpha``.
+    ``layer_spec`` under MEMO at a fixed ``alpha`` (by chunks of ``chunk_tokens`` if given).
 
     One traced layer object runs every pass, so every pass offloads (no kept last layers). MEMO's
     host buffers are host memory and are named for the trace to leave out; its device buffers,
     fetches and recomputation stay in it.
     """
     memo = MemoConfig(
-        enabled=True, alpha=alpha, keep_last_layers=0, host_memory_gb=TRACE_HOST_MEMORY_GB
+        enabled=True,
+        alpha=alpha,
+        keep_last_layers=0,
+        host_memory_gb=TRACE_HOST_MEMORY_GB,
+        chunk_tokens=chunk_tokens,
     )
+    meta = {"memo_alpha": alpha}
+    if chunk_tokens is not None:
+        meta["memo_chunk_tokens"] = chunk_tokens
     return {
         "layer_spec": apply_memo(layer_spec, memo, config),
         "host_storages": host_buffer_storages,
-        "meta": {"memo_alpha": alpha},
+        "meta": meta,
     }
 
 

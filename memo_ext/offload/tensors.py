@@ -80,14 +80,27 @@ class TensorMeta:
 
 
 def storage_bytes(t: Tensor) -> Tensor:
-    """All bytes of ``t``'s storage as a flat ``uint8`` tensor (a view, no copy)."""
+    """All bytes of ``t``'s storage as a flat ``uint8`` tensor (a view, no copy).
+
+    Views are made with ``as_strided``, not ``set_``: a tensor re-pointed at a storage by
+    ``set_`` hides the storage's release from the planner's allocation recorder.
+    """
     nbytes = t.untyped_storage().nbytes()
+    if nbytes % t.element_size() == 0:
+        whole = t.as_strided((nbytes // t.element_size(),), (1,), 0)
+        return whole.view(torch.uint8) if t.dtype != torch.uint8 else whole
     flat = torch.empty(0, dtype=torch.uint8, device=t.device)
     return flat.set_(t.untyped_storage(), 0, (nbytes,), (1,))
 
 
 def view_of(storage_u8: Tensor, meta: TensorMeta) -> Tensor:
     """``meta``'s view on another storage (a ``uint8`` tensor of ``meta.storage_nbytes`` bytes)."""
+    if (
+        storage_u8.storage_offset() == 0
+        and storage_u8.is_contiguous()
+        and storage_u8.numel() % meta.dtype.itemsize == 0
+    ):
+        return storage_u8.view(meta.dtype).as_strided(meta.size, meta.stride, meta.offset)
     out = torch.empty(0, dtype=meta.dtype, device=storage_u8.device)
     return out.set_(storage_u8.untyped_storage(), meta.offset, meta.size, meta.stride)
 
