@@ -7,22 +7,27 @@ and only the core attention over the whole sequence, so the layer's transients (
 output under sequence parallelism, the MLP's ``4h``-wide tensors, the projections' inputs) are
 the size of a chunk, not of the sequence:
 
-- ``pre_attention(c)``: norm, QKV projection, RoPE on chunk ``c``, giving its q / k / v rows;
-- ``assemble``: the chunks' rows put back in sequence order, the core attention's inputs;
-- ``post_attention(c)``: the output projection of the attention output's rows of chunk ``c``,
-  the residual add, the pre-MLP norm, the MLP and its residual add: chunk ``c`` of the output.
+- ``pre_attention``: norm, QKV projection and RoPE of one chunk, giving its q / k / v rows,
+  which ``place`` writes into the whole-sequence q / k / v;
+- ``attention``: the core attention over the whole sequence;
+- ``post_attention``: the output projection of the chunk's attention-output rows, the residual
+  add, the pre-MLP norm, the MLP and its residual add: the chunk's rows of the layer output.
 
 Under sequence parallelism the local tokens are this rank's shard and megatron's column- and
 row-parallel layers all-gather / reduce-scatter over the tensor-parallel group along dimension
-0, so chunk ``c`` all-gathers into ``[rank 0's rows of c, rank 1's rows of c, ...]``:
-``assemble`` reorders those blocks into the sequence's order, and ``attention_rows`` hands
-the output projection the attention output's rows in that same interleaved order, so its
-reduce-scatter gives each rank its own rows of chunk ``c``.
+0, so a chunk all-gathers into ``[rank 0's rows of the chunk, rank 1's rows, ...]``: ``place``
+writes those blocks where they belong in sequence order, and ``take`` hands the output
+projection the attention output's rows in that same rank-by-rank order, so its reduce-scatter
+gives each rank its own rows of the chunk.
 
-Every value equals megatron's ``TransformerLayer.forward`` for the same input. The matrix
-products of a chunk compute each output row from the same row and weights as the whole-sequence
-product, and on the CPU the results match bit for bit; a GPU library may pick another kernel
-(another summation order) for another row count, which changes a row by rounding only.
+``take`` and ``place`` are autograd nodes chained over a tensor's chunks, so that the tensor's
+gradient is one buffer each chunk's backward fills in (row slicing alone would add up one
+zero-padded whole-size gradient per chunk: quadratic work in the sequence).
+
+Every value is megatron's ``TransformerLayer.forward``'s for the same input up to rounding:
+each output row of a chunk's matrix product comes from the same row and weights as in the
+whole-sequence product, but a BLAS may pick another kernel (summation order) for another row
+count, and a weight's gradient sums the tokens chunk by chunk.
 """
 
 from __future__ import annotations
@@ -77,8 +82,9 @@ def check_chunkable(layer: torch.nn.Module) -> None:
 
 @dataclass
 class ChunkedLayer:
-    """One forward of ``layer`` (a megatron ``TransformerLayer``) on ``hidden_states``, in
-    chunks (see the module docstring). ``kwargs`` are the layer's forward arguments."""
+    """Forwards of ``layer`` (a megatron ``TransformerLayer``) in chunks (see the module
+    docstring). ``kwargs`` are the layer's forward arguments; ``hidden_states`` gives the token
+    count and is not kept (autograd nodes hold this object)."""
 
     layer: torch.nn.Module
     kwargs: dict[str, Any]
@@ -90,8 +96,8 @@ class ChunkedLayer:
                 "--memo-chunk-tokens does not support packed sequences (RoPE positions restart "
                 "per document); drop --memo-chunk-tokens or the packing"
             )
-        x = self.kwargs["hidden_states"]
-        self.tokens = x.size(0)
+        self.tokens = self.kwargs["hidden_states"].size(0)
+        self.kwargs = {k: v for k, v in self.kwargs.items() if k != "hidden_states"}
         """Local tokens (the input's dimension 0)."""
         self.groups = sp_groups(self.layer)
         """Blocks of a tensor gathered over the tensor-parallel group: its size under SP, else 1."""
@@ -155,30 +161,28 @@ class ChunkedLayer:
 
     # ------------------------------------------------------------------- rows of a chunk
 
+    def span(self, chunk: int, *, gathered: bool) -> _Span:
+        """Where chunk ``chunk``'s rows are in a whole-sequence tensor (``gathered``: one
+        gathered over the TP group under SP)."""
+        start, stop = self.bounds[chunk]
+        return _Span(start, stop, self.tokens, self.groups if gathered else 1)
+
     def rows(self, whole: Tensor, chunk: int, *, gathered: bool) -> Tensor:
         """Chunk ``chunk``'s rows of a whole-sequence tensor, as its phases take them: a view
         of the local rows, or (``gathered``, under SP) every rank's rows of the chunk, rank by
         rank (a copy)."""
-        start, stop = self.bounds[chunk]
-        groups = self.groups if gathered else 1
-        if groups == 1:
-            return whole[start:stop]
-        return whole.unflatten(0, (groups, self.tokens))[:, start:stop].flatten(0, 1)
+        return self.span(chunk, gathered=gathered).rows(whole)
 
     def rows_view(self, whole: Tensor, chunk: int, *, gathered: bool) -> Tensor:
         """Chunk ``chunk``'s rows of ``whole`` as a view, ``[groups, rows, ...]`` under SP."""
-        start, stop = self.bounds[chunk]
-        groups = self.groups if gathered else 1
-        if groups == 1:
-            return whole[start:stop]
-        return whole.unflatten(0, (groups, self.tokens))[:, start:stop]
+        return self.span(chunk, gathered=gathered).view(whole)
 
     def take(self, whole: Tensor, chunk: int, *, gathered: bool) -> tuple[Tensor, Tensor]:
         """:meth:`rows` of ``whole`` and ``whole`` itself, through one autograd node: chain a
         tensor's chunks through ``take`` and its gradient is one buffer that each chunk's
         backward fills in (row slicing alone would add up one zero-padded whole-size
         gradient per chunk)."""
-        return _Take.apply(whole, self, chunk, gathered)
+        return _Take.apply(whole, self.span(chunk, gathered=gathered))
 
     def place(self, whole: Tensor | None, part: Tensor, chunk: int, *, gathered: bool) -> Tensor:
         """Write ``part`` into chunk ``chunk``'s rows of ``whole`` (allocated at the first chunk)
@@ -186,11 +190,10 @@ class ChunkedLayer:
         if whole is None:
             rows = self.tokens * (self.groups if gathered else 1)
             whole = part.new_empty((rows, *part.shape[1:]))
-        return _Place.apply(whole, part, self, chunk, gathered)
+        return _Place.apply(whole, part, self.span(chunk, gathered=gathered))
 
-    def forward(self) -> tuple[Tensor, None]:
-        """The whole forward, as ``TransformerLayer.forward`` returns it."""
-        x = self.kwargs["hidden_states"]
+    def forward(self, x: Tensor) -> tuple[Tensor, None]:
+        """The forward on layer input ``x``, as ``TransformerLayer.forward`` returns it."""
         chunks = range(len(self.bounds))
         inputs, qkv = x, [None, None, None]
         for c in chunks:
@@ -222,20 +225,39 @@ class ChunkedLayer:
         return table.unflatten(0, (self.groups, self.tokens))[:, start:stop].flatten(0, 1)
 
 
+@dataclass(frozen=True)
+class _Span:
+    """Rows ``[start, stop)`` of each of ``groups`` blocks of ``tokens`` rows."""
+
+    start: int
+    stop: int
+    tokens: int
+    groups: int
+
+    def view(self, whole: Tensor) -> Tensor:
+        if self.groups == 1:
+            return whole[self.start : self.stop]
+        return whole.unflatten(0, (self.groups, self.tokens))[:, self.start : self.stop]
+
+    def rows(self, whole: Tensor) -> Tensor:
+        view = self.view(whole)
+        return view if self.groups == 1 else view.flatten(0, 1)
+
+
 class _Take(torch.autograd.Function):
     """``(rows of a chunk, the whole)``; backward writes the rows' gradient into the whole's
     (zeros for the chain's last chunk, the first the backward reaches) and passes it on."""
 
     @staticmethod
-    def forward(ctx, whole, phases, chunk, gathered):
-        ctx.phases, ctx.chunk, ctx.gathered = phases, chunk, gathered
-        return phases.rows(whole, chunk, gathered=gathered), whole.view_as(whole)
+    def forward(ctx, whole, span):
+        ctx.span = span
+        return span.rows(whole), whole.view_as(whole)
 
     @staticmethod
     def backward(ctx, grad_rows, grad_whole):
-        target = ctx.phases.rows_view(grad_whole, ctx.chunk, gathered=ctx.gathered)
+        target = ctx.span.view(grad_whole)
         target.copy_(grad_rows.view(target.shape))
-        return grad_whole, None, None, None
+        return grad_whole, None
 
 
 class _Place(torch.autograd.Function):
@@ -243,17 +265,16 @@ class _Place(torch.autograd.Function):
     part its rows of the gradient and passes the gradient on."""
 
     @staticmethod
-    def forward(ctx, whole, part, phases, chunk, gathered):
-        ctx.phases, ctx.chunk, ctx.gathered = phases, chunk, gathered
-        target = phases.rows_view(whole, chunk, gathered=gathered)
+    def forward(ctx, whole, part, span):
+        ctx.span = span
+        target = span.view(whole)
         target.copy_(part.view(target.shape))
         ctx.mark_dirty(whole)
         return whole
 
     @staticmethod
     def backward(ctx, grad):
-        rows = ctx.phases.rows(grad, ctx.chunk, gathered=ctx.gathered)
-        return grad, rows, None, None, None
+        return grad, ctx.span.rows(grad), None
 
 
 def sp_groups(layer) -> int:

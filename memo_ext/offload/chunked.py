@@ -122,7 +122,7 @@ class ChunkedActivations:
         self.layer = layer
         self.layer_index = layer.memo_index
         self.phases = ChunkedLayer(layer, kwargs, chunk_tokens)
-        self.kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        self._input = x
         self.tokens = x.size(0)
         self.sequences = x.size(1) if x.dim() == 3 else 1
         self.host_tokens = host_tokens
@@ -146,7 +146,7 @@ class ChunkedActivations:
         self._full_bytes = 0
         self._unreleased = 0
         self.previous: weakref.ref | None = None
-        self._external = {storage_key(t) for t in _tensors(self.kwargs)}
+        self._external = {storage_key(t) for t in _tensors(self.phases.kwargs)}
         self._params = {storage_key(p) for p in layer.parameters()}
         self._record: _Record | None = None
         self._full: dict[int, Tensor] | None = None
@@ -161,8 +161,7 @@ class ChunkedActivations:
 
     def run(self) -> tuple[Tensor, None]:
         """The layer's forward (as ``TransformerLayer.forward`` returns it), saves captured."""
-        phases = self.phases
-        x = phases.kwargs["hidden_states"]
+        phases, x = self.phases, self._input
         chunks = range(len(phases.bounds))
         inputs, qkv = x, [None, None, None]
         for c in chunks:
@@ -189,7 +188,7 @@ class ChunkedActivations:
             result = phases.place(result, part, c, gathered=False)
             del rows, attention_rows, part
         # held until here so that no later tensor takes a storage key they are known by
-        self.full_sources = {}
+        self.full_sources, self._input = {}, None
         return phases.finish(result), None
 
     def _is_host(self, chunk: int) -> bool:
@@ -384,9 +383,7 @@ class ChunkedActivations:
         """Re-run the record's phase on its chunk; its saves replace the forward's, in order."""
         x = view_of(self._full[self.input_meta.storage], self.input_meta)
         x = x.detach().requires_grad_(self.input_requires_grad)
-        phases = ChunkedLayer(
-            self.layer, {**self.kwargs, "hidden_states": x}, self.phases.chunk_tokens
-        )
+        phases = self.phases
         saves: list[Tensor] = []
 
         def pack(t: Tensor) -> Any:

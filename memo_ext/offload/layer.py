@@ -84,7 +84,7 @@ class MemoTransformerLayer(TransformerLayer):
             self.memo_runtime.before_kept_layer(self.memo_index)
             chunk = self.memo_runtime.chunk_tokens
             if chunk is not None:
-                return ChunkedLayer(self, kwargs, chunk).forward()
+                return ChunkedLayer(self, kwargs, chunk).forward(kwargs["hidden_states"])
             return super().forward(**kwargs)
         return self.memo_runtime.forward_layer(self, kwargs)
 
