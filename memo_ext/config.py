@@ -1104,9 +1104,11 @@ class MemoConfig:
     host_memory_gb: float | None = None
     """Host memory MEMO may use per process, GiB. Default: 80% of the available memory divided by
     the processes on this node."""
-    keep_last_layers: int = 2
+    keep_last_layers: int | None = None
     """Layers at the end of each pipeline stage that keep their activations on the device: their
-    backward starts right after their forward, so a round trip to the host would not pay."""
+    backward starts right after their forward, so a round trip to the host would not pay.
+    Default: 2; 0 with --memo-chunk-tokens (a kept layer holds its whole saved set on the device,
+    which chunking otherwise keeps off it)."""
     chunk_tokens: int | Literal["auto"] | None = field(
         default=None, metadata={"parse": parse_chunk_tokens}
     )
@@ -1135,6 +1137,13 @@ class MemoConfig:
         return os.path.join(base, "memo_ext", "plans")
 
     @property
+    def kept_layers(self) -> int:
+        """``keep_last_layers``, its default settled (see the field)."""
+        if self.keep_last_layers is not None:
+            return self.keep_last_layers
+        return 0 if self.chunk_tokens is not None else 2
+
+    @property
     def auto_alpha(self) -> bool:
         return self.alpha is None
 
@@ -1154,7 +1163,7 @@ class MemoConfig:
             raise UsageError(f"--memo-alpha must be in [0, 1] or 'auto', got {self.alpha}")
         if self.host_memory_gb is not None and self.host_memory_gb <= 0:
             raise UsageError(f"--memo-host-memory-gb must be positive, got {self.host_memory_gb}")
-        if self.keep_last_layers < 0:
+        if self.keep_last_layers is not None and self.keep_last_layers < 0:
             raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
         if self.plan_time_limit <= 0:
             raise UsageError(f"--memo-plan-time-limit must be positive, got {self.plan_time_limit}")
@@ -1517,10 +1526,10 @@ class RunConfig:
         if self.memo.allocator == "plan":
             self._check_planned_allocator()
         stage_layers = self.shape.num_layers // self.layout.pp
-        if self.memo.keep_last_layers >= stage_layers:
+        if self.memo.kept_layers >= stage_layers:
             raise UsageError(
                 f"--memo would offload no layer: each pipeline stage has {stage_layers} layers and "
-                f"--memo-keep-last-layers {self.memo.keep_last_layers} keeps them all on the "
+                f"--memo-keep-last-layers {self.memo.kept_layers} keeps them all on the "
                 "device; lower --memo-keep-last-layers or drop --memo"
             )
 

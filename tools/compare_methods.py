@@ -251,7 +251,7 @@ class Comparison:
     launch: Launch
     micro_batch_size: int
     num_microbatches: int
-    keep_last_layers: int
+    keep_last_layers: int | None
     loss_chunks: int
     warmup_steps: int
     measure_steps: int
@@ -486,7 +486,7 @@ def job_argv(comp: Comparison, method: Method, seq: int, *, metrics: Path, job_i
     layout = comp.layouts[method.label]
     argv = comp.launch.torchrun_argv(job_id=job_id) + [str(ROOT / "pretrain_gpt_memo.py")]
     argv += model_flags(comp.model) + layout_flags(layout) + method.trainer_flags()
-    if method.is_memo:
+    if method.is_memo and comp.keep_last_layers is not None:
         argv += ["--memo-keep-last-layers", str(comp.keep_last_layers)]
     batch = comp.micro_batch_size * layout.dp * comp.num_microbatches
     argv += ["--seq-length", str(seq), "--micro-batch-size", str(comp.micro_batch_size)]

@@ -58,7 +58,7 @@ SECTIONS = (
     ("layout", ParallelLayout, None),
     ("train", TrainConfig, ("micro_batch_size", "use_distributed_optimizer")),
     ("batch", Batch, ("num_microbatches",)),
-    ("memo", MemoConfig, ("alpha", "keep_last_layers")),
+    ("memo", MemoConfig, ("alpha", "keep_last_layers", "chunk_tokens")),
     ("device", DeviceSpec, None),
     ("efficiency", Efficiency, None),
     ("model", ModelConfig, ("loss_chunks",)),
@@ -141,6 +141,7 @@ def _inputs(args: argparse.Namespace):
         sp=layout.get("sp"),
         keep_last_layers=given["memo"].get("keep_last_layers"),
         alpha=memo.alpha,
+        chunk_tokens=memo.chunk_tokens,
     )
     _check_positive(args, batch, space)
     return model, device, batch, space, efficiency
@@ -168,9 +169,10 @@ def _check_positive(args: argparse.Namespace, batch: Batch, space: SearchSpace) 
 def format_estimate(est: Estimate) -> str:
     gib = GIB
     lay = est.layout
-    memo = (
-        f" (α = {est.alpha:.3f}, keep last {est.keep_last_layers})" if est.method == "memo" else ""
-    )
+    memo = ""
+    if est.method == "memo":
+        chunk = f", chunks of {est.memo_chunk_tokens:,} tokens" if est.memo_chunk_tokens else ""
+        memo = f" (α = {est.alpha:.3f}, keep last {est.keep_last_layers}{chunk})"
     device_fit = "fits" if est.fits_device else "does NOT fit"
     host_fit = "fits" if est.fits_host else "does NOT fit"
     rows = [

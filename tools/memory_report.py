@@ -1,10 +1,12 @@
 """Activation memory and recompute cost of one process, per method, at any scale, on a laptop.
 
-Compares no recomputation (``none``), megatron-core's full and selective recomputation
-(``full``, ``selective``) and MEMO at α = 0, 0.5, 1 (``memo-0``, ``memo-0.5``, ``memo-1``) for one
-training iteration of one process (TP rank 0, CP rank 0, first pipeline stage), without
-allocating any of that memory: the layers run on fake tensors (``FakeTensorMode``) and a fake
-process group gives them the tensor-parallel shapes. Example, the paper's 7B model at 1M tokens::
+Compares no recomputation (``none``), megatron-core's full and selective recomputation (``full``,
+``selective``), MEMO at α = 0, 0.5, 1 (``memo-0``, ``memo-0.5``, ``memo-1``) and MEMO by
+sub-sequence chunks (``--memo-chunk-tokens``, default 4096 local tokens) at α = 0 and 1
+(``memo-chunked-0``, ``memo-chunked-1``) for one training iteration of one process (TP rank 0, CP
+rank 0, first pipeline stage), without allocating any of that memory: the layers run on fake
+tensors (``FakeTensorMode``) and a fake process group gives them the tensor-parallel shapes.
+Example, the paper's 7B model at 1M tokens::
 
     python -m tools.memory_report --num-layers 32 --hidden-size 4096 --ffn-hidden-size 16384 \\
         --num-attention-heads 32 --seq-length 1048576 --tensor-model-parallel-size 8 \\
@@ -15,11 +17,12 @@ How the figures are made: one transformer layer is traced per method, inside a m
 ``device_activation_bytes`` is what autograd still holds on the device after the forward (unique
 storages of saved tensors, parameters excluded; for MEMO, the kept last layers plus the tensors
 MEMO keeps on the device, plus the ping-pong copy sources still in flight when the forward ends:
-two layers' with no kept layer, one with one, none with two or more, which take the slots'
-place); ``host_bytes`` is what MEMO holds in host memory; ``recompute_flops`` is the backward's
-FLOPs (torch's ``FlopCounterMode``) minus those of the backward without recomputation. Only the
-transformer layers are counted: embedding, loss and logits are the same for every method. With
-``--json`` the last line printed is one JSON object.
+two layers' with no kept layer, one with one, none with two or more, which take the slots' place;
+chunked MEMO: the kept layers, by default none, plus the copies in flight, a few chunks' and one
+layer's whole storages); ``host_bytes`` is what MEMO holds in host memory; ``recompute_flops`` is
+the backward's FLOPs (torch's ``FlopCounterMode``) minus those of the backward without
+recomputation. Only the transformer layers are counted: embedding, loss and logits are the same for
+every method. With ``--json`` the last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
 METHODS = ("none", "full", "selective", "memo-0", "memo-0.5", "memo-1")
+CHUNKED = ("memo-chunked-0", "memo-chunked-1")
+DEFAULT_CHUNK_TOKENS = 4096
+"""Chunk of the ``memo-chunked`` rows without ``--memo-chunk-tokens`` (local tokens)."""
 
 # the trainer's flags this report takes: (namespace, dataclass, only these fields, optional)
 SECTIONS = (
@@ -48,7 +54,7 @@ SECTIONS = (
     ("data", DataConfig, ("seq_length",), False),
     ("train", TrainConfig, ("micro_batch_size", "bf16", "fp16"), True),
     ("layout", ParallelLayout, ("tp", "sp", "cp", "pp"), False),
-    ("memo", MemoConfig, ("keep_last_layers",), False),
+    ("memo", MemoConfig, ("keep_last_layers", "chunk_tokens"), False),
 )
 
 
@@ -83,7 +89,9 @@ class Setup:
     micro_batch_size: int
     micro_batches: int
     fp32: bool
-    keep_last_layers: int
+    keep_last_layers: int | None
+    """``None``: 2 for whole-layer MEMO, 0 for chunked (the trainer's defaults)."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     def check(self) -> None:
         """Raises UsageError for a shape or layout megatron-core cannot build."""
@@ -95,8 +103,19 @@ class Setup:
         ):
             if value < 1:
                 raise UsageError(f"{flag} must be positive, got {value}")
-        if self.keep_last_layers < 0:
+        if self.keep_last_layers is not None and self.keep_last_layers < 0:
             raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+            raise UsageError(
+                f"--memo-chunk-tokens must be a positive token count here, got {self.chunk_tokens}"
+            )
+
+    def kept_layers(self, method: str) -> int:
+        """Kept last layers of ``method``'s rows, capped at the stage's layers."""
+        keep = self.keep_last_layers
+        if keep is None:
+            keep = 0 if method.startswith("memo-chunked") else 2
+        return min(keep, self.shape.num_layers // self.layout.pp)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Setup:
@@ -113,6 +132,7 @@ class Setup:
             micro_batches=args.num_micro_batches,
             fp32=not (train["bf16"] or train["fp16"]),
             keep_last_layers=values["memo"]["keep_last_layers"],
+            chunk_tokens=values["memo"]["chunk_tokens"] or DEFAULT_CHUNK_TOKENS,
         )
 
 
@@ -125,11 +145,18 @@ def trace_methods(setup: Setup) -> dict[str, LayerFigures]:
             sp=setup.layout.sp,
             tokens=setup.seq_length // setup.layout.cp,
             micro_batch_size=setup.micro_batch_size,
-            method=method,
+            method=_traced(method, setup),
             fp32=setup.fp32,
         )
-        for method in METHODS
+        for method in METHODS + CHUNKED
     }
+
+
+def _traced(method: str, setup: Setup) -> str:
+    """The traced method (``memo_ext.estimate.measure``) of a row."""
+    if method.startswith("memo-chunked-"):
+        return f"memo-{method.removeprefix('memo-chunked-')}@{setup.chunk_tokens}"
+    return method
 
 
 def method_figures(setup: Setup, layer: dict[str, LayerFigures]) -> dict[str, MethodFigures]:
@@ -141,9 +168,12 @@ def method_figures(setup: Setup, layer: dict[str, LayerFigures]) -> dict[str, Me
     for method, fig in layer.items():
         recompute = (_backward_flops(fig) - base) * setup.micro_batches
         if method.startswith("memo-"):
-            kept = min(setup.keep_last_layers, stage_layers)
+            kept = setup.kept_layers(method)
             offloaded = stage_layers - kept
-            pingpong = slots_after_forward(offloaded=offloaded, kept=kept) * fig.slot_bytes
+            if method in CHUNKED:  # a few chunks in flight, whatever the layers
+                pingpong = fig.slot_bytes if offloaded else 0
+            else:
+                pingpong = slots_after_forward(offloaded=offloaded, kept=kept) * fig.slot_bytes
             device = in_flight * (kept * layer["none"].saved_bytes + offloaded * fig.saved_bytes)
             out[method] = MethodFigures(
                 device_activation_bytes=device + pingpong,
@@ -165,10 +195,10 @@ def _backward_flops(fig: LayerFigures) -> int:
 
 def format_table(figures: dict[str, MethodFigures]) -> str:
     gib = 2**30
-    lines = [f"{'method':<10} {'device GiB':>12} {'host GiB':>12} {'recompute TFLOP':>16}"]
+    lines = [f"{'method':<15} {'device GiB':>12} {'host GiB':>12} {'recompute TFLOP':>16}"]
     for method, fig in figures.items():
         lines.append(
-            f"{method:<10} {fig.device_activation_bytes / gib:>12.2f} "
+            f"{method:<15} {fig.device_activation_bytes / gib:>12.2f} "
             f"{fig.host_bytes / gib:>12.2f} {fig.recompute_flops / 1e12:>16.1f}"
         )
     return "\n".join(lines)
@@ -195,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"per process, per iteration: {shape.num_layers} layers / PP {layout.pp}, TP "
         f"{layout.tp}{' + SP' if layout.sp else ''}, CP {layout.cp}, {setup.seq_length} tokens × "
-        f"{setup.micro_batch_size} sequence(s), MEMO keeps the last {setup.keep_last_layers} "
-        "layers (one layer traced per method)"
+        f"{setup.micro_batch_size} sequence(s), MEMO keeps the last {setup.kept_layers('memo-0')} "
+        f"layers, chunked MEMO {setup.kept_layers('memo-chunked-0')} with chunks of "
+        f"{setup.chunk_tokens} local tokens (one layer traced per method)"
     )
     print(format_table(figures))
     if args.json:

@@ -49,7 +49,12 @@ from memo_ext.mcore.tracing import (
     frozen_rng,
     tracing_environment,
 )
-from memo_ext.offload.policy import apply_memo, memo_runtime_of, memo_step_metrics
+from memo_ext.offload.policy import (
+    apply_memo,
+    memo_runtime_of,
+    memo_step_metrics,
+    memo_trace_options,
+)
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.capture import trace_module, trace_transformer_layer
 from memo_ext.planner.problem import lower_bound, problem_from_trace
@@ -58,7 +63,21 @@ from memo_ext.shapes import ModelShape, padded_vocab_size
 logger = logging.getLogger(__name__)
 
 METHODS = ("none", "full", "selective", "memo-0", "memo-1")
-"""Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α)."""
+"""Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α).
+``memo-A@C`` is MEMO at α ``A`` by sub-sequence chunks of ``C`` local tokens."""
+
+
+def parse_method(method: str) -> tuple[float | None, int | None]:
+    """``(α, chunk tokens)`` of a traced method name (``None``: not MEMO / not chunked)."""
+    if not method.startswith("memo-"):
+        if method not in METHODS:
+            raise ValueError(
+                f"method must be one of {METHODS} or memo-ALPHA[@CHUNK], got {method!r}"
+            )
+        return None, None
+    alpha, _, chunk = method.removeprefix("memo-").partition("@")
+    return float(alpha), int(chunk) if chunk else None
+
 
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 
@@ -98,12 +117,18 @@ def method_overrides(method: str) -> dict:
     return {}
 
 
-def _build_block(config, groups, *, memo_alpha: float | None):
+def _build_block(config, groups, *, memo_alpha: float | None, chunk_tokens: int | None = None):
     """A one-layer ``TransformerBlock`` of the method (MEMO: an offloaded layer)."""
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     if memo_alpha is not None:
         # a huge budget: the estimator states what is needed; the α rule applies the budget
-        memo = MemoConfig(enabled=True, alpha=memo_alpha, keep_last_layers=0, host_memory_gb=2**40)
+        memo = MemoConfig(
+            enabled=True,
+            alpha=memo_alpha,
+            keep_last_layers=0,
+            host_memory_gb=2**40,
+            chunk_tokens=chunk_tokens,
+        )
         spec = apply_memo(spec, memo, config)
     submodules = TransformerBlockSubmodules(layer_specs=[spec], layer_norm=None)
     return TransformerBlock(config, submodules, post_process=False, pg_collection=groups)
@@ -159,9 +184,7 @@ def trace_layer(
         method: one of :data:`METHODS`.
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """
-    if method not in METHODS and not method.startswith("memo-"):
-        raise ValueError(f"method must be one of {METHODS} or memo-ALPHA, got {method!r}")
-    alpha = float(method.split("-")[1]) if method.startswith("memo-") else None
+    alpha, chunk = parse_method(method)
     sp = sp and tp > 1
     config = traced_transformer_config(
         model,
@@ -180,7 +203,7 @@ def trace_layer(
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
         warnings.simplefilter("ignore")
-        block = _build_block(config, groups, memo_alpha=alpha)
+        block = _build_block(config, groups, memo_alpha=alpha, chunk_tokens=chunk)
         x = torch.empty(local, micro_batch_size, model.hidden_size, dtype=config.params_dtype)
         x.requires_grad_(True)
         rope = _rope_table(model, config, tokens)
@@ -308,9 +331,12 @@ class LayerFit:
         return LayerFigures(**values)
 
 
-def reference_tokens(*, tp: int, sp: bool) -> int:
-    """A small token count every layout divides (SP needs a multiple of TP)."""
-    return 2048 * (tp if sp else 1)
+def reference_tokens(*, tp: int, sp: bool, chunk_tokens: int | None = None) -> int:
+    """A small token count every layout divides (SP needs a multiple of TP); chunked, at least
+    four whole chunks of ``chunk_tokens`` local tokens (the figures are affine in the tokens
+    from there on, at whole chunks)."""
+    groups = tp if sp else 1
+    return max(2048, 4 * (chunk_tokens or 0)) * groups
 
 
 @functools.lru_cache(maxsize=512)
@@ -318,7 +344,7 @@ def layer_fit(
     model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, method: str
 ) -> LayerFit:
     """Traces ``method`` at two lengths and returns the exact scaling rule."""
-    t1 = reference_tokens(tp=tp, sp=sp)
+    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=parse_method(method)[1])
     kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method)
     return LayerFit(
         t1=t1,
@@ -350,4 +376,58 @@ def transient_fit(model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int
     return TransientFit(
         layer_per_token=(layer_max_live_bytes(model, **kw) - layer.saved_bytes) / t,
         loss_per_token=loss_max_live_bytes(model, **kw) / t,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def chunked_layer_max_live_bytes(
+    model: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    tokens: int,
+    micro_batch_size: int,
+    alpha: float,
+    chunk_tokens: int,
+) -> int:
+    """Largest total live over one chunked MEMO layer's forward and backward (its restored
+    data and recomputation included, host buffers not), from the planner's trace."""
+    sp = sp and tp > 1
+    config = traced_transformer_config(model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1)
+    spec = build_layer_spec(config=config, attention_backend="sdpa")
+    options = memo_trace_options(config, spec, alpha=alpha, chunk_tokens=chunk_tokens)
+    with warnings.catch_warnings(), _quiet("memo_ext.offload"):
+        warnings.simplefilter("ignore")
+        trace = trace_transformer_layer(
+            config=config, seq_length=tokens, micro_batch_size=micro_batch_size, **options
+        )
+    return _max_live(trace)
+
+
+@dataclass(frozen=True)
+class LiveFit:
+    """An affine fit of a peak in the tokens, from traces at ``t1`` and ``2·t1`` tokens."""
+
+    t1: int
+    low: int
+    high: int
+
+    def at(self, tokens: int) -> int:
+        return round(self.low + (self.high - self.low) / self.t1 * (tokens - self.t1))
+
+
+@functools.lru_cache(maxsize=256)
+def chunked_live_fit(
+    model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, alpha: float, chunk_tokens: int
+) -> LiveFit:
+    """:func:`chunked_layer_max_live_bytes` at any token count (affine at whole chunks: every
+    tensor is a chunk's or the whole sequence's)."""
+    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=chunk_tokens)
+    kw = dict(
+        tp=tp, sp=sp, micro_batch_size=micro_batch_size, alpha=alpha, chunk_tokens=chunk_tokens
+    )
+    return LiveFit(
+        t1=t1,
+        low=chunked_layer_max_live_bytes(model, tokens=t1, **kw),
+        high=chunked_layer_max_live_bytes(model, tokens=2 * t1, **kw),
     )

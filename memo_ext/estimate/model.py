@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
 from memo_ext.errors import UsageError
-from memo_ext.estimate.measure import LayerFigures, layer_fit, transient_fit
+from memo_ext.estimate.measure import LayerFigures, chunked_live_fit, layer_fit, transient_fit
 from memo_ext.hardware import DeviceSpec
 from memo_ext.offload.alpha import (
     HostMemoryError,
@@ -69,6 +69,11 @@ DDP_BUCKET_PARAMS = 40_000_000
 each."""
 MEMO_DEFAULTS = MemoConfig(enabled=True)
 """MEMO as ``--memo`` alone runs it: α by the rule, the last two layers kept."""
+AUTO_CHUNK_SLOWDOWN = 0.02
+"""``--memo-chunk-tokens auto``: the smallest chunk whose matrix products and TP collectives
+take at most this fraction longer than the whole sequence's (roofline and latencies above)."""
+AUTO_CHUNK_MIN_TOKENS = 256
+"""Smallest chunk ``auto`` considers (local tokens); candidates double from there."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +142,8 @@ class Estimate:
     layout: dict
     alpha: float | None
     keep_last_layers: int | None
+    memo_chunk_tokens: int | None
+    """MEMO's sub-sequence chunk, local tokens (``None``: whole)."""
     params_per_gpu: int
     model_state_bytes: int
     activation_bytes: int
@@ -210,16 +217,34 @@ class _Memo:
     host_bytes: int
     slot_bytes: int
     backward: LayerFigures
+    live_bytes: int = 0
+    """Chunked: the largest total live over one offloaded layer's forward and backward."""
 
 
 def memo_at(
-    model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, alpha: float
+    model: ModelShape,
+    layout: ParallelLayout,
+    batch: Batch,
+    *,
+    tokens: int,
+    alpha: float,
+    chunk_tokens: int | None = None,
 ) -> _Memo:
-    """MEMO at α, interpolated between the α = 0 and α = 1 traces (host bytes and recompute
-    FLOPs are linear in α; a ping-pong slot pins whole storages as soon as α > 0)."""
-    zero = layer_figures(model, layout, batch, tokens=tokens, method="memo-0")
-    one = layer_figures(model, layout, batch, tokens=tokens, method="memo-1")
+    """MEMO at α (by chunks of ``chunk_tokens`` local tokens if given), interpolated between
+    the α = 0 and α = 1 traces (host bytes and recompute FLOPs are linear in α; a ping-pong
+    slot pins whole storages as soon as α > 0)."""
+    suffix = f"@{chunk_tokens}" if chunk_tokens else ""
+    zero = layer_figures(model, layout, batch, tokens=tokens, method=f"memo-0{suffix}")
+    one = layer_figures(model, layout, batch, tokens=tokens, method=f"memo-1{suffix}")
     mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
+    live = 0
+    if chunk_tokens:
+        kw = dict(tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size)
+        lives = [
+            chunked_live_fit(model, alpha=a, chunk_tokens=chunk_tokens, **kw).at(tokens)
+            for a in (0.0, 1.0)
+        ]
+        live = mix(*lives)
     backward = LayerFigures(
         **{
             name: mix(getattr(zero, name), getattr(one, name))
@@ -231,6 +256,7 @@ def memo_at(
         host_bytes=mix(zero.host_bytes, one.host_bytes),
         slot_bytes=zero.slot_bytes if alpha == 0 else one.slot_bytes,
         backward=backward,
+        live_bytes=live,
     )
 
 
@@ -257,21 +283,42 @@ def gemm_seconds(rows: int, inner: int, cols: int, *, device: DeviceSpec, eff: E
     return max(compute, memory) + KERNEL_FLOOR_S
 
 
-def matmul_shape_factor(
-    model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, device, eff
-) -> float:
-    """Achieved / nominal speed of one layer's matrix products on this process: the QKV,
-    output, fc1 and fc2 products of ``tokens × micro-batch`` rows on their TP shards, each on
-    the roofline, against all of them at the matmul efficiency (backward assumed alike)."""
-    rows, h, tp = tokens * batch.micro_batch_size, model.hidden_size, layout.tp
-    groups = model.query_groups
-    qkv = (model.num_attention_heads + 2 * groups) * model.head_dim // tp
+def _layer_gemm_shapes(model: ModelShape, layout: ParallelLayout, rows: int) -> list[tuple]:
+    """``(rows, inner, cols)`` of a layer's QKV, output, fc1 and fc2 products on a TP shard."""
+    h, tp = model.hidden_size, layout.tp
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim // tp
     fc1 = model.ffn_size * (2 if model.swiglu else 1) // tp
     shapes = [(rows, h, qkv), (rows, model.num_attention_heads * model.head_dim // tp, h)]
-    shapes += [(rows, h, fc1), (rows, model.ffn_size // tp, h)]
+    return shapes + [(rows, h, fc1), (rows, model.ffn_size // tp, h)]
+
+
+def matmul_shape_factor(
+    model: ModelShape,
+    layout: ParallelLayout,
+    batch: Batch,
+    *,
+    tokens: int,
+    device,
+    eff,
+    chunk_tokens: int | None = None,
+) -> float:
+    """Achieved / nominal speed of one layer's matrix products on this process: the QKV,
+    output, fc1 and fc2 products of ``tokens × micro-batch`` rows on their TP shards (by chunks
+    of ``chunk_tokens`` local tokens if given), each on the roofline, against all of them at the
+    matmul efficiency (backward assumed alike)."""
+    rows = tokens * batch.micro_batch_size
+    counted = [(1, rows)]  # (times, rows) of each product
+    if chunk_tokens:
+        groups = layout.tp if layout.sp else 1
+        chunk_rows = min(rows, chunk_tokens * groups * batch.micro_batch_size)
+        full, last = divmod(rows, chunk_rows)
+        counted = [(full, chunk_rows)] + ([(1, last)] if last else [])
     peak = device.peak_tflops * 1e12 * eff.matmul
-    nominal = sum(2 * m * k * n for m, k, n in shapes) / peak
-    achieved = sum(gemm_seconds(m, k, n, device=device, eff=eff) for m, k, n in shapes)
+    nominal = achieved = 0.0
+    for times, r in counted:
+        for m, k, n in _layer_gemm_shapes(model, layout, r):
+            nominal += times * 2 * m * k * n / peak
+            achieved += times * gemm_seconds(m, k, n, device=device, eff=eff)
     return nominal / achieved
 
 
@@ -361,16 +408,28 @@ class _LayerTime:
 
 
 def _layer_time(
-    fig: LayerFigures, *, model, layout, batch, device, eff, tokens, method, copy_bytes=0
+    fig: LayerFigures,
+    *,
+    model,
+    layout,
+    batch,
+    device,
+    eff,
+    tokens,
+    method,
+    copy_bytes=0,
+    chunk_tokens: int | None = None,
 ) -> _LayerTime:
-    """One layer's forward + backward for one micro-batch: compute, exposed comm and copies."""
+    """One layer's forward + backward for one micro-batch: compute, exposed comm and copies
+    (by sub-sequence chunks of ``chunk_tokens`` local tokens if given: smaller products, and
+    the TP collectives once per chunk)."""
     tp_link, cp_link, _ = _links(device, layout)
     seconds = dict(
         device=device,
         eff=eff,
         cp=layout.cp,
         matmul_factor=matmul_shape_factor(
-            model, layout, batch, tokens=tokens, device=device, eff=eff
+            model, layout, batch, tokens=tokens, device=device, eff=eff, chunk_tokens=chunk_tokens
         ),
         attention_factor=attention_chunk_factor(
             seq_length=tokens * layout.cp, cp=layout.cp, eff=eff
@@ -380,7 +439,7 @@ def _layer_time(
     b_mm, b_att = _seconds(fig.backward_matmul_flops, fig.backward_attention_flops, **seconds)
     # SP: two all-gathers and two reduce-scatters per pass; CP: a ring of cp - 1 exchanges
     tp_s = tp_comm_bytes(model, layout, batch, tokens=tokens) / (tp_link * 1e9)
-    tp_s += 4 * collective_latency_s(layout.tp, device)
+    tp_s += 4 * _chunks(layout, tokens, chunk_tokens) * collective_latency_s(layout.tp, device)
     cp_s = cp_comm_bytes(model, layout, batch, tokens=tokens) / (cp_link * 1e9)
     cp_nodes = layout.tp * layout.cp > device.gpus_per_node
     cp_s += (layout.cp - 1) * p2p_latency_s(device, across_nodes=cp_nodes)
@@ -398,6 +457,48 @@ def _layer_time(
     return _LayerTime(
         compute_s=f_mm + f_att + b_mm + b_att, comm_s=comm, copy_s=exposed_copy, forward_s=forward_s
     )
+
+
+def _chunks(layout: ParallelLayout, tokens: int, chunk_tokens: int | None) -> int:
+    """Sub-sequence chunks of a layer on ``tokens`` (``s / cp``) tokens."""
+    if not chunk_tokens:
+        return 1
+    local = tokens // (layout.tp if layout.sp else 1)
+    return max(1, -(-local // chunk_tokens))
+
+
+def auto_chunk_tokens(
+    model: ModelShape,
+    layout: ParallelLayout,
+    batch: Batch,
+    *,
+    seq_length: int,
+    device: DeviceSpec,
+    eff: Efficiency = Efficiency(),
+) -> int:
+    """``--memo-chunk-tokens auto``: the smallest power-of-two chunk (local tokens, from
+    :data:`AUTO_CHUNK_MIN_TOKENS`) whose layer matrix products and TP collectives, forward and
+    backward, take at most :data:`AUTO_CHUNK_SLOWDOWN` longer than the whole sequence's; the
+    whole local sequence when none does."""
+    tokens = seq_length // layout.cp
+    local = tokens // (layout.tp if layout.sp else 1)
+    latency = collective_latency_s(layout.tp, device)
+
+    def seconds(chunk: int | None) -> float:
+        factor = matmul_shape_factor(
+            model, layout, batch, tokens=tokens, device=device, eff=eff, chunk_tokens=chunk
+        )
+        flops = sum(2 * m * k * n for m, k, n in _layer_gemm_shapes(model, layout, tokens))
+        matmul = 3 * flops * batch.micro_batch_size / (device.peak_tflops * 1e12 * eff.matmul)
+        return matmul / factor + 8 * _chunks(layout, tokens, chunk) * latency
+
+    whole = seconds(None)
+    chunk = AUTO_CHUNK_MIN_TOKENS
+    while chunk < local:
+        if seconds(chunk) <= (1 + AUTO_CHUNK_SLOWDOWN) * whole:
+            return chunk
+        chunk *= 2
+    return max(1, local)
 
 
 def solve_memo_alpha(
@@ -435,6 +536,7 @@ class _Stage:
     """Per micro-batch."""
     alpha: float | None = None
     keep: int | None = None
+    chunk_tokens: int | None = None
     host_bytes: int = 0
     fits_host: bool = True
     notes: list[str] = field(default_factory=list)
@@ -475,13 +577,24 @@ def _memo_stage(
     """MEMO: the first layers of the stage offload, the last ``keep_last_layers`` do not."""
     layer_t, loss_t, in_flight, stage_layers = transients
     model, layout, batch, tokens = ctx["model"], ctx["layout"], ctx["batch"], ctx["tokens"]
-    keep = min(memo.keep_last_layers, stage_layers)
+    keep = min(memo.kept_layers, stage_layers)
     offloaded = stage_layers - keep
     resident = in_flight * offloaded
+    chunk = memo.chunk_tokens
+    if chunk == "auto":
+        chunk = auto_chunk_tokens(
+            model,
+            layout,
+            batch,
+            seq_length=tokens * layout.cp,
+            device=ctx["device"],
+            eff=ctx["eff"],
+        )
+    at = dict(tokens=tokens, chunk_tokens=chunk)
     alpha, fits_host, notes = memo.alpha, True, []
     if alpha is None:
-        zero = memo_at(model, layout, batch, tokens=tokens, alpha=0.0)
-        one = memo_at(model, layout, batch, tokens=tokens, alpha=1.0)
+        zero = memo_at(model, layout, batch, alpha=0.0, **at)
+        one = memo_at(model, layout, batch, alpha=1.0, **at)
         try:
             alpha = solve_memo_alpha(
                 zero=zero,
@@ -494,33 +607,44 @@ def _memo_stage(
         except HostMemoryError as err:
             alpha, fits_host = 0.0, False
             notes.append(str(err))
-    m = memo_at(model, layout, batch, tokens=tokens, alpha=alpha)
+    m = memo_at(model, layout, batch, alpha=alpha, **at)
     host = resident * m.host_bytes
-    # the kept layers take the ping-pong slots' place (``slots_after_forward``); while the
-    # offloaded layers run, two slots of copy sources may be in flight
-    slots = slots_after_forward(offloaded=resident, kept=keep)
-    stored = (
-        in_flight * keep * none.saved_bytes
-        + resident * m.backward.saved_bytes
-        + slots * m.slot_bytes
-    )
-    during = resident * m.backward.saved_bytes + min(2, resident) * m.slot_bytes
-    # backward of an offloaded layer: its restored set plus the next one's prefetched set
-    restored = (2 * none.saved_bytes if offloaded else 0) + (in_flight - 1) * keep * (
-        none.saved_bytes
-    )
+    kept = in_flight * keep * none.saved_bytes
+    if chunk:
+        # a few chunks' copies in flight, whatever the layer count; one offloaded layer's
+        # forward + backward live set is traced whole (its restored data included); its
+        # backward also holds the next layer's prefetched whole storages (its α = 0 host set);
+        # a kept layer's backward is priced as an offloaded layer's (conservative)
+        notes.append(f"MEMO by sub-sequence chunks of {chunk} local tokens")
+        stored = kept + resident * m.backward.saved_bytes + (m.slot_bytes if resident else 0)
+        prefetch = memo_at(model, layout, batch, alpha=0.0, **at).host_bytes if offloaded else 0
+        restored = (in_flight - 1) * keep * none.saved_bytes + prefetch
+        peak = max(stored + loss_t, stored + m.live_bytes, restored + m.live_bytes)
+    else:
+        # the kept layers take the ping-pong slots' place (``slots_after_forward``); while the
+        # offloaded layers run, two slots of copy sources may be in flight
+        slots = slots_after_forward(offloaded=resident, kept=keep)
+        stored = kept + resident * m.backward.saved_bytes + slots * m.slot_bytes
+        during = resident * m.backward.saved_bytes + min(2, resident) * m.slot_bytes
+        # backward of an offloaded layer: its restored set plus the next one's prefetched set
+        restored = (2 * none.saved_bytes if offloaded else 0) + (in_flight - 1) * keep * (
+            none.saved_bytes
+        )
+        peak = max(stored + loss_t, stored + layer_t, restored + layer_t, during + layer_t)
     time = _LayerTime()
-    time.add(_layer_time(m.backward, method="memo", copy_bytes=m.host_bytes, **ctx), offloaded)
-    time.add(plain, keep)
+    memo_time = _layer_time(
+        m.backward, method="memo", copy_bytes=m.host_bytes, chunk_tokens=chunk, **ctx
+    )
+    time.add(memo_time, offloaded)
+    time.add(_layer_time(none, method="none", chunk_tokens=chunk, **ctx) if chunk else plain, keep)
     return _Stage(
         stored=stored,
-        peak_activations=max(
-            stored + loss_t, stored + layer_t, restored + layer_t, during + layer_t
-        ),
+        peak_activations=peak,
         time=time,
         recompute_flops=offloaded * (_backward_flops(m.backward) - _backward_flops(none)),
         alpha=alpha,
         keep=keep,
+        chunk_tokens=chunk,
         host_bytes=host,
         fits_host=fits_host and host <= host_budget,
         notes=notes,
@@ -652,6 +776,7 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         layout={**asdict(layout), **asdict(batch)},
         alpha=stage.alpha,
         keep_last_layers=stage.keep,
+        memo_chunk_tokens=stage.chunk_tokens,
         params_per_gpu=params,
         model_state_bytes=states,
         activation_bytes=int(stage.stored),

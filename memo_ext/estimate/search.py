@@ -43,6 +43,8 @@ class SearchSpace:
     keep_last_layers: int | None = None
     alpha: float | None = None
     """MEMO α fixed by the user; ``None`` tries the rule's α and 0."""
+    chunk_tokens: int | str | None = None
+    """MEMO's sub-sequence chunk (local tokens, or ``auto``); ``None``: whole layers."""
 
 
 def candidate_layouts(
@@ -74,7 +76,11 @@ def memo_options(space: SearchSpace, method: str) -> list[MemoConfig]:
         return [MemoConfig(enabled=True)]
     keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
     alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
-    return [MemoConfig(enabled=True, alpha=a, keep_last_layers=k) for k in keeps for a in alphas]
+    return [
+        MemoConfig(enabled=True, alpha=a, keep_last_layers=k, chunk_tokens=space.chunk_tokens)
+        for k in keeps
+        for a in alphas
+    ]
 
 
 def longest_fitting(run, *, layout: ParallelLayout, granularity: int) -> Estimate | None:

@@ -67,7 +67,7 @@ class MemoTransformerLayer(TransformerLayer):
         self.memo_stage_layers = get_num_layers_to_build(
             self.config, vp_stage=vp_stage, pp_rank=pp_rank
         )
-        keep = memo_runtime.config.keep_last_layers
+        keep = memo_runtime.config.kept_layers
         self.memo_offloads = self.memo_index < self.memo_stage_layers - keep
         """False for the last ``keep_last_layers`` layers of the stage: they keep activations."""
         if not isinstance(self.self_attention.core_attention, MemoCoreAttentionMixin):

@@ -416,7 +416,7 @@ def _storage_bytes(tensors: list[Tensor]) -> int:
 def _resident_layers(layer) -> int:
     """Offloaded layer activations this process may hold at once: the stage's offloaded layers
     times the micro-batches in flight (``pp - pp_rank`` under 1F1B)."""
-    offloaded = max(0, layer.memo_stage_layers - layer.memo_runtime.config.keep_last_layers)
+    offloaded = max(0, layer.memo_stage_layers - layer.memo_runtime.config.kept_layers)
     pp = layer.pg_collection.pp
     in_flight = pp.size() - pp.rank() if pp is not None else 1
     return offloaded * in_flight

@@ -7,7 +7,10 @@
   lcm(``--make-vocab-size-divisible-by``, every TP degree the run uses) rather than Megatron-LM's
   divisible-by × TP: padded logits enter the softmax, so the table must not change with TP;
 - with HotSPa, each bucket's layout (``auto``: chosen by the estimator from the run's first
-  global batches) and the home layout (the longest bucket's) as the run's layout.
+  global batches) and the home layout (the longest bucket's) as the run's layout;
+- ``--memo-chunk-tokens auto``: the chunk the estimator picks for this model, layout and
+  sequence length on this device (``--preflight-device``, the CUDA device, else
+  :data:`AUTO_DEVICE`).
 
 It returns a new :class:`~memo_ext.config.RunConfig` (``dataclasses.replace``) whose
 megatron-core ``TransformerConfig`` is built fresh; :func:`describe_run` is what the trainer logs
@@ -22,7 +25,7 @@ import math
 import os
 
 from memo_ext.config import RunConfig
-from memo_ext.estimate.model import Efficiency
+from memo_ext.estimate.model import Batch, Efficiency, auto_chunk_tokens
 from memo_ext.estimate.preflight import as_configured
 from memo_ext.hardware import DEVICES, cuda_device, device_spec
 from memo_ext.hotspa import auto
@@ -32,7 +35,7 @@ from memo_ext.training.inputs import document_source
 logger = logging.getLogger(__name__)
 
 AUTO_DEVICE = "h100-80g"
-"""The device HotSPa's ``auto`` plans for on a machine without a GPU and without
+"""The device HotSPa's and the MEMO chunk's ``auto`` plan for on a machine without a GPU and
 ``--preflight-device``."""
 
 
@@ -43,12 +46,31 @@ def resolve_run(run: RunConfig, *, tokenizer) -> RunConfig:
     )
     if run.hotspa.enabled:
         run = _resolve_hotspa(run, tokenizer)
+    if run.memo.enabled and run.memo.chunk_tokens == "auto":
+        run = _resolve_chunk_tokens(run)
     tp_sizes = [run.layout.tp] + [layout.tp for layout in run.hotspa.strategies or ()]
     padded = padded_vocab_size(
         tokenizer.vocab_size,
         divisible_by=math.lcm(run.model.make_vocab_size_divisible_by, *tp_sizes),
     )
     return dataclasses.replace(run, model=dataclasses.replace(run.model, padded_vocab_size=padded))
+
+
+def _resolve_chunk_tokens(run: RunConfig) -> RunConfig:
+    """``--memo-chunk-tokens auto`` as a token count (see ``auto_chunk_tokens``)."""
+    device = device_spec(run.preflight.device) if run.preflight.device else cuda_device()
+    device, efficiency = as_configured(run, device or DEVICES[AUTO_DEVICE], Efficiency())
+    chunk = auto_chunk_tokens(
+        run.shape,
+        run.layout,
+        Batch(micro_batch_size=run.train.micro_batch_size),
+        seq_length=run.data.seq_length,
+        device=device,
+        eff=efficiency,
+    )
+    if os.environ.get("RANK", "0") == "0":
+        logger.info("MEMO chunks: %d local tokens (auto, for %s)", chunk, device.name)
+    return dataclasses.replace(run, memo=dataclasses.replace(run.memo, chunk_tokens=chunk))
 
 
 def _resolve_hotspa(run: RunConfig, tokenizer) -> RunConfig:

@@ -30,7 +30,7 @@ def megatron_cuda(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def build_stack(*, alpha: float | None, layers: int, keep_last: int):
+def build_stack(*, alpha: float | None, layers: int, keep_last: int, chunk: int | None = None):
     from megatron.core.transformer.spec_utils import build_module
 
     from memo_ext.config import MemoConfig
@@ -51,7 +51,13 @@ def build_stack(*, alpha: float | None, layers: int, keep_last: int):
     config = transformer_config(shape, hidden_dropout=0.0, attention_dropout=0.0)
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     if alpha is not None:
-        memo = MemoConfig(enabled=True, alpha=alpha, keep_last_layers=keep_last, host_memory_gb=4)
+        memo = MemoConfig(
+            enabled=True,
+            alpha=alpha,
+            keep_last_layers=keep_last,
+            host_memory_gb=4,
+            chunk_tokens=chunk,
+        )
         spec = apply_memo(spec, memo, config)
     torch.manual_seed(0)
     stack = torch.nn.ModuleList(
@@ -117,9 +123,25 @@ def test_device_memory_after_forward_is_kept_layers_plus_ping_pong(megatron_cuda
     out.sum().backward()
 
 
-def test_layer_gradients_match_plain(megatron_cuda):
+def test_chunked_copies_in_flight_are_a_few_chunks(megatron_cuda):
+    """Chunked MEMO on the side streams: copy sources in flight stay below one layer's saves."""
+    from memo_ext.offload.policy import memo_runtime_of
+
+    x = torch.randn(S, B, H, device="cuda", requires_grad=True)
+    whole = build_stack(alpha=1.0, layers=4, keep_last=0)
+    chunked = build_stack(alpha=1.0, layers=4, keep_last=0, chunk=64)
+    chunked.load_state_dict(whole.state_dict())
+    for stack in (whole, chunked):
+        for _ in range(2):
+            forward(stack, x).sum().backward()
+        torch.cuda.synchronize()
+    assert memo_runtime_of(chunked).slot_bytes < memo_runtime_of(whole).slot_bytes
+
+
+@pytest.mark.parametrize("chunk", [None, 100])
+def test_layer_gradients_match_plain(megatron_cuda, chunk):
     plain = build_stack(alpha=None, layers=3, keep_last=0)
-    memo = build_stack(alpha=0.3, layers=3, keep_last=1)
+    memo = build_stack(alpha=0.3, layers=3, keep_last=1, chunk=chunk)
     memo.load_state_dict(plain.state_dict())
     x0 = torch.randn(S, B, H, device="cuda")
     grads = []
@@ -128,18 +150,21 @@ def test_layer_gradients_match_plain(megatron_cuda):
         forward(stack, x).square().sum().backward()
         grads.append([x.grad] + [p.grad for p in stack.parameters()])
     for a, b in zip(*grads):
-        # cuBLAS may choose another algorithm for the recompute's shorter matrices: fp32
-        # rounding differences only (TF32 stays off for fp32 matmuls by default)
+        # cuBLAS may choose another algorithm for the recompute's (and the chunks') shorter
+        # matrices, and chunks sum weight gradients chunk by chunk: fp32 rounding differences
+        # only (TF32 stays off for fp32 matmuls by default)
         assert (a - b).norm() <= 1e-5 * a.norm()
 
 
-def test_training_matches_plain_run(tmp_path):
+@pytest.mark.parametrize("chunk", [None, "200"])
+def test_training_matches_plain_run(tmp_path, chunk):
     args = GPU_LLAMA + cli(
         num_layers=4, seq_length=1024, micro_batch_size=2, train_iters=5, attention_backend="sdpa"
     )
     plain = run_pretrain(args, nproc=1, workdir=tmp_path, name="plain")
+    chunked = ["--memo-chunk-tokens", chunk] if chunk else []
     memo = run_pretrain(
-        [*args, "--memo", "--memo-alpha", "0.5"], nproc=1, workdir=tmp_path, name="memo"
+        [*args, "--memo", "--memo-alpha", "0.5", *chunked], nproc=1, workdir=tmp_path, name="memo"
     )
     for a, b in zip(plain, memo):
         # as above: shorter recompute matrices may take other cuBLAS algorithms
