@@ -33,6 +33,7 @@ LAYOUTS = {
     "one process": (1, []),
     "DP 2": (2, []),
     "TP 2 + SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "chunked": (1, ["--memo-chunk-tokens", "40"]),
 }
 
 
