@@ -23,6 +23,7 @@ from memo_ext.hardware import DeviceSpec
 from memo_ext.offload.alpha import (
     HostMemoryError,
     LayerCost,
+    skeleton_layers,
     slots_after_forward,
     solve_alpha,
 )
@@ -592,6 +593,27 @@ def _memo_stage(
         )
     at = dict(tokens=tokens, chunk_tokens=chunk)
     alpha, fits_host, notes = memo.alpha, True, []
+    # chunked: the last layers keep their whole storages on the device when the host budget
+    # cannot hold every layer's (``skeleton_layers``, as the runtime decides)
+    skeleton_bytes, budget = 0, host_budget
+    if chunk and offloaded:
+        full = memo_at(model, layout, batch, alpha=0.0, **at).host_bytes
+        try:
+            skeletons = skeleton_layers(
+                LayerCost(full_bytes=full, tokenwise_bytes=0),
+                budget_bytes=host_budget,
+                offloaded_layers=offloaded,
+                in_flight=in_flight,
+            )
+        except HostMemoryError as err:
+            skeletons, fits_host = 0, False
+            notes.append(str(err))
+        if skeletons:
+            notes.append(
+                f"whole storages of the last {skeletons} offloaded layers kept on the device"
+            )
+        skeleton_bytes = skeletons * in_flight * full
+        budget = host_budget + skeleton_bytes
     if alpha is None:
         zero = memo_at(model, layout, batch, alpha=0.0, **at)
         one = memo_at(model, layout, batch, alpha=1.0, **at)
@@ -601,14 +623,14 @@ def _memo_stage(
                 one=one,
                 forward_s=plain.forward_s,
                 device=ctx["device"],
-                host_budget_bytes=host_budget,
+                host_budget_bytes=budget,
                 resident_layers=resident,
             )
         except HostMemoryError as err:
             alpha, fits_host = 0.0, False
             notes.append(str(err))
     m = memo_at(model, layout, batch, alpha=alpha, **at)
-    host = resident * m.host_bytes
+    host = resident * m.host_bytes - skeleton_bytes
     kept = in_flight * keep * none.saved_bytes
     if chunk:
         # a few chunks' copies in flight, whatever the layer count; one offloaded layer's
@@ -616,9 +638,14 @@ def _memo_stage(
         # backward also holds the next layer's prefetched whole storages (its α = 0 host set);
         # a kept layer's backward is priced as an offloaded layer's (conservative)
         notes.append(f"MEMO by sub-sequence chunks of {chunk} local tokens")
-        stored = kept + resident * m.backward.saved_bytes + (m.slot_bytes if resident else 0)
+        stored = (
+            kept
+            + resident * m.backward.saved_bytes
+            + skeleton_bytes
+            + (m.slot_bytes if resident else 0)
+        )
         prefetch = memo_at(model, layout, batch, alpha=0.0, **at).host_bytes if offloaded else 0
-        restored = (in_flight - 1) * keep * none.saved_bytes + prefetch
+        restored = (in_flight - 1) * keep * none.saved_bytes + prefetch + skeleton_bytes
         peak = max(stored + loss_t, stored + m.live_bytes, restored + m.live_bytes)
     else:
         # the kept layers take the ping-pong slots' place (``slots_after_forward``); while the

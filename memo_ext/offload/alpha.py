@@ -63,6 +63,31 @@ def solve_alpha(cost: LayerCost, *, budget_bytes: int, resident_layers: int) -> 
     return max(0.0, alpha)
 
 
+def skeleton_layers(
+    cost: LayerCost, *, budget_bytes: int, offloaded_layers: int, in_flight: int = 1
+) -> int:
+    """Chunked MEMO: how many of a stage's offloaded layers keep their whole storages (input,
+    attention output and state: the layer's skeleton) on the device so that the others fit the
+    host budget at α = 0; 0 when all fit. ``in_flight`` micro-batches hold each layer's data.
+
+    Raises:
+        HostMemoryError: when even every skeleton on the device leaves too little host memory.
+    """
+    per_layer = in_flight * cost.full_bytes
+    over = offloaded_layers * per_layer - budget_bytes
+    if over <= 0:
+        return 0
+    layers = -(-over // per_layer) if per_layer else 0
+    if layers >= offloaded_layers:
+        raise HostMemoryError(
+            f"MEMO needs {offloaded_layers * per_layer / 2**30:.2f} GiB of host memory per "
+            f"process even at α = 0, and the budget of {budget_bytes / 2**30:.2f} GiB holds not "
+            "one layer's whole storages; raise --memo-host-memory-gb or shard the sequence "
+            "further (TP / CP / PP)"
+        )
+    return int(layers)
+
+
 def _fraction(room: float, tokenwise_bytes: int) -> float:
     if tokenwise_bytes <= 0:
         return 1.0 if room >= 0 else 0.0

@@ -115,9 +115,11 @@ class ChunkedActivations:
         offload: Callable[[list[tuple[Tensor, Tensor]], list[Completion]], Completion],
         on_backward: Callable[[Any], None],
         measure_only: bool = False,
+        skeleton_on_device: bool = False,
     ):
         """``offload`` issues device → host copies (the runtime bounds those in flight);
-        ``on_backward`` is called when the layer's backward starts."""
+        ``on_backward`` is called when the layer's backward starts; ``skeleton_on_device``
+        keeps the whole storages on the device instead of copying them (host budget)."""
         x = kwargs["hidden_states"]
         self.layer = layer
         self.layer_index = layer.memo_index
@@ -129,6 +131,9 @@ class ChunkedActivations:
         self.pool, self.engine, self.stats = pool, engine, stats
         self._offload, self._on_backward = offload, on_backward
         self.measure_only = measure_only
+        self.skeleton_on_device = skeleton_on_device
+        self._skeleton: dict[int, Tensor] | None = None
+        """The whole storages kept on the device (``skeleton_on_device``), until the backward."""
         self.input_meta = TensorMeta.of(x)
         self.input_requires_grad = x.requires_grad
         self.records: list[_Record] = []
@@ -246,10 +251,13 @@ class ChunkedActivations:
     def _offload_full(self, qkv: list[Tensor]) -> None:
         """Copy the whole storages, and the host chunks' rows of q, k and v, to the host."""
         pairs = []
-        for key, src in self.full_sources.items():
-            dst = self._host(src.untyped_storage().nbytes())
-            self.full_hosts[key] = dst
-            pairs.append((dst, storage_bytes(src)))
+        if self.skeleton_on_device:
+            self._skeleton = {key: storage_bytes(src) for key, src in self.full_sources.items()}
+        else:
+            for key, src in self.full_sources.items():
+                dst = self._host(src.untyped_storage().nbytes())
+                self.full_hosts[key] = dst
+                pairs.append((dst, storage_bytes(src)))
         self._full_bytes = sum(dst.numel() for dst, _ in pairs)
         self._qkv_bytes = sum(m.nbytes for m in self.qkv_metas)
         for block in self._qkv_blocks(qkv, self.host_rows(self.host_tokens)):
@@ -257,7 +265,7 @@ class ChunkedActivations:
                 dst = self._host(block.numel() * block.element_size())
                 self.qkv_hosts.append(dst)
                 pairs.append((dst, block.reshape(-1).view(torch.uint8)))
-        if not self.measure_only:
+        if pairs and not self.measure_only:
             self.full_completion = self._offload(pairs, self._reuse(pairs))
 
     def _host(self, nbytes: int) -> Tensor:
@@ -280,14 +288,15 @@ class ChunkedActivations:
         return total
 
     def device_bytes(self) -> int:
-        """Bytes this layer keeps on the device after its forward: none of its own."""
-        return 0
+        """Bytes this layer keeps on the device after its forward: its whole storages when
+        they stay there (``skeleton_on_device``), else none."""
+        return sum(t.numel() for t in (self._skeleton or {}).values())
 
     # ---------------------------------------------------------------------------- backward
 
     def prefetch(self) -> None:
         """Start bringing back the whole storages and the last record (the backward's first)."""
-        if self._full is None and self._full_prefetched is None:
+        if self._full is None and self._full_prefetched is None and self._skeleton is None:
             self._full_prefetched = self._fetch(
                 list(self.full_hosts.values()), self.full_completion
             )
@@ -337,6 +346,11 @@ class ChunkedActivations:
         return value
 
     def _materialize(self) -> None:
+        if self._skeleton is not None:
+            self._full, self._skeleton = self._skeleton, None
+            self._unreleased = sum(1 for r in self.records if r.saves)
+            self._on_backward(self)
+            return
         fetched, completion = self._full_prefetched or self._fetch(
             list(self.full_hosts.values()), self.full_completion
         )

@@ -43,7 +43,7 @@ from memo_ext.offload.activations import (
     ZeroAttention,
     run_token_slice,
 )
-from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.offload.alpha import HostMemoryError, LayerCost, skeleton_layers, solve_alpha
 from memo_ext.offload.chunked import ChunkedActivations
 from memo_ext.offload.transfer import (
     Completion,
@@ -94,6 +94,9 @@ class MemoRuntime:
         self.config = config
         self.chunk_tokens: int | None = config.chunk_tokens
         """Local tokens per sub-sequence chunk; ``None``: layers run whole."""
+        self.skeletons = 0
+        """Chunked: the stage's last offloaded layers that keep their whole storages on the
+        device because the host budget holds only the others' (``skeleton_layers``)."""
         self.alpha: float | None = config.alpha
         """α in use; ``None`` until ``auto`` has been solved."""
         self.budget_bytes = host_budget_bytes(config)
@@ -140,7 +143,9 @@ class MemoRuntime:
         n = x.size(0)
         a = self.host_tokens(n)
         if self.chunk_tokens is not None:
-            acts = self._chunked(layer, kwargs, host_tokens=a)
+            offloaded, _ = _stage_counts(layer)
+            skeleton = self.skeletons > 0 and layer.memo_index >= offloaded - self.skeletons
+            acts = self._chunked(layer, kwargs, host_tokens=a, skeleton_on_device=skeleton)
             out = acts.run()
             self._check_budget(layer, acts)
             self._track(acts)
@@ -328,7 +333,9 @@ class MemoRuntime:
             full_bytes=full, tokenwise_bytes=scaled, forward_s=forward_s, copy_gbps=gbps
         )
         alpha = solve_alpha(
-            self.cost, budget_bytes=self.budget_bytes, resident_layers=_resident_layers(layer)
+            self.cost,
+            budget_bytes=self._skeleton_budget(layer),
+            resident_layers=_resident_layers(layer),
         )
         self.alpha = _agree_min(alpha, layer)
         logger.info(
@@ -341,19 +348,50 @@ class MemoRuntime:
             scaled / 2**20,
         )
 
+    def _skeleton_budget(self, layer) -> int:
+        """Chunked: settle :attr:`skeletons` from :attr:`cost` and return the host budget the α
+        rule sees, as if every layer's whole storages were on the host (the skeletons' bytes
+        added back, since they stay on the device)."""
+        if self.chunk_tokens is None:
+            return self.budget_bytes
+        offloaded, in_flight = _stage_counts(layer)
+        self.skeletons = skeleton_layers(
+            self.cost,
+            budget_bytes=self.budget_bytes,
+            offloaded_layers=offloaded,
+            in_flight=in_flight,
+        )
+        if self.skeletons:
+            logger.info(
+                "MEMO keeps the whole storages (%s each) of the last %d of %d offloaded layers "
+                "on the device: the host budget of %s holds only the others'",
+                format_bytes(self.cost.full_bytes),
+                self.skeletons,
+                offloaded,
+                format_bytes(self.budget_bytes),
+            )
+        return self.budget_bytes + self.skeletons * in_flight * self.cost.full_bytes
+
     def _check_budget(self, layer, acts: LayerActivations) -> None:
         """At the first offloaded layer: refuse to start what cannot fit the host budget."""
         if self._budget_checked:
             return
         self._budget_checked = True
         layers = _resident_layers(layer)
-        need = layers * acts.host_bytes()
-        floor = layers * acts.host_bytes(0)
         if self.cost is None:
             self.cost = LayerCost(
                 full_bytes=acts.host_bytes(0),
                 tokenwise_bytes=acts.host_bytes(acts.tokens) - acts.host_bytes(0),
             )
+            budget = self._skeleton_budget(layer)
+        else:
+            budget = self.budget_bytes + self.skeletons * _stage_counts(layer)[1] * (
+                self.cost.full_bytes
+            )
+        # as if every layer's whole storages were on the host, against the budget the
+        # skeletons' device-resident bytes are added back to
+        need = layers * acts.host_bytes()
+        floor = layers * acts.host_bytes(0)
         logger.info(
             "MEMO α = %g: %d of %d tokens per block to host, %s per layer, up to %d layer "
             "activations held: %s of a %s host budget",
@@ -362,10 +400,10 @@ class MemoRuntime:
             acts.tokens,
             format_bytes(acts.host_bytes()),
             layers,
-            format_bytes(need),
+            format_bytes(need - budget + self.budget_bytes),
             format_bytes(self.budget_bytes),
         )
-        if floor > self.budget_bytes:
+        if floor > budget:
             raise HostMemoryError(
                 f"MEMO needs at least {format_bytes(floor)} of host memory per process even at "
                 f"α = 0 ({layers} layer activations of {format_bytes(acts.host_bytes(0))}), but "
@@ -373,7 +411,7 @@ class MemoRuntime:
                 "keep more layers on the device (--memo-keep-last-layers) or shard the sequence "
                 "further (TP / CP / PP)"
             )
-        if need > self.budget_bytes:
+        if need > budget:
             raise HostMemoryError(
                 f"MEMO at α = {self.alpha:g} needs {format_bytes(need)} of host memory per "
                 f"process but the budget is {format_bytes(self.budget_bytes)}; lower --memo-alpha "
@@ -394,6 +432,8 @@ class MemoRuntime:
             "memo_offloaded_layers": stats.offloaded_layers,
             "memo_host_pool_bytes": self.pool.allocated_bytes if self.pool else 0,
         }
+        if self.chunk_tokens is not None:
+            metrics["memo_device_skeletons"] = self.skeletons
         wait_s = self.engine.take_wait_s() if self.engine is not None else None
         if wait_s is not None:
             metrics["memo_copy_wait_s"] = wait_s
@@ -413,12 +453,18 @@ def _storage_bytes(tensors: list[Tensor]) -> int:
     return sum(storages.values())
 
 
-def _resident_layers(layer) -> int:
-    """Offloaded layer activations this process may hold at once: the stage's offloaded layers
-    times the micro-batches in flight (``pp - pp_rank`` under 1F1B)."""
+def _stage_counts(layer) -> tuple[int, int]:
+    """(the stage's offloaded layers, the micro-batches in flight: ``pp - pp_rank`` under
+    1F1B)."""
     offloaded = max(0, layer.memo_stage_layers - layer.memo_runtime.config.kept_layers)
     pp = layer.pg_collection.pp
     in_flight = pp.size() - pp.rank() if pp is not None else 1
+    return offloaded, in_flight
+
+
+def _resident_layers(layer) -> int:
+    """Offloaded layer activations this process may hold at once."""
+    offloaded, in_flight = _stage_counts(layer)
     return offloaded * in_flight
 
 

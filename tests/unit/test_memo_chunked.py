@@ -22,6 +22,7 @@ from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.mcore.chunked import ChunkedLayer, ChunkingError, chunk_bounds
 from memo_ext.mcore.specs import build_layer_spec
+from memo_ext.offload.alpha import HostMemoryError
 from memo_ext.offload.policy import apply_memo, memo_runtime_of, memo_step_metrics
 from tests.unit.test_memo_layer import (  # noqa: F401  (the fixture is used by name)
     SHAPES,
@@ -174,3 +175,28 @@ def test_offloaded_layer_input_leaves_the_device():
     assert storage() is None
     h1.sum().backward()  # and the backward still has everything it needs
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_short_host_budget_keeps_the_last_skeletons_on_the_device():
+    """When the host cannot hold every layer's whole storages, the last offloaded layers keep
+    theirs on the device (fewest needed) and training is unchanged."""
+    config = make_config(layers=4)
+    s = 13
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(s).double()
+    x0 = torch.randn(s, 2, 32, generator=torch.Generator().manual_seed(4)).double()
+    roomy = build(config, layers=4, memo=chunked_memo(0.0, 5))[1]
+    run_stack(roomy, x0, rope)
+    full = memo_runtime_of(roomy).cost.full_bytes
+    budget = int(2.5 * full)  # two and a half layers' whole storages of four
+    memo = MemoConfig(enabled=True, alpha=0.0, host_memory_gb=budget / 2**30, chunk_tokens=5)
+    ref, mem = build(config, layers=4, memo=memo)
+    for _ in range(2):
+        assert_close(run_stack(ref, x0, rope), run_stack(mem, x0, rope))
+        metrics = memo_step_metrics(mem)
+        assert metrics["memo_device_skeletons"] == 2
+        assert 0 < metrics["memo_host_pool_bytes"] <= budget
+    # less than one layer's whole storages: refused as the first copy is asked for
+    tiny = MemoConfig(enabled=True, alpha=0.0, host_memory_gb=full / 2 / 2**30, chunk_tokens=5)
+    _, mem = build(config, layers=4, memo=tiny)
+    with pytest.raises(HostMemoryError, match="raise --memo-host-memory-gb"):
+        run_stack(mem, x0, rope)

@@ -21,6 +21,7 @@ from memo_ext.estimate.model import (
     matmul_shape_factor,
 )
 from memo_ext.hardware import DEVICES
+from memo_ext.offload.alpha import HostMemoryError, LayerCost, skeleton_layers
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS
 from tests.unit.test_estimate import BIG_HOST, SMALL_LLAMA
@@ -102,3 +103,13 @@ def test_estimator_chunked_peak_below_whole_layer_memo():
     assert chunked.keep_last_layers == 0 and chunked.memo_chunk_tokens == 4096
     assert chunked.device_peak_bytes <= 0.7 * whole.device_peak_bytes
     assert chunked.mfu >= 0.98 * whole.mfu
+
+
+def test_skeleton_layers_rule():
+    cost = LayerCost(full_bytes=10, tokenwise_bytes=100)
+    assert skeleton_layers(cost, budget_bytes=80, offloaded_layers=8) == 0
+    assert skeleton_layers(cost, budget_bytes=79, offloaded_layers=8) == 1
+    assert skeleton_layers(cost, budget_bytes=50, offloaded_layers=8) == 3
+    assert skeleton_layers(cost, budget_bytes=50, offloaded_layers=4, in_flight=2) == 2
+    with pytest.raises(HostMemoryError, match="not one layer's whole storages"):
+        skeleton_layers(cost, budget_bytes=5, offloaded_layers=8)
