@@ -65,7 +65,9 @@ def memo_step_metrics(model: torch.nn.Module) -> dict[str, float | int]:
     Keys: ``memo_alpha``, ``host_offload_bytes`` (= ``memo_d2h_bytes``, bytes copied device →
     host), ``memo_h2d_bytes``, ``memo_recomputed_tokens`` (token positions × sequences),
     ``memo_offloaded_layers`` (layer forwards offloaded), ``memo_host_pool_bytes`` (host memory
-    held), and on CUDA ``memo_copy_wait_s`` (compute-stream stalls on copies).
+    held), with ``--memo-chunk-tokens`` ``memo_device_skeletons`` (offloaded layers whose whole
+    storages stay on the device for want of host memory), and on CUDA ``memo_copy_wait_s``
+    (compute-stream stalls on copies).
     """
     runtime = memo_runtime_of(model)
     return runtime.take_metrics() if runtime is not None else {}
