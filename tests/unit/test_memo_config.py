@@ -33,8 +33,9 @@ def check(config: MemoConfig, **rest) -> MemoConfig:
 
 def test_defaults_and_values():
     config = check(parse(["--memo"]))
-    assert config == MemoConfig(enabled=True, alpha=None, host_memory_gb=None, keep_last_layers=2)
+    assert config == MemoConfig(enabled=True, alpha=None, host_memory_gb=None)
     assert config.auto_alpha
+    assert config.kept_layers == 2 and config.chunk_tokens is None
     config = parse(
         cli(memo=True, memo_alpha="0.3", memo_host_memory_gb=12, memo_keep_last_layers=0)
     )

@@ -29,6 +29,7 @@ def test_memory_report_relations():
             swiglu=True,
             disable_bias_linear=True,
             position_embedding_type="rope",
+            memo_chunk_tokens="32",
             json=True,
         ),
     ]
@@ -36,7 +37,16 @@ def test_memory_report_relations():
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     methods = json.loads(proc.stdout.strip().splitlines()[-1])["methods"]
-    assert set(methods) == {"none", "full", "selective", "memo-0", "memo-0.5", "memo-1"}
+    assert set(methods) == {
+        "none",
+        "full",
+        "selective",
+        "memo-0",
+        "memo-0.5",
+        "memo-1",
+        "memo-chunked-0",
+        "memo-chunked-1",
+    }
     none, full = methods["none"], methods["full"]
     # full recomputation keeps each layer's input, [s/tp, b, h] fp32, and recomputes everything
     assert full["device_activation_bytes"] == LAYERS * (S // TP) * B * H * 4
@@ -54,3 +64,14 @@ def test_memory_report_relations():
     assert host[2] - host[1] == host[1] - host[0]  # linear in α
     recompute = [methods[f"memo-{a}"]["recompute_flops"] for a in ("0", "0.5")]
     assert recompute[1] * 2 == recompute[0]  # half the tokens, half the token-local FLOPs
+    # chunked (4 chunks of 32 of the 128 local tokens, no kept layer, so 6 offloaded layers to
+    # whole-layer MEMO's 4): the device holds the copies in flight, well under one layer's set;
+    # per offloaded layer about whole-layer MEMO's host bytes (plus the chunks' own copies of
+    # the attention output's gathered rows under SP)
+    for alpha in ("0", "1"):
+        chunked, memo = methods[f"memo-chunked-{alpha}"], methods[f"memo-{alpha}"]
+        assert 0 < chunked["device_activation_bytes"] < per_layer / 2
+        per_chunked, per_memo = chunked["host_bytes"] / LAYERS, memo["host_bytes"] / (LAYERS - 2)
+        assert per_memo <= per_chunked <= 1.25 * per_memo
+    assert methods["memo-chunked-1"]["recompute_flops"] == 0
+    assert methods["memo-chunked-0"]["recompute_flops"] > 0
