@@ -61,6 +61,8 @@ class _Record:
     """``pre``, ``attention`` or ``post``."""
     chunk: int
     host: bool
+    index: int = 0
+    """Position among the layer's records (creation order; the backward goes in reverse)."""
     saves: list[_Save] = field(default_factory=list)
     sources: dict[int, Tensor] = field(default_factory=dict)
     """Own storage key → a tensor on it, until the copies are issued (host records)."""
@@ -201,6 +203,7 @@ class ChunkedActivations:
 
     @contextlib.contextmanager
     def _capturing(self, record: _Record) -> Iterator[_Record]:
+        record.index = len(self.records)
         self.records.append(record)
         self._record = record
         try:
@@ -231,14 +234,12 @@ class ChunkedActivations:
 
     def _end_record(self, record: _Record) -> None:
         """A chunk's phase is done: copy its own storages to the host, or drop them."""
-        pairs = []
-        for key, src in record.sources.items():
-            dst = self._host(src.untyped_storage().nbytes())
-            record.hosts[key] = dst
-            pairs.append((dst, storage_bytes(src)))
+        sources = [storage_bytes(src) for src in record.sources.values()]
+        hosts = self._host([s.numel() for s in sources])
+        record.hosts = dict(zip(record.sources, hosts))
         record.sources = {}
-        if pairs and not self.measure_only:
-            record.completion = self._offload(pairs, self._reuse(pairs))
+        if sources and not self.measure_only:
+            record.completion = self._offload(list(zip(hosts, sources)), self._reuse())
 
     def _qkv_blocks(self, qkv: list[Tensor], rows: int) -> Iterator[Tensor]:
         """The first ``rows`` local tokens' rows of q, k and v, one contiguous block per SP
@@ -250,33 +251,33 @@ class ChunkedActivations:
 
     def _offload_full(self, qkv: list[Tensor]) -> None:
         """Copy the whole storages, and the host chunks' rows of q, k and v, to the host."""
-        pairs = []
+        full = {key: storage_bytes(src) for key, src in self.full_sources.items()}
         if self.skeleton_on_device:
-            self._skeleton = {key: storage_bytes(src) for key, src in self.full_sources.items()}
-        else:
-            for key, src in self.full_sources.items():
-                dst = self._host(src.untyped_storage().nbytes())
-                self.full_hosts[key] = dst
-                pairs.append((dst, storage_bytes(src)))
-        self._full_bytes = sum(dst.numel() for dst, _ in pairs)
+            self._skeleton, full = full, {}
+        blocks = self._qkv_blocks(qkv, self.host_rows(self.host_tokens))
+        blocks = [b.reshape(-1).view(torch.uint8) for b in blocks if b.numel()]
+        sources = list(full.values()) + blocks
+        hosts = self._host([s.numel() for s in sources])
+        self.full_hosts = dict(zip(full, hosts))
+        self.qkv_hosts = hosts[len(full) :]
+        self._full_bytes = sum(s.numel() for s in full.values())
         self._qkv_bytes = sum(m.nbytes for m in self.qkv_metas)
-        for block in self._qkv_blocks(qkv, self.host_rows(self.host_tokens)):
-            if block.numel():
-                dst = self._host(block.numel() * block.element_size())
-                self.qkv_hosts.append(dst)
-                pairs.append((dst, block.reshape(-1).view(torch.uint8)))
-        if pairs and not self.measure_only:
-            self.full_completion = self._offload(pairs, self._reuse(pairs))
+        if sources and not self.measure_only:
+            self.full_completion = self._offload(list(zip(hosts, sources)), self._reuse())
 
-    def _host(self, nbytes: int) -> Tensor:
-        if self.measure_only:
-            return torch.empty(0, dtype=torch.uint8)
-        buf = self.pool.acquire(nbytes)
+    def _host(self, sizes: list[int]) -> list[Tensor]:
+        """Host destinations of ``sizes`` bytes, slices of one pooled buffer (one pinned
+        allocation per copy batch, reused every iteration)."""
+        if self.measure_only or not sizes:
+            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+        buf = self.pool.acquire(sum(sizes))
         self.host_buffers.append(buf)
-        return host_view(buf, (nbytes,), torch.uint8)
+        data = host_view(buf, (sum(sizes),), torch.uint8)
+        return list(data.split(sizes))
 
-    def _reuse(self, pairs) -> list[Completion]:
-        return [buf.last_read for buf in self.host_buffers[-len(pairs) :]]
+    def _reuse(self) -> list[Completion]:
+        """The copy that last read the newest host buffer (the next copy into it waits)."""
+        return [self.host_buffers[-1].last_read]
 
     def host_bytes(self, host_tokens: int | None = None) -> int:
         """Host bytes of this layer if the chunks within ``host_tokens`` went to host memory."""
@@ -304,7 +305,14 @@ class ChunkedActivations:
 
     def _fetch(self, hosts: list[Tensor], after: Completion) -> tuple[list[Tensor], Completion]:
         self.stats.h2d_bytes += sum(h.numel() for h in hosts)
-        return self.engine.to_device(hosts, device=self.input_meta.device, after=after)
+        fetched, completion = self.engine.to_device(
+            hosts, device=self.input_meta.device, after=after
+        )
+        # the host-to-device stream runs in order: this copy's end implies every earlier one's,
+        # so it may stand for the last read of all this layer's buffers (their next reuse waits)
+        for buf in self.host_buffers:
+            buf.last_read = completion
+        return fetched, completion
 
     def _prefetch_record(self, index: int) -> None:
         if index < 0:
@@ -368,7 +376,7 @@ class ChunkedActivations:
             record.restored = dict(zip(record.hosts, fetched))
         else:
             self._recompute(record)
-        self._prefetch_record(self.records.index(record) - 1)
+        self._prefetch_record(record.index - 1)
 
     def _restore_qkv(self, record: _Record) -> None:
         """The core attention's inputs: host rows fetched, the other chunks' rows recomputed
