@@ -170,24 +170,20 @@ class MemoRuntime:
             layer,
             kwargs,
             chunk_tokens=self.chunk_tokens,
-            pool=self.pool,
-            engine=self.engine,
-            stats=self.stats,
             offload=lambda pairs, reuse: self._copy_chunk(index, pairs, reuse),
-            on_backward=self.begin_backward,
+            **self._served(),
             **options,
         )
 
     def _activations(self, layer, kwargs: dict[str, Any], **options) -> LayerActivations:
         """A layer's saved tensors, served by this runtime's pool and transfer engine."""
-        return LayerActivations(
-            layer,
-            kwargs,
-            pool=self.pool,
-            engine=self.engine,
-            stats=self.stats,
-            on_backward=self.begin_backward,
-            **options,
+        return LayerActivations(layer, kwargs, **self._served(), **options)
+
+    def _served(self) -> dict[str, Any]:
+        """What a layer's activations take from this runtime: host buffers, copies, counters,
+        and the call at the start of its backward."""
+        return dict(
+            pool=self.pool, engine=self.engine, stats=self.stats, on_backward=self.begin_backward
         )
 
     def _ensure_engine(self, device: torch.device) -> None:
@@ -230,13 +226,7 @@ class MemoRuntime:
         self.slot_bytes = max(self.slot_bytes, _storage_bytes(sources))
         self._drop_finished_slots()
         self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
-        self.stats.offloaded_layers += 1
-        weakref.finalize(acts, self.pool.release, list(acts.host_buffers))
-        last = self._last() if self._last is not None else None
-        if last is not None and last.layer_index == acts.layer_index - 1:
-            acts.previous = weakref.ref(last)
-        self._last = weakref.ref(acts)
-        self.live.add(acts)
+        self._track(acts)
 
     def _copy_chunk(self, layer_index: int, pairs, reuse) -> Completion:
         """Issue one batch of a chunked layer's copies, at most :data:`COPIES_IN_FLIGHT` in
@@ -251,10 +241,10 @@ class MemoRuntime:
         self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
         return completion
 
-    def _track(self, acts: ChunkedActivations) -> None:
-        """A chunked layer's forward is done (its copies are issued): link it for prefetching."""
+    def _track(self, acts: LayerActivations | ChunkedActivations) -> None:
+        """A layer's forward is done (its copies are issued): count it, release its host
+        buffers with it, and link it to the layer before for prefetching."""
         self.stats.offloaded_layers += 1
-        self._forwards += 1
         weakref.finalize(acts, self.pool.release, list(acts.host_buffers))
         last = self._last() if self._last is not None else None
         if last is not None and last.layer_index == acts.layer_index - 1:
