@@ -97,8 +97,8 @@ class ChunkedLayer:
                 "per document); drop --memo-chunk-tokens or the packing"
             )
         self.tokens = self.kwargs["hidden_states"].size(0)
-        self.kwargs = {k: v for k, v in self.kwargs.items() if k != "hidden_states"}
         """Local tokens (the input's dimension 0)."""
+        self.kwargs = {k: v for k, v in self.kwargs.items() if k != "hidden_states"}
         self.groups = sp_groups(self.layer)
         """Blocks of a tensor gathered over the tensor-parallel group: its size under SP, else 1."""
         self.bounds = chunk_bounds(self.tokens, self.chunk_tokens)

@@ -8,24 +8,28 @@ core attention. A save is
 
 - ``full`` when it lives on the storage of the layer input, of the attention output or of a
   tensor the core attention saved for itself (log-sum-exp, gathered keys / values): those
-  storages go to host memory whole, once per layer, as the unchunked MEMO does;
-- ``qkv`` when it is a view of the core attention's inputs, which are rebuilt in the backward
-  from the ``pre`` records' outputs (put back in sequence order exactly as in the forward);
+  storages go to host memory whole, once per layer, as the unchunked MEMO does (or stay on the
+  device, ``skeleton_on_device``, when the host budget cannot hold every layer's);
+- ``qkv`` when it is a view of the core attention's inputs (whole-sequence q, k and v): the
+  host chunks' rows of those go to host memory once attention has run, and the backward
+  rebuilds the rest from the recompute chunks' ``pre`` pass;
 - ``device`` when it lives on a tensor the layer was given (the RoPE table): kept as is;
 - otherwise the record's own: a *host* record copies its own storages to host memory as soon
-  as its chunk is done, a *recompute* record drops them on the spot.
+  as its chunk is done (one pooled buffer per record), a *recompute* record drops them on the
+  spot.
 
 α chooses the host records: the chunks that lie wholly inside the first ``floor(α · s)`` local
 tokens; the others are recomputed. So the device holds one chunk's saves at a time in the
-forward, plus the copies in flight (a few records, :data:`COPIES_IN_FLIGHT` in the runtime).
+forward, plus the copies in flight (a few batches, :data:`COPIES_IN_FLIGHT` in the runtime).
 
 In the backward the layer's whole storages come back first; then each record is restored when
 autograd first unpacks one of its saves, and released once every save has been unpacked. A
 recompute record re-runs its phase on its chunk, the same code on the same shapes, so it saves
 the same tensors in the same order and the i-th save replaces the i-th. Restoring the attention
-record restores every ``pre`` record (their q / k / v rows make the attention's inputs); those
-stay until the ``pre`` backward reads them. While a record is restored the one created just
-before it (the next one the backward needs) is prefetched.
+record re-runs the recompute chunks' ``pre`` phase (their q / k / v rows complete the
+attention's inputs); those records stay restored until their own backward reads them. While a
+record is restored the one created just before it (the next one the backward needs) is
+prefetched.
 """
 
 from __future__ import annotations

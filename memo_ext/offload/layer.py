@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
-from memo_ext.mcore.chunked import ChunkedLayer
+from memo_ext.mcore.chunked import ChunkedLayer, check_chunkable
 from memo_ext.mcore.compat import transformer_layer_arguments
 from memo_ext.offload.runtime import MemoRuntime
 
@@ -74,6 +74,8 @@ class MemoTransformerLayer(TransformerLayer):
             raise TypeError(
                 "MemoTransformerLayer needs a core attention from memo_core_attention()"
             )
+        if memo_runtime.chunk_tokens is not None:
+            check_chunkable(self)
 
     def forward(self, *args, **kwargs):
         kwargs = transformer_layer_arguments(args, kwargs)

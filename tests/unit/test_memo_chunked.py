@@ -200,3 +200,23 @@ def test_short_host_budget_keeps_the_last_skeletons_on_the_device():
     _, mem = build(config, layers=4, memo=tiny)
     with pytest.raises(HostMemoryError, match="raise --memo-host-memory-gb"):
         run_stack(mem, x0, rope)
+
+
+def test_refuses_layers_it_cannot_chunk():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from memo_ext.mcore.chunked import check_chunkable
+
+    config = make_config()
+    layer = build(config)[0]
+    check_chunkable(layer)  # megatron's GPT layer: fine
+    odd = SimpleNamespace(
+        config=SimpleNamespace(attention_output_gate=True),
+        self_attention=layer.self_attention,
+        mlp=torch.nn.Identity(),
+        cross_attention=IdentityOp(),
+    )
+    with pytest.raises(ChunkingError, match="mixture of experts.*--attention-output-gate"):
+        check_chunkable(odd)
