@@ -1525,6 +1525,11 @@ class RunConfig:
         )
         if self.memo.allocator == "plan":
             self._check_planned_allocator()
+        if self.memo.chunk_tokens is not None and self.data.variable_seq_lengths:
+            raise UsageError(
+                "--memo-chunk-tokens cannot chunk packed documents (--variable-seq-lengths, "
+                "--hotspa): RoPE positions restart per document; drop one of them"
+            )
         stage_layers = self.shape.num_layers // self.layout.pp
         if self.memo.kept_layers >= stage_layers:
             raise UsageError(

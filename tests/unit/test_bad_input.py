@@ -53,6 +53,11 @@ BASE = SMALL_GPT
         (["--position-embedding-type", "rope", "--kv-channels", "9"], "must be even"),
         (["--attention-backend", "flash"], "needs CUDA and the flash_attn package"),
         (["--memo", "--memo-keep-last-layers", "4"], "--memo would offload no layer"),
+        (["--memo", "--memo-chunk-tokens", "0"], "--memo-chunk-tokens must be >= 1"),
+        (
+            ["--memo", "--memo-chunk-tokens", "64", "--variable-seq-lengths"],
+            "--memo-chunk-tokens cannot chunk packed documents",
+        ),
         (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be positive"),
         (
             ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
