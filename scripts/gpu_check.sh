@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check on one lent GPU (e.g. an H200), within 8 minutes, writing 7 files under $OUT:
 #   gpu_tests.log       the GPU, the offline install, tests/gpu
-#   bench.log           MEMO (α auto) against Megatron's full recomputation on a ~1B GPT at $SEQ
+#   bench.log           MEMO (α auto; whole layers, and by sub-sequence chunks, auto) against
+#                       Megatron's full recomputation on a ~1B GPT at $SEQ
 #   bench_metrics.jsonl both runs' metrics records (key "run" says which)
 #   compare.txt         tools.compare_methods' table and summary on the one-GPU 7B proxy below
 #   compare.json        every run of that comparison, measured and predicted
@@ -49,9 +50,10 @@ run() {  # name, extra flags...
 run full_recompute --recompute-granularity full --recompute-method uniform \
     --recompute-num-layers 1
 run memo_auto --memo --memo-alpha auto
+run memo_chunked --memo --memo-alpha auto --memo-chunk-tokens auto
 python - "$WORK" > "$OUT/bench_metrics.jsonl" <<'PY'
 import json, pathlib, sys
-for name in ("full_recompute", "memo_auto"):
+for name in ("full_recompute", "memo_auto", "memo_chunked"):
     path = pathlib.Path(sys.argv[1]) / f"{name}.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
         print(json.dumps({"run": name, **json.loads(line)}))
