@@ -220,3 +220,22 @@ def test_refuses_layers_it_cannot_chunk():
     )
     with pytest.raises(ChunkingError, match="mixture of experts.*--attention-output-gate"):
         check_chunkable(odd)
+
+
+def test_chunked_memo_in_bfloat16():
+    """Two-byte elements through the byte-level host copies and views: chunked MEMO at α 0.5
+    gives what the same chunked layers give without MEMO (both bf16, so compared exactly:
+    recomputed chunks run the same kernels on the same shapes)."""
+    config = make_config(layers=2)
+    _, plain = build(config, layers=2, memo=chunked_memo(None, 4, keep_last=2))
+    _, memo = build(config, layers=2, memo=chunked_memo(0.5, 4, keep_last=0))
+    memo.load_state_dict(plain.state_dict())
+    plain.bfloat16(), memo.bfloat16()
+    s = 13
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(s)
+    x0 = torch.randn(s, 2, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    (o1, g1, p1), (o2, g2, p2) = run_stack(plain, x0, rope), run_stack(memo, x0, rope)
+    assert torch.equal(o1, o2) and torch.equal(g1, g2)
+    for name in p1:
+        assert torch.equal(p1[name], p2[name]), name
+    assert memo_step_metrics(memo)["memo_recomputed_tokens"] > 0
