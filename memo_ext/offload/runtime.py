@@ -16,6 +16,12 @@ offloaded layer but the one just before it, whose copy still hides under this la
 kept layers the device therefore holds two layers' sets when the forward ends, not two kept
 layers plus two slots; the wait costs nothing when the copies kept pace with the compute (the
 α rule makes them).
+
+Chunked layers (``--memo-chunk-tokens``, :mod:`memo_ext.offload.chunked`) copy in batches, one
+per chunk's phase and one for the layer's whole storages, instead of one per layer: at most
+:data:`COPIES_IN_FLIGHT` batches are in flight, the oldest waited for first. When the host
+budget cannot hold every chunked layer's whole storages, the stage's last offloaded layers keep
+theirs on the device (:attr:`MemoRuntime.skeletons`, fewest needed).
 """
 
 from __future__ import annotations
