@@ -1066,28 +1066,24 @@ class PreflightConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+def _value_or_auto(text: str, convert, *, auto, expected: str):
+    """``auto`` as ``auto``, anything else through ``convert``; argparse's error otherwise."""
+    if text == AUTO:
+        return auto
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected} or 'auto', got {text!r}") from None
+
+
 def parse_alpha(text: str) -> float | None:
     """``--memo-alpha``: a number, or ``auto`` (``None``: solved at the first layer)."""
-    if text == AUTO:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number in [0, 1] or 'auto', got {text!r}"
-        ) from None
+    return _value_or_auto(text, float, auto=None, expected="a number in [0, 1]")
 
 
 def parse_chunk_tokens(text: str) -> int | str:
     """``--memo-chunk-tokens``: a token count, or ``auto`` (settled by ``resolve_run``)."""
-    if text == AUTO:
-        return AUTO
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a positive token count or 'auto', got {text!r}"
-        ) from None
+    return _value_or_auto(text, int, auto=AUTO, expected="a positive token count")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -592,12 +592,13 @@ def _memo_stage(
             eff=ctx["eff"],
         )
     at = dict(tokens=tokens, chunk_tokens=chunk)
+    zero = memo_at(model, layout, batch, alpha=0.0, **at)
     alpha, fits_host, notes = memo.alpha, True, []
     # chunked: the last layers keep their whole storages on the device when the host budget
     # cannot hold every layer's (``skeleton_layers``, as the runtime decides)
     skeleton_bytes, budget = 0, host_budget
     if chunk and offloaded:
-        full = memo_at(model, layout, batch, alpha=0.0, **at).host_bytes
+        full = zero.host_bytes
         try:
             skeletons = skeleton_layers(
                 LayerCost(full_bytes=full, tokenwise_bytes=0),
@@ -615,7 +616,6 @@ def _memo_stage(
         skeleton_bytes = skeletons * in_flight * full
         budget = host_budget + skeleton_bytes
     if alpha is None:
-        zero = memo_at(model, layout, batch, alpha=0.0, **at)
         one = memo_at(model, layout, batch, alpha=1.0, **at)
         try:
             alpha = solve_memo_alpha(
@@ -644,7 +644,7 @@ def _memo_stage(
             + skeleton_bytes
             + (m.slot_bytes if resident else 0)
         )
-        prefetch = memo_at(model, layout, batch, alpha=0.0, **at).host_bytes if offloaded else 0
+        prefetch = zero.host_bytes if offloaded else 0
         restored = (in_flight - 1) * keep * none.saved_bytes + prefetch + skeleton_bytes
         peak = max(stored + loss_t, stored + m.live_bytes, restored + m.live_bytes)
     else:
