@@ -8,7 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.emulated import runtime as emulated_runtime
 from tests.launch import free_port
+
+# the emulated-device tier runs in a process of its own (python -m tests.emulated; make test)
+collect_ignore = [] if emulated_runtime.loaded() else ["emulated"]
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from memo_ext.collectives import loss_pair
 from memo_ext.hotspa.buckets import BucketBatch
 from memo_ext.hotspa.switch import (
     SwitchPlan,
@@ -251,7 +252,7 @@ class HotSPaEngine:
             figures.bucket_rows[bucket.bucket] = bucket.rows
             figures.bucket_documents[bucket.bucket] = len(bucket.document_lengths)
             by_layout.setdefault(self.keys[bucket.bucket], []).append(bucket)
-        pair = torch.zeros(2, dtype=torch.float64)
+        pair = loss_pair([])
         home = self.runtimes[self.home]
         self._share_loss_scale()
         figures.working_copy_bytes = self._held_copy_bytes()
@@ -301,11 +302,7 @@ class HotSPaEngine:
     def _run_bucket(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> torch.Tensor:
         with swap_cp_group(rt.model, rt.pgs.cp) if rt.shares_home else contextlib.nullcontext():
             losses = self._schedule(rt, bucket, forward_step)
-        pair = torch.zeros(2, dtype=torch.float64)
-        if rt.reports_loss:
-            for record in losses:
-                pair += record["lm loss"].detach().double().cpu()
-        return pair
+        return loss_pair(losses if rt.reports_loss else [])
 
     def _schedule(self, rt: LayoutRuntime, bucket: BucketBatch, forward_step) -> list:
         return rt.forward_backward(

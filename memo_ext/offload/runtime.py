@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import random as mrandom
 from torch import Tensor
 
+from memo_ext.collectives import all_reduce_values
 from memo_ext.config import MemoConfig
 from memo_ext.mcore.chunked import sp_groups
 from memo_ext.offload.activations import (
@@ -466,11 +467,10 @@ def _resident_layers(layer) -> int:
 
 def _agree_min(alpha: float, layer) -> float:
     """The smallest α over the TP and CP groups: recompute passes gather over TP together."""
-    value = torch.tensor([alpha], dtype=torch.float64)
     for group in (layer.pg_collection.tp, layer.pg_collection.cp):
         if group is not None and group.size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return float(value.item())
+            (alpha,) = all_reduce_values([alpha], op=dist.ReduceOp.MIN, group=group)
+    return alpha
 
 
 def _shape_of(rope) -> tuple | None:

@@ -12,9 +12,9 @@ import signal
 import time
 from types import FrameType
 
-import torch
 import torch.distributed as dist
 
+from memo_ext.collectives import all_reduce_values
 from memo_ext.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -56,13 +56,11 @@ class StopConditions:
         if not (c.exit_signal_handler or c.exit_duration_in_mins):
             return None
         minutes = (time.monotonic() - self.start) / 60.0
-        flags = torch.tensor(
-            [float(self.signal_received is not None), minutes], dtype=torch.float64
+        signalled, minutes = all_reduce_values(
+            [float(self.signal_received is not None), minutes], op=dist.ReduceOp.MAX
         )
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] > 0:
+        if signalled > 0:
             return "signal received"
-        if c.exit_duration_in_mins and flags[1] >= c.exit_duration_in_mins:
+        if c.exit_duration_in_mins and minutes >= c.exit_duration_in_mins:
             return f"--exit-duration-in-mins {c.exit_duration_in_mins}"
         return None

@@ -34,6 +34,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext.allocator.core import AllocatorCore
+from memo_ext.collectives import loss_pair
 from memo_ext.config import RunConfig
 from memo_ext.data.datasets import close_batch_iterator
 from memo_ext.errors import ReportedError, UsageError
@@ -436,9 +437,7 @@ def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     pair. TP replicas add identical pairs, which scales both terms alike, so their ratio (the
     mean) and ratios of sums of pairs are unaffected.
     """
-    pair = torch.zeros(2, dtype=torch.float64)
-    for record in losses:
-        pair += record["lm loss"].detach().double().cpu()
+    pair = loss_pair(losses)
     if dist.is_initialized():
         dist.all_reduce(pair)
     return pair
@@ -515,7 +514,7 @@ def _train_one_step(
 def evaluate(s: _Session) -> dict[str, float]:
     """Mean loss over ``eval_iters`` validation global batches, and its perplexity."""
     s.model.eval()
-    pair = torch.zeros(2, dtype=torch.float64)
+    pair = loss_pair([])
     with torch.no_grad():
         for _ in range(s.run.evaluation.eval_iters):
             pair += _forward_backward(s, s.valid_batches, forward_only=True)

@@ -19,6 +19,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from memo_ext.collectives import collective_device
+
 
 def counted_once(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """The parameters whose elements this rank counts (see the module docstring)."""
@@ -38,31 +40,37 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
 
     Where megatron's mixed-precision optimizer keeps fp32 master weights (``main_param``) they
     are read, as Megatron-LM's ``calc_params_l2_norm`` reads them; else the weights themselves.
+    The squares are summed on the collective device (one host read at the end).
     """
     params = list(params)
-    local = torch.zeros((), dtype=torch.float64)
-    sharded = torch.zeros((), dtype=torch.float64)
+    device = collective_device()
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
     any_sharded = False
     for p in counted_once(params):
         if getattr(p, "main_param_sharded", False):  # the distributed optimizer's fp32 shard
             any_sharded = True
             if p.main_param is not None:
-                sharded += p.main_param.detach().double().pow(2).sum().cpu()
+                sharded += _squares(p.main_param, device)
             continue
         data = getattr(p, "main_param", None)
-        data = p if data is None else data
-        local += data.detach().double().pow(2).sum().cpu()
+        local += _squares(p if data is None else data, device)
     if any_sharded and dist.is_initialized():  # every DP rank has the same parameters
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         dist.all_reduce(sharded, group=group)
     return math.sqrt(_sum_over_model_parallel(local + sharded).item())
 
 
+def _squares(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``t`` in float64, on ``device``."""
+    return t.detach().double().pow(2).sum().to(device)
+
+
 def count_zeros_in_grad(params: Iterable[torch.nn.Parameter]) -> int:
     """Zero elements of the (reduced) gradient, every logical element once; parameters without a
     gradient are left out, as megatron-core's optimizer counts (CUDA runs use its count)."""
-    zeros = torch.zeros((), dtype=torch.float64)
+    zeros = torch.zeros((), dtype=torch.float64, device=collective_device())
     for p in counted_once(params):
         if p.grad is not None:
-            zeros += p.grad.numel() - torch.count_nonzero(p.grad.detach()).cpu()
+            zeros += p.grad.numel() - torch.count_nonzero(p.grad.detach()).to(zeros.device)
     return int(_sum_over_model_parallel(zeros).item())

@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import (
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from memo_ext.collectives import collective_device
 from memo_ext.config import TrainConfig
 from memo_ext.training.model_stats import count_zeros_in_grad
 
@@ -115,12 +116,12 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
     copy of a tied embedding on the last pipeline stage is skipped. Squares are summed over the
     model-parallel group (TP × PP); data-parallel replicas already hold reduced gradients.
     """
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=collective_device())
     for p in params:
         if p.grad is None or not param_is_not_shared(p):
             continue
         if param_is_not_tensor_parallel_duplicate(p):
-            total += p.grad.detach().double().pow(2).sum().cpu()
+            total += p.grad.detach().double().pow(2).sum().to(total.device)
     if dist.is_initialized():
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return math.sqrt(total.item())

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors"}),
-    frozenset({"shapes", "parallel", "hardware", "flags"}),
+    frozenset({"shapes", "parallel", "hardware", "flags", "collectives"}),
     frozenset({"mcore", "data"}),
     frozenset({"config"}),
     frozenset({"planner", "offload", "allocator"}),

@@ -1,0 +1,749 @@
+"""The Python half of the emulated CUDA device: a compute device that is not the host.
+
+Inside :func:`emulated_cuda` the program runs its CUDA branch on a CPU-only torch build:
+
+* ``torch.cuda`` says a device exists; tensors placed on it are FakeTensors (shapes, dtypes,
+  strides and aliasing, no data; :class:`EmulatedCudaMode`), so a CPU tensor mixed with a
+  device tensor fails exactly where it fails on a GPU. Host tensors stay real: data loaders,
+  tokenizers and host buffers run for real. A value read from the device (``.item()``) is 0.
+* ``torch.distributed``'s NCCL is torch's fake process group registered for the ``cuda`` device
+  only: a collective of a CPU tensor on it raises ``No backend type associated with device type
+  cpu``, as NCCL does.
+* Streams and events are stand-ins with vector clocks (:class:`Timeline`). Every op is an access
+  of its tensors' bytes on the thread's current stream; an access that is not ordered after a
+  conflicting access on another stream (a copy consumed before its event was waited on, a
+  buffer written while a copy still reads it, a block freed while another stream may still use
+  it) raises :class:`OrderError`. The GPU is modelled as infinitely slow: an event is complete
+  only once the host has waited for it, so ``query()`` never excuses a missing wait.
+* Pinned host memory goes through an emulated ``CachingHostAllocator`` (power-of-two blocks,
+  cached) and ``cudaHostRegister``, both counted (:meth:`EmulatedCuda.pinned_bytes`).
+* ``torch.cuda.memory.CUDAPluggableAllocator`` loads a real allocator library; once installed,
+  every device storage is allocated and freed through it, on the storage's stream and the
+  thread that drops it, and torch's own memory statistics raise as they do under a pluggable
+  allocator.
+
+It is not a GPU: kernels, timings and values are not emulated. It catches the wrong-device,
+wrong-stream and wrong-allocator classes of defects on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from tests.emulated import runtime
+
+aten = torch.ops.aten
+HOST = 0
+"""The host's key in the timeline (streams are numbered from 1)."""
+
+
+class OrderError(AssertionError):
+    """Work on two streams (or a stream and the host) that a GPU would run in either order."""
+
+
+# ---- the timeline: vector clocks of streams and the host ------------------------------------
+
+
+@dataclass
+class _Access:
+    stream: int
+    tick: int
+    start: int
+    end: int
+    write: bool
+    what: str
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    stream: int
+    """The stream the storage was allocated on (a freed block is reused there)."""
+    ptr: int | None = None
+    """Its block from the installed pluggable allocator."""
+    accesses: list[_Access] = field(default_factory=list)
+    recorded: set[int] = field(default_factory=set)
+    """Streams named by ``record_stream`` (the caching allocator defers reuse past them)."""
+
+
+class Timeline:
+    """Happens-before over streams and the host, and every tracked storage's accesses."""
+
+    def __init__(self) -> None:
+        self.clocks: dict[int, dict[int, int]] = {HOST: {HOST: 0}}
+
+    def clock(self, stream: int) -> dict[int, int]:
+        return self.clocks.setdefault(stream, {stream: 0})
+
+    def tick(self, stream: int) -> int:
+        clock = self.clock(stream)
+        if stream != HOST:  # work launched after what the host has seen completes
+            self.join(stream, self.clocks[HOST])
+        clock[stream] = clock.get(stream, 0) + 1
+        return clock[stream]
+
+    def join(self, stream: int, other: dict[int, int]) -> None:
+        clock = self.clock(stream)
+        for key, value in other.items():
+            if value > clock.get(key, 0):
+                clock[key] = value
+
+    def ordered(self, stream: int, access: _Access) -> bool:
+        """Whether ``stream``'s next work comes after ``access``."""
+        return access.stream == stream or self.clock(stream).get(access.stream, 0) >= access.tick
+
+    def access(self, storage: _Storage, access: _Access) -> None:
+        """Check ``access`` against the storage's earlier ones and record it."""
+        for earlier in storage.accesses:
+            overlaps = earlier.start < access.end and access.start < earlier.end
+            if not overlaps or not (earlier.write or access.write):
+                continue
+            if not self.ordered(access.stream, earlier):
+                raise OrderError(
+                    f"{access.what} on {_name(access.stream)} "
+                    f"{'writes' if access.write else 'reads'} bytes that {earlier.what} on "
+                    f"{_name(earlier.stream)} {'wrote' if earlier.write else 'reads'}, with no "
+                    "event or stream wait between them"
+                )
+        # an access supersedes earlier ones of its stream over the same bytes (a write: any
+        # kind; a read: reads); the newest is the one the others must be ordered after
+        storage.accesses = [
+            a
+            for a in storage.accesses
+            if not (
+                a.stream == access.stream
+                and access.start <= a.start
+                and a.end <= access.end
+                and (access.write or not a.write)
+            )
+        ]
+        storage.accesses.append(access)
+
+    def released(self, storage: _Storage, what: str) -> None:
+        """A storage dies: its block may be handed out again on its allocation stream, to work
+        launched from now on (which also comes after everything the host has seen complete)."""
+        for access in storage.accesses:
+            if access.stream in storage.recorded or self.ordered(storage.stream, access):
+                continue
+            if self.ordered(HOST, access):
+                continue
+            raise OrderError(
+                f"a device block is freed (reused next on {_name(storage.stream)}) while "
+                f"{access.what} on {_name(access.stream)} may still "
+                f"{'write' if access.write else 'read'} it: keep the tensor alive until that "
+                "stream's work is waited on"
+            )
+
+
+def _name(stream: int) -> str:
+    return "the host" if stream == HOST else f"stream {stream}"
+
+
+# ---- streams and events ----------------------------------------------------------------------
+
+_ids = itertools.count(1)
+
+
+class Stream:
+    """Stands in for ``torch.cuda.Stream``."""
+
+    def __init__(self, device=None, priority: int = 0, **_: object) -> None:
+        self.id = next(_ids)
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+        self.cuda_stream = 0x5000 + 16 * self.id
+        """The ``cudaStream_t`` a pluggable allocator sees."""
+
+    def wait_stream(self, other: Stream) -> None:
+        _device().timeline.join(self.id, dict(_device().timeline.clock(other.id)))
+
+    def wait_event(self, event: Event) -> None:
+        event.wait(self)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        timeline = _device().timeline
+        return timeline.clock(HOST).get(self.id, 0) >= timeline.clock(self.id).get(self.id, 0)
+
+    def synchronize(self) -> None:
+        _device().timeline.join(HOST, dict(_device().timeline.clock(self.id)))
+
+    def __enter__(self) -> Stream:
+        self._previous = getattr(_local, "stream", None)
+        _local.stream = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.stream = self._previous
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __repr__(self) -> str:
+        return f"<emulated cuda stream {self.id}>"
+
+
+class Event:
+    """Stands in for ``torch.cuda.Event``: complete once the host has waited for it."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **_: object) -> None:
+        self.enable_timing = enable_timing
+        self.clock: dict[int, int] | None = None
+        self.stream: int | None = None
+        self.host_time_s: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream or current_stream()
+        timeline = _device().timeline
+        timeline.tick(stream.id)
+        self.clock, self.stream = dict(timeline.clock(stream.id)), stream.id
+        self.host_time_s = time.perf_counter()
+
+    def wait(self, stream: Stream | None = None) -> None:
+        if self.clock is not None:
+            _device().timeline.join((stream or current_stream()).id, self.clock)
+
+    def query(self) -> bool:
+        if self.clock is None:
+            return True
+        return _device().timeline.clock(HOST).get(self.stream, 0) >= self.clock[self.stream]
+
+    def synchronize(self) -> None:
+        if self.clock is not None:
+            _device().timeline.join(HOST, self.clock)
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds between the two records (host time); both must be complete, as CUDA
+        refuses ``cudaEventElapsedTime`` on an event that is not."""
+        if not self.enable_timing or not end.enable_timing:
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready (the events are not complete)")
+        return (end.host_time_s - self.host_time_s) * 1e3
+
+
+_local = threading.local()
+
+
+def current_stream(device=None) -> Stream:
+    """This thread's current stream (a new thread starts on the default stream)."""
+    return getattr(_local, "stream", None) or _device().default
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None) -> Iterator[None]:
+    """Stands in for ``torch.cuda.stream``."""
+    if s is None:
+        yield
+        return
+    with s:
+        yield
+
+
+def set_stream(s: Stream) -> None:
+    _local.stream = s
+
+
+def synchronize(device=None) -> None:
+    timeline = _device().timeline
+    for key in list(timeline.clocks):
+        timeline.join(HOST, dict(timeline.clock(key)))
+
+
+# ---- the pluggable allocator and the CUDA runtime's host registration --------------------------
+
+
+class PluggableAllocator:
+    """Stands in for ``torch.cuda.memory.CUDAPluggableAllocator``: the library is loaded and its
+    functions found as torch finds them (``AttributeError`` for a missing name)."""
+
+    def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
+        self.library = ctypes.CDLL(path_to_so_file)
+        self.alloc_fn = ctypes.cast(getattr(self.library, alloc_fn_name), ctypes.c_void_p).value
+        self.free_fn = ctypes.cast(getattr(self.library, free_fn_name), ctypes.c_void_p).value
+
+    def allocator(self) -> PluggableAllocator:
+        return self
+
+    def alloc(self, nbytes: int, stream: Stream) -> int:
+        """``alloc(nbytes, 0, stream)`` as torch calls it; a C++ ``c10::OutOfMemoryError`` is
+        raised as ``torch.OutOfMemoryError``, a NULL becomes the illegal address it would be."""
+        out, message = ctypes.c_void_p(), ctypes.create_string_buffer(1024)
+        status = runtime.loaded().memo_emulated_pluggable_alloc(
+            self.alloc_fn, nbytes, 0, stream.cuda_stream, ctypes.byref(out), message, 1024
+        )
+        if status == 1:
+            raise torch.OutOfMemoryError(message.value.decode())
+        if status == 2:
+            raise RuntimeError(message.value.decode())
+        if not out.value:
+            raise RuntimeError(
+                f"CUDA error: an illegal memory access was encountered (the pluggable allocator "
+                f"returned NULL for {nbytes} bytes, which torch hands to the first kernel)"
+            )
+        return out.value
+
+
+class CudaRuntime:
+    """Stands in for ``torch.cuda.cudart()``: host registration, counted by the shim."""
+
+    @staticmethod
+    def cudaHostRegister(ptr: int, size: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        return runtime.loaded().memo_emulated_host_register(ptr, size)
+
+    @staticmethod
+    def cudaHostUnregister(ptr: int) -> int:  # noqa: N802
+        return runtime.loaded().memo_emulated_host_unregister(ptr)
+
+
+class _Properties:
+    name = "emulated CUDA device"
+    total_memory = 80 * 2**30
+    major, minor = 9, 0
+    multi_processor_count = 132
+    gcnArchName = ""  # noqa: N815 (torch's name)
+
+
+# ---- the dispatch mode -----------------------------------------------------------------------
+
+
+def _is_cuda(value: object) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return isinstance(value, str) and value.startswith("cuda")
+
+
+def _on_device(t: object) -> bool:
+    return isinstance(t, FakeTensor) and t.device.type == "cuda"
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    return start, start + extent * t.element_size()
+
+
+class EmulatedCudaMode(FakeTensorMode):
+    """FakeTensors for the device, real tensors for the host, and every device op checked
+    against the timeline (see the module docstring)."""
+
+    def __init__(self, device: EmulatedCuda) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.device = device
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True  # no device to initialise: never materialise a tensor on it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = self.device
+        device.collect_released()
+        if func is aten.record_stream.default:
+            return device.record_stream(args[0], args[1])
+        leaves = tree_leaves((args, kwargs))
+        if _host_op(leaves):
+            device.host_op(func, args, kwargs)  # runs for real
+            return func(*args, **kwargs)
+        if func.namespace == "c10d":  # to the process group as they are: it checks the device
+            device.device_op(func, args, kwargs, touches_data=True)
+            with no_dispatch():
+                return func(*args, **kwargs)
+        if func is aten._local_scalar_dense.default:
+            device.device_op(func, args, kwargs, touches_data=True)
+            device.host_waits_for_current_stream()
+            device.scalar_reads += 1
+            return _zero_of(args[0].dtype)
+        args, kwargs = tree_map_only(
+            torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.from_tensor(t),
+            (args, kwargs),
+        )  # fmt: skip
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        device.device_op(func, args, kwargs, outputs=tree_leaves(out))
+        if _blocking_copy_to_host(func, kwargs):
+            device.host_waits_for_current_stream()
+        return out
+
+
+def _host_op(leaves: list) -> bool:
+    """An op of real host tensors only: no FakeTensor, meta tensor or storage, no CUDA device."""
+    for v in leaves:
+        if isinstance(v, FakeTensor) or _is_cuda(v):
+            return False
+        if isinstance(v, (torch.Tensor, torch.UntypedStorage)) and v.device.type == "meta":
+            return False
+    return True
+
+
+def _zero_of(dtype: torch.dtype) -> object:
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+def _blocking_copy_to_host(func, kwargs) -> bool:
+    """A device → host copy the host waits for (``.cpu()``, ``.to("cpu")``)."""
+    if func is aten._to_copy.default:
+        target = kwargs.get("device")
+        return target is not None and target.type == "cpu" and not kwargs.get("non_blocking")
+    return False
+
+
+# ---- the device --------------------------------------------------------------------------------
+
+
+class EmulatedCuda:
+    """The state of the emulated device while :func:`emulated_cuda` is active."""
+
+    def __init__(self) -> None:
+        self.shim = runtime.loaded()
+        if self.shim is None:
+            raise RuntimeError(
+                "the emulated CUDA shim is not loaded: run `python -m tests.emulated`"
+            )
+        self.timeline = Timeline()
+        self.default = Stream()
+        self.storages: dict[int, _Storage] = {}
+        """Live device storages, by token."""
+        self.host_storages: dict[int, _Storage] = {}
+        """Pinned host storages a device op touched, by data pointer."""
+        self.allocator: PluggableAllocator | None = None
+        self.initialized = False
+        """A device tensor existed or a device was set: the allocator can no longer change."""
+        self.scalar_reads = 0
+        self.allocated_bytes = self.peak_bytes = 0
+        self.lock = threading.RLock()
+        self.generator = torch.Generator(device="cuda")
+        self.mode = EmulatedCudaMode(self)
+
+    # -- accesses -------------------------------------------------------------------------
+
+    def device_op(self, func, args, kwargs, *, outputs=(), touches_data=None) -> None:
+        """Record a device op's accesses on the current stream, then register new storages.
+        An op touches data unless it aliases (a view) or answers metadata (a device, a size)."""
+        written = _written_arguments(func, args, kwargs)
+        if touches_data is None:
+            tensors_out = any(isinstance(t, torch.Tensor) for t in outputs)
+            touches_data = not func.is_view and bool(written or tensors_out)
+        if not touches_data:
+            return
+        with self.lock:
+            stream = current_stream().id
+            tick = self.timeline.tick(stream)
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self._touch(t, stream, tick, write=id(t) in written, what=str(func))
+            for t in outputs:
+                if _on_device(t):
+                    self._register(t, stream)
+                    self._touch(t, stream, tick, write=True, what=str(func))
+
+    def host_op(self, func, args, kwargs) -> None:
+        """A host op touching a pinned buffer a device op touched must be ordered after it."""
+        if not self.host_storages:
+            return
+        with self.lock:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            tracked = [t for t in tensors if _host_key(t) in self.host_storages]
+            if tracked and not func.is_view:
+                tick = self.timeline.tick(HOST)
+                written = _written_arguments(func, args, kwargs)
+                for t in tracked:
+                    self._touch(t, HOST, tick, write=id(t) in written, what=str(func))
+
+    def _touch(self, t: torch.Tensor, stream: int, tick: int, *, write: bool, what: str) -> None:
+        storage = self._storage_of(t)
+        if storage is None:
+            return
+        start, end = _byte_range(t)
+        self.timeline.access(storage, _Access(stream, tick, start, end, write, what))
+
+    def _storage_of(self, t: torch.Tensor) -> _Storage | None:
+        if _on_device(t):
+            return self.storages.get(self._token(t))
+        if isinstance(t, FakeTensor) or t.device.type != "cpu" or not t.is_pinned():
+            return None  # pageable host memory: CUDA copies to and from it synchronously
+        key = _host_key(t)
+        if key not in self.host_storages:
+            nbytes = t.untyped_storage().nbytes()
+            self.host_storages[key] = _Storage(nbytes=nbytes, stream=HOST)
+        return self.host_storages[key]
+
+    def _token(self, t: torch.Tensor) -> int:
+        return self.shim.memo_emulated_storage_token(t.untyped_storage()._cdata)
+
+    def _register(self, t: torch.Tensor, stream: int) -> None:
+        token = self._token(t)
+        if token in self.storages:
+            return
+        self.initialized = True
+        storage = _Storage(nbytes=t.untyped_storage().nbytes(), stream=stream)
+        if self.allocator is not None and storage.nbytes:
+            s = current_stream()
+            storage.ptr = self.allocator.alloc(storage.nbytes, s)
+            self.shim.memo_emulated_bind_block(
+                token, self.allocator.free_fn, storage.ptr, storage.nbytes, s.cuda_stream
+            )
+        self.storages[token] = storage
+        self.allocated_bytes += storage.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+
+    def collect_released(self) -> None:
+        """Check the device storages dropped since the last op (the shim's meta allocator
+        reports them; it has already freed their allocator blocks, on the dropping thread)."""
+        buffer = (ctypes.c_size_t * 256)()
+        while n := self.shim.memo_emulated_take_released(buffer, 256):
+            with self.lock:
+                for token in buffer[:n]:
+                    storage = self.storages.pop(token, None)
+                    if storage is not None:
+                        self.allocated_bytes -= storage.nbytes
+                        self.timeline.released(storage, "a device block")
+
+    def record_stream(self, t: torch.Tensor, s) -> None:
+        """``Tensor.record_stream``: the caching allocator defers the block's reuse past ``s``'s
+        work; a pluggable allocator without a record-stream function does nothing with it."""
+        if self.allocator is not None:
+            raise OrderError(
+                "record_stream under a pluggable allocator (the MEMO allocator core) does "
+                "nothing: the block would be reused while the other stream still uses it"
+            )
+        storage = self.storages.get(self._token(t))
+        if storage is not None:
+            storage.recorded.add(getattr(s, "id", None) or current_stream().id)
+
+    def host_waits_for_current_stream(self) -> None:
+        self.timeline.join(HOST, dict(self.timeline.clock(current_stream().id)))
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def pinned_bytes(self) -> int:
+        """Host bytes pinned now: the emulated CachingHostAllocator's blocks (power-of-two,
+        cached ones included) plus cudaHostRegister'ed ranges."""
+        return (
+            self.shim.memo_emulated_pinned_reserved() + self.shim.memo_emulated_registered_bytes()
+        )
+
+    def change_current_allocator(self, allocator: PluggableAllocator) -> None:
+        if self.initialized:
+            raise RuntimeError("Can't swap an already initialized allocator")
+        self.allocator = allocator
+
+    def _stats_under_pluggable(self, what: str) -> None:
+        if self.allocator is not None:
+            raise RuntimeError(
+                f"CUDAPluggableAllocator does not yet support {what}. If you need it, please "
+                "file an issue describing your use case."
+            )
+
+    def memory_allocated(self, device=None) -> int:
+        self._stats_under_pluggable("getDeviceStats")
+        return self.allocated_bytes
+
+    def max_memory_allocated(self, device=None) -> int:
+        self._stats_under_pluggable("getDeviceStats")
+        return self.peak_bytes
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self._stats_under_pluggable("resetPeakStats")
+        self.peak_bytes = self.allocated_bytes
+
+    def memory_stats(self, device=None) -> dict:
+        self._stats_under_pluggable("getDeviceStats")
+        return {"allocated_bytes.all.current": self.allocated_bytes}
+
+    def memory_snapshot(self, *args, **kwargs) -> list:
+        self._stats_under_pluggable("snapshot")
+        return []
+
+    def set_device(self, device) -> None:
+        self.initialized = True
+
+    # -- installation ---------------------------------------------------------------------
+
+    def patches(self) -> list[tuple[object, str, object]]:
+        c, generator = torch.cuda, self.generator
+        return [
+            (c, "is_available", lambda: True),
+            (c, "is_initialized", lambda: True),
+            (c, "_lazy_init", lambda: None),
+            (c, "_lazy_call", lambda fn, **_: fn()),
+            (c, "device_count", lambda: 1),
+            (c, "current_device", lambda: 0),
+            (c, "set_device", self.set_device),
+            (c, "synchronize", synchronize),
+            (c, "Stream", Stream),
+            (c, "Event", Event),
+            (c, "current_stream", current_stream),
+            (c, "default_stream", lambda device=None: self.default),
+            (c, "stream", stream),
+            (c, "set_stream", set_stream),
+            (c, "get_device_properties", lambda device=None: _Properties()),
+            (c, "get_device_capability", lambda device=None: (9, 0)),
+            (c, "get_device_name", lambda device=None: _Properties.name),
+            (c, "is_bf16_supported", lambda *a, **k: True),
+            (c, "memory_allocated", self.memory_allocated),
+            (c, "max_memory_allocated", self.max_memory_allocated),
+            (c, "memory_reserved", self.memory_allocated),
+            (c, "max_memory_reserved", self.max_memory_allocated),
+            (c, "reset_peak_memory_stats", self.reset_peak_memory_stats),
+            (c, "memory_stats", self.memory_stats),
+            (c, "memory_snapshot", self.memory_snapshot),
+            (c, "empty_cache", lambda: None),
+            (c, "mem_get_info", lambda device=None: (_Properties.total_memory,) * 2),
+            (c, "set_per_process_memory_fraction", lambda fraction, device=None: None),
+            (c, "cudart", lambda: CudaRuntime),
+            (c, "default_generators", (generator,)),
+            (c, "manual_seed", lambda seed: generator.manual_seed(seed) and None),
+            (c, "manual_seed_all", lambda seed: generator.manual_seed(seed) and None),
+            (c, "get_rng_state", lambda device="cuda": generator.get_state()),
+            (c, "set_rng_state", lambda state, device="cuda": generator.set_state(state)),
+            (c.random, "get_rng_state", lambda device="cuda": generator.get_state()),
+            (c.random, "set_rng_state", lambda state, device="cuda": generator.set_state(state)),
+            (c.memory, "CUDAPluggableAllocator", PluggableAllocator),
+            (c.memory, "change_current_allocator", self.change_current_allocator),
+            (torch.utils, "swap_tensors", _swap_tensors),
+            (dist, "init_process_group", _init_process_group),
+            (dist, "new_group", _new_group),
+            (dist, "all_gather_object", _all_gather_object),
+            (dist, "broadcast_object_list", _broadcast_object_list),
+        ]
+
+
+_active: list[EmulatedCuda] = []
+
+
+def _device() -> EmulatedCuda:
+    if not _active:
+        raise RuntimeError("the emulated CUDA device is not active")
+    return _active[-1]
+
+
+def _host_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _written_arguments(func, args, kwargs) -> set[int]:
+    """``id`` of the tensors an op writes in place (its schema's mutable arguments)."""
+    written = set()
+    schema = func._schema
+    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
+    for argument, value in zip(schema.arguments, values):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written |= {id(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
+    return written
+
+
+# ---- torch functions that cannot work unchanged on a device without data ----------------------
+
+_real_swap_tensors = torch.utils.swap_tensors
+_real_init_process_group = dist.init_process_group
+_real_new_group = dist.new_group
+
+
+def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``Module.to`` swaps FakeTensor parameters, which FakeTensorMode holds weak references to
+    (a swap refuses those); moving a device module to its own device changes nothing but the
+    tensor, so the data assignment torch uses for plain tensors stands in."""
+    if not isinstance(t1, FakeTensor):
+        return _real_swap_tensors(t1, t2)
+    with torch.no_grad():
+        t1.data = t2.detach()
+
+
+def _world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_process_group(backend: str | None = None, **kwargs):
+    """NCCL is torch's fake process group registered for ``cuda`` only (a CPU tensor on it
+    raises, as on NCCL). One process: a real store, so gloo groups (``cpu:gloo,cuda:nccl``,
+    megatron's gloo groups) are real; several emulated ranks in one process: a fake store and
+    fake gloo groups, and the collectives move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rank, world = _world()
+    if backend and "nccl" in backend:
+        backend = "cuda:fake" if backend == "nccl" else backend.replace("nccl", "fake")
+        kwargs.setdefault("rank", rank)
+        kwargs.setdefault("world_size", world)
+        kwargs["store"] = dist.HashStore() if world == 1 else FakeStore()
+        kwargs.pop("init_method", None)
+    return _real_init_process_group(backend=backend, **kwargs)
+
+
+def _new_group(*args, **kwargs):
+    if _world()[1] > 1 and kwargs.get("backend") == "gloo":
+        kwargs["backend"] = "cpu:fake"
+    return _real_new_group(*args, **kwargs)
+
+
+def _all_gather_object(object_list: list, obj: object, group=None) -> None:
+    """Every emulated rank holds what this one holds (FakeTensors carry no pickled bytes)."""
+    import copy
+
+    for i in range(len(object_list)):
+        object_list[i] = copy.deepcopy(obj)
+
+
+def _broadcast_object_list(object_list: list, src: int | None = None, group=None, **_) -> None:
+    """The source's list: this process's own (it is rank 0 of the emulated world)."""
+
+
+@contextlib.contextmanager
+def emulated_cuda(*, rank: int = 0, world_size: int = 1) -> Iterator[EmulatedCuda]:
+    """Run the block on the emulated CUDA device as rank ``rank`` of ``world_size``.
+
+    Raises:
+        RuntimeError: when the shim was not loaded before torch (``python -m tests.emulated``).
+    """
+    device = EmulatedCuda()
+    _local.stream = None
+    patches = device.patches()
+    saved = [(owner, name, getattr(owner, name, None)) for owner, name, _ in patches]
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    _active.append(device)
+    try:
+        with device.mode:
+            yield device
+        device.collect_released()
+    finally:
+        _active.pop()
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["EmulatedCuda", "Event", "OrderError", "Stream", "emulated_cuda"]
