@@ -116,8 +116,8 @@ class SwitchPlan:
         accumulate: bool = False,
     ) -> SwitchStats:
         """Execute the plan: fill (or add into) ``dst`` from ``src``; returns what moved."""
-        start = time.perf_counter()
         dtype, device = _dtype_device(src, dst)
+        timer = SwitchTimer.start(device)
         ops, inboxes = [], {}
         for peer, pieces in sorted(self.sends.items()):
             message = torch.cat(
@@ -150,7 +150,7 @@ class SwitchPlan:
             bytes_sent=sent * element,
             bytes_reused=sum(p.numel for p in self.local) * element,
             world_bytes_moved=self.world_elements_moved * element,
-            seconds=time.perf_counter() - start,
+            timers=[timer.stop()],
         )
 
     def check_fills(self, dst: Mapping[str, torch.Tensor]) -> None:
@@ -191,6 +191,42 @@ def _tiles(pieces: list[Piece], tensor: torch.Tensor) -> bool:
 
 
 @dataclass
+class SwitchTimer:
+    """How long one switch took on its device: CUDA events around it on the current stream
+    (the messages and copies are queued there, so the host's clock would time their launch
+    only), the host's clock on CPU, where every step runs as it is issued."""
+
+    events: tuple | None = None
+    """(start, end) ``torch.cuda.Event`` pair on CUDA."""
+    started_s: float = 0.0
+    host_s: float = 0.0
+
+    @classmethod
+    def start(cls, device: torch.device) -> SwitchTimer:
+        if device.type != "cuda":
+            return cls(started_s=time.perf_counter())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return cls(events=(start, end))
+
+    def stop(self) -> SwitchTimer:
+        if self.events is None:
+            self.host_s = time.perf_counter() - self.started_s
+        else:
+            self.events[1].record()
+        return self
+
+    @property
+    def seconds(self) -> float:
+        """Waits for the switch's end event on CUDA (read it once the step is done)."""
+        if self.events is None:
+            return self.host_s
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+@dataclass
 class SwitchStats:
     bytes_sent: int = 0
     """Bytes this process sent."""
@@ -198,13 +234,18 @@ class SwitchStats:
     """Bytes this process copied from its own shards."""
     world_bytes_moved: int = 0
     """Bytes sent between processes by the whole job."""
-    seconds: float = 0.0
+    timers: list[SwitchTimer] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        """Device time of the switches (on CUDA this waits for the last one to end)."""
+        return sum(timer.seconds for timer in self.timers)
 
     def add(self, other: SwitchStats) -> None:
         self.bytes_sent += other.bytes_sent
         self.bytes_reused += other.bytes_reused
         self.world_bytes_moved += other.world_bytes_moved
-        self.seconds += other.seconds
+        self.timers += other.timers
 
 
 def _dtype_device(src, dst) -> tuple[torch.dtype, torch.device]:

@@ -34,6 +34,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from memo_ext.mcore import attention
 from tests.emulated import runtime
 
 aten = torch.ops.aten
@@ -352,6 +354,7 @@ class EmulatedCudaMode(FakeTensorMode):
     def __init__(self, device: EmulatedCuda) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.device = device
+        self.values = HostKnownValues()
 
     @property
     def avoid_device_init(self) -> bool:
@@ -367,24 +370,96 @@ class EmulatedCudaMode(FakeTensorMode):
         if _host_op(leaves):
             device.host_op(func, args, kwargs)  # runs for real
             return func(*args, **kwargs)
-        if func.namespace == "c10d":  # to the process group as they are: it checks the device
+        if func.namespace == "c10d":
             device.device_op(func, args, kwargs, touches_data=True)
-            with no_dispatch():
-                return func(*args, **kwargs)
+            return _collective(func, args, kwargs)
         if func is aten._local_scalar_dense.default:
             device.device_op(func, args, kwargs, touches_data=True)
             device.host_waits_for_current_stream()
             device.scalar_reads += 1
-            return _zero_of(args[0].dtype)
+            known = self.values.get(args[0])
+            return known.item() if known is not None else _zero_of(args[0].dtype)
+        inputs = (args, kwargs)
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.from_tensor(t),
             (args, kwargs),
         )  # fmt: skip
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.values.propagate(func, inputs, out)
         device.device_op(func, args, kwargs, outputs=tree_leaves(out))
         if _blocking_copy_to_host(func, kwargs):
             device.host_waits_for_current_stream()
         return out
+
+
+class HostKnownValues:
+    """Values of small FakeTensors that the host can know: copied from host tensors (document
+    boundaries, positions, indices), or computed from such only. Their ops are replayed on the
+    host, so ``.tolist()`` of them reads what a GPU would give; every other read is 0."""
+
+    MAX_ELEMENTS = 1 << 16
+
+    def __init__(self) -> None:
+        # id -> (weak reference, value): a tensor's == is an op, so no WeakKeyDictionary
+        self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def get(self, t: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(t, FakeTensor):
+            return t
+        entry = self._values.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _set(self, t: FakeTensor, value: torch.Tensor) -> None:
+        key = id(t)
+        self._values[key] = (weakref.ref(t, lambda _: self._values.pop(key, None)), value)
+
+    def propagate(self, func, inputs, out) -> None:
+        """Replay ``func`` on the inputs' values when every tensor input has one."""
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
+        small = all(t.numel() <= self.MAX_ELEMENTS for t in tensors + outputs)
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        known = [self.get(t) for t in tensors]
+        if not (tensors and outputs and small) or seeded or any(v is None for v in known):
+            for t in _written(func, inputs):
+                self._values.pop(id(t), None)  # written from values the host does not know
+            return
+        replace = dict(zip(map(id, tensors), known))
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: replace[id(t)], inputs)
+        kwargs = {k: torch.device("cpu") if _is_cuda(v) else v for k, v in kwargs.items()}
+        args = tuple(torch.device("cpu") if _is_cuda(a) else a for a in args)
+        try:
+            with no_dispatch():
+                values = [
+                    v for v in tree_leaves(func(*args, **kwargs)) if isinstance(v, torch.Tensor)
+                ]
+        except RuntimeError:  # an op the host cannot replay: the values become unknown
+            return
+        for t, value in zip(outputs, values):
+            self._set(t, value)
+
+
+def _written(func, inputs) -> list[torch.Tensor]:
+    args, kwargs = inputs
+    ids = _written_arguments(func, args, kwargs)
+    return [t for t in tree_leaves(inputs) if isinstance(t, FakeTensor) and id(t) in ids]
+
+
+def _collective(func, args, kwargs):
+    """A collective of device tensors completes at once (the other ranks are emulated): its
+    group must have a backend for the device, as a real one must. Host tensors go to the group
+    as they are, which refuses them when it has no CPU backend (NCCL)."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not all(_on_device(t) for t in tensors):
+        with no_dispatch():
+            return func(*args, **kwargs)
+    group = next(dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject))
+    group._get_backend(torch.device("cuda"))  # raises without one
+    future = torch.futures.Future()
+    future.set_result(None)
+    work = torch._C._distributed_c10d._create_work_from_future(future).boxed()
+    returns = func._schema.returns
+    return (args[0], work) if len(returns) == 2 else work if returns else None
 
 
 def _host_op(leaves: list) -> bool:
@@ -625,6 +700,7 @@ class EmulatedCuda:
             (c.memory, "CUDAPluggableAllocator", PluggableAllocator),
             (c.memory, "change_current_allocator", self.change_current_allocator),
             (torch.utils, "swap_tensors", _swap_tensors),
+            (attention, "causal_lower_right", _dense_causal_lower_right),
             (dist, "init_process_group", _init_process_group),
             (dist, "new_group", _new_group),
             (dist, "all_gather_object", _all_gather_object),
@@ -671,6 +747,13 @@ def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
         return _real_swap_tensors(t1, t2)
     with torch.no_grad():
         t1.data = t2.detach()
+
+
+def _dense_causal_lower_right(queries: int, keys: int) -> torch.Tensor:
+    """torch's ``CausalBias`` is a tensor subclass, which cannot wrap a FakeTensor: the same
+    lower-right causal mask, dense (``True`` = attend), on the device."""
+    rows = torch.arange(queries, device="cuda")[:, None] + (keys - queries)
+    return torch.arange(keys, device="cuda")[None, :] <= rows
 
 
 def _world() -> tuple[int, int]:

@@ -23,12 +23,13 @@ TINY = cli(
 )
 
 
-def train_on(cuda, tmp_path, *extra: str):
+def train_on(cuda, tmp_path, *extra: str, base: list[str] = TINY):
+    """Train ``base`` + ``extra`` in this process on the device; (summary, metrics records)."""
     from memo_ext.arguments import parse_args
     from memo_ext.training.loop import train
 
     metrics = tmp_path / "metrics.jsonl"
-    run = parse_args([*TINY, "--metrics-file", str(metrics), *extra])
+    run = parse_args([*base, "--metrics-file", str(metrics), "--log-interval", "1", *extra])
     summary = train(run)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return summary, records
