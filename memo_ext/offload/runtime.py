@@ -323,9 +323,9 @@ class MemoRuntime:
         if self.chunk_tokens is None:
             acts.end_forward()
         full, scaled = acts.host_bytes(0), acts.host_bytes(n) - acts.host_bytes(0)
-        gbps = measure_copy_gbps(
-            self.engine, device=x.device, nbytes=max(1, min(full + scaled, BANDWIDTH_PROBE_BYTES))
-        )
+        probe = self.pool.scratch(min(full + scaled, BANDWIDTH_PROBE_BYTES))
+        gbps = measure_copy_gbps(self.engine, device=x.device, dst=probe)
+        del probe  # back to the budget before the layers' buffers are taken
         self.cost = LayerCost(
             full_bytes=full, tokenwise_bytes=scaled, forward_s=forward_s, copy_gbps=gbps
         )

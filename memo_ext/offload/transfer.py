@@ -2,7 +2,11 @@
 
 :class:`HostPool` hands out host buffers (pinned on CUDA) that are allocated once and reused every
 iteration: a layer's offloaded tensors have the same sizes in every iteration, so after the first
-one no new host memory is taken. The pool enforces the host-memory budget.
+one no new host memory is taken. The pool enforces the host-memory budget on what is really
+pinned: torch's pinned allocator (``CachingHostAllocator``) rounds every block up to a power of
+two and keeps freed blocks cached, so up to twice the bytes asked for would be page-locked; the
+pool instead maps whole pages itself and registers exactly those with the driver
+(``cudaHostRegister``, :func:`pinned_host_bytes`), and counts them.
 
 A transfer engine copies device → host after a layer's forward and host → device before its
 backward. :class:`SyncTransferEngine` does it synchronously (CPU, and the reference every decision
@@ -14,8 +18,10 @@ reads a copy's destination or frees its source.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,6 +61,41 @@ class HostBuffer:
     last_read: Completion = field(default_factory=Completion)
 
 
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def host_bytes_for(nbytes: int, *, pin_memory: bool) -> int:
+    """Host bytes a buffer of ``nbytes`` takes: whole pages when pinned."""
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES if pin_memory else nbytes
+
+
+def pinned_host_bytes(nbytes: int) -> Tensor:
+    """A ``uint8`` tensor of ``nbytes`` bytes in page-locked host memory, exactly
+    :func:`host_bytes_for` bytes of it: anonymous pages registered with the CUDA driver, and
+    unregistered when the tensor's memory is released.
+
+    Raises:
+        HostMemoryError: when the driver refuses to pin them.
+    """
+    span = host_bytes_for(nbytes, pin_memory=True)
+    pages = mmap.mmap(-1, span)  # page-aligned, zero-filled, returned to the system on close
+    data = torch.frombuffer(pages, dtype=torch.uint8)
+    status = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), span, 0)
+    if status != 0:
+        pages.close()
+        raise HostMemoryError(
+            f"the CUDA driver would not pin {span:,} bytes of host memory (error {int(status)}); "
+            "lower --memo-host-memory-gb or raise the locked-memory limit (ulimit -l)"
+        )
+    # the tensor's storage holds `pages`; when it goes, unpin first, then let the pages go
+    weakref.finalize(data.untyped_storage(), _unpin, data.data_ptr(), pages)
+    return data[:nbytes]
+
+
+def _unpin(ptr: int, pages: mmap.mmap) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 class HostPool:
     """Host buffers by exact byte size, reused every iteration, within a byte budget."""
 
@@ -62,6 +103,7 @@ class HostPool:
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
         self.allocated_bytes = 0
+        """Host bytes the pool's buffers take (pinned: whole pages, as registered)."""
         self.in_use_bytes = 0
         self.buffers: list[HostBuffer] = []
         """Every buffer the pool allocated, in order."""
@@ -77,23 +119,45 @@ class HostPool:
         if free:
             buf = free.pop()
         else:
-            if self.allocated_bytes + nbytes > self.budget_bytes:
-                raise HostMemoryError(
-                    f"MEMO's host buffers would exceed the host budget of {self.budget_bytes:,} "
-                    f"bytes per process ({self.allocated_bytes:,} already taken); raise "
-                    "--memo-host-memory-gb or lower --memo-alpha"
-                )
-            data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-            buf = HostBuffer(data)
+            buf = HostBuffer(self._allocate(nbytes))
             self.buffers.append(buf)
-            self.allocated_bytes += nbytes
         self.in_use_bytes += nbytes
         return buf
+
+    def _allocate(self, nbytes: int) -> Tensor:
+        taken = host_bytes_for(nbytes, pin_memory=self.pin_memory)
+        if self.allocated_bytes + taken > self.budget_bytes:
+            raise HostMemoryError(
+                f"MEMO's host buffers would exceed the host budget of {self.budget_bytes:,} "
+                f"bytes per process ({self.allocated_bytes:,} already taken); raise "
+                "--memo-host-memory-gb or lower --memo-alpha"
+            )
+        data = self._host_bytes(nbytes)
+        self.allocated_bytes += taken
+        return data
+
+    def _host_bytes(self, nbytes: int) -> Tensor:
+        if self.pin_memory:
+            return pinned_host_bytes(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def release(self, buffers: list[HostBuffer]) -> None:
         for buf in buffers:
             self.in_use_bytes -= buf.data.numel()
             self._free[buf.data.numel()].append(buf)
+
+    def scratch(self, nbytes: int) -> Tensor:
+        """A buffer outside the pool's reuse (a bandwidth probe), counted against the budget
+        while it lives: at most what the budget has left."""
+        nbytes = max(1, min(nbytes, self.budget_bytes - self.allocated_bytes))
+        data = self._host_bytes(nbytes)
+        taken = host_bytes_for(nbytes, pin_memory=self.pin_memory)
+        self.allocated_bytes += taken
+        weakref.finalize(data.untyped_storage(), self._return_scratch, taken)
+        return data
+
+    def _return_scratch(self, taken: int) -> None:
+        self.allocated_bytes -= taken
 
 
 def host_view(buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -209,10 +273,11 @@ def build_transfer_engine(device: torch.device) -> SyncTransferEngine | CudaTran
     return SyncTransferEngine()
 
 
-def measure_copy_gbps(engine, *, device: torch.device, nbytes: int) -> float:
-    """Device → host bandwidth in GB/s (1e9 bytes), measured with one copy of ``nbytes``."""
+def measure_copy_gbps(engine, *, device: torch.device, dst: Tensor) -> float:
+    """Device → host bandwidth in GB/s (1e9 bytes), measured with one copy into ``dst`` (a
+    ``uint8`` host buffer, pinned where the engine's copies go to pinned memory)."""
+    nbytes = dst.numel()
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=engine.pin_memory)
     engine.to_host([(dst, src)], reuse=[])  # warm-up
     _synchronize(device)
     start = time.perf_counter()

@@ -86,7 +86,7 @@ std::mutex host_mutex;
 std::unordered_map<void*, size_t> pinned_live;               // block -> rounded bytes
 std::unordered_map<size_t, std::vector<void*>> pinned_free;  // rounded bytes -> cached blocks
 std::map<uintptr_t, size_t> registered;                      // cudaHostRegister'ed ranges
-size_t pinned_reserved = 0, registered_bytes = 0;
+size_t pinned_reserved = 0, registered_bytes = 0, registered_peak = 0;
 
 size_t power_of_two_ceil(size_t n) {
   size_t p = 1;
@@ -244,6 +244,10 @@ extern "C" {
 
 int memo_emulated_cuda_loaded() { return 1; }
 
+// What the first CUDA call does on a GPU: torch's context marks the device initialised (until
+// then it answers `is_pinned` with false, for instance).
+void memo_emulated_init() { at::globalContext().lazyInitDevice(c10::DeviceType::CUDA); }
+
 // Bytes torch's (emulated) pinned allocator holds, cached blocks included.
 size_t memo_emulated_pinned_reserved() {
   std::lock_guard<std::mutex> lock(host_mutex);
@@ -257,6 +261,14 @@ size_t memo_emulated_registered_bytes() {
 
 // cudaHostRegister / cudaHostUnregister: 0 (cudaSuccess), 712 (cudaErrorHostMemoryAlreadyRegistered:
 // the range overlaps a registered one), 713 (cudaErrorHostMemoryNotRegistered).
+// The most bytes registered at once since the last reset.
+size_t memo_emulated_registered_peak(int reset) {
+  std::lock_guard<std::mutex> lock(host_mutex);
+  size_t peak = registered_peak;
+  if (reset) registered_peak = registered_bytes;
+  return peak;
+}
+
 int memo_emulated_host_register(void* ptr, size_t size) {
   auto start = reinterpret_cast<uintptr_t>(ptr);
   std::lock_guard<std::mutex> lock(host_mutex);
@@ -268,6 +280,7 @@ int memo_emulated_host_register(void* ptr, size_t size) {
   }
   registered[start] = size;
   registered_bytes += size;
+  registered_peak = std::max(registered_peak, registered_bytes);
   return 0;
 }
 

@@ -498,6 +498,8 @@ class EmulatedCuda:
             raise RuntimeError(
                 "the emulated CUDA shim is not loaded: run `python -m tests.emulated`"
             )
+        self.shim.memo_emulated_init()  # as CUDA's first use does
+        self.shim.memo_emulated_registered_peak(1)
         self.timeline = Timeline()
         self.default = Stream()
         self.storages: dict[int, _Storage] = {}
@@ -613,6 +615,10 @@ class EmulatedCuda:
         self.timeline.join(HOST, dict(self.timeline.clock(current_stream().id)))
 
     # -- memory ---------------------------------------------------------------------------
+
+    def registered_peak_bytes(self) -> int:
+        """The most host bytes registered (cudaHostRegister) at once on this device."""
+        return self.shim.memo_emulated_registered_peak(0)
 
     def pinned_bytes(self) -> int:
         """Host bytes pinned now: the emulated CachingHostAllocator's blocks (power-of-two,

@@ -94,6 +94,8 @@ def _declare(shim: ctypes.CDLL) -> None:
     size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
     shim.memo_emulated_pinned_reserved.restype = size_t
     shim.memo_emulated_registered_bytes.restype = size_t
+    shim.memo_emulated_registered_peak.argtypes = [ctypes.c_int]
+    shim.memo_emulated_registered_peak.restype = size_t
     shim.memo_emulated_host_register.argtypes = [ptr, size_t]
     shim.memo_emulated_host_unregister.argtypes = [ptr]
     shim.memo_emulated_storage_token.argtypes = [ptr]

@@ -55,6 +55,13 @@ def test_plain_steps(cuda, tmp_path):
     ids=["whole", "auto", "chunked"],
 )
 def test_memo_steps(cuda, tmp_path, memo):
-    summary, records = train_on(cuda, tmp_path, "--memo", "--memo-keep-last-layers", "1", *memo)
+    """MEMO's copies, prefetches and ping-pong reuse, ordered on the device's streams; its host
+    buffers pinned exactly (registered pages) within --memo-host-memory-gb."""
+    budget = 0.01
+    summary, records = train_on(
+        cuda, tmp_path, "--memo", "--memo-keep-last-layers", "1", "--memo-host-memory-gb",
+        str(budget), *memo,
+    )  # fmt: skip
     assert summary.iterations == 3
     assert records[-1]["host_offload_bytes"] > 0
+    assert 0 < cuda.registered_peak_bytes() <= budget * 2**30
