@@ -34,5 +34,5 @@ ALLOCATOR_CORE = Extension(
 
 setup(
     ext_modules=[ALLOCATOR_CORE],
-    package_data={"memo_ext.allocator": ["core.c", "cpu_shim.cpp"]},
+    package_data={"memo_ext.allocator": ["core.c", "torch_shim.cpp"]},
 )

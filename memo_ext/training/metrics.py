@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from memo_ext.allocator.cuda import cuda_allocator_installed
 from memo_ext.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,10 @@ class StepMetrics:
 
 
 def cuda_memory() -> tuple[int | None, int | None]:
-    """(allocated, reserved) peak bytes on this device since the last call, CUDA only."""
-    if not torch.cuda.is_available():
+    """(allocated, reserved) peak bytes on this device since the last call, from torch's caching
+    allocator: CUDA only, and not under the allocator core (torch's statistics raise there; the
+    core reports its own)."""
+    if not torch.cuda.is_available() or cuda_allocator_installed():
         return None, None
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()

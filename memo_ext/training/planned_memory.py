@@ -483,11 +483,9 @@ def install_allocator(core: AllocatorCore) -> None:
     """Route this process's allocations through the core, before the first tensor of the run:
     the CUDA pluggable allocator on a GPU, the c10 CPU-allocator shim otherwise."""
     if torch.cuda.is_available():
-        core.init("cuda")
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            core.so_path(), "memo_alloc", "memo_free"
-        )
-        torch.cuda.memory.change_current_allocator(allocator)
+        from memo_ext.allocator.cuda import install_cuda_allocator
+
+        install_cuda_allocator(core)
     else:
         from memo_ext.allocator.cpu import install_cpu_allocator
 

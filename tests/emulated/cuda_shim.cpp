@@ -320,7 +320,7 @@ void memo_emulated_bind_block(uintptr_t token, void* free_fn, void* ptr, size_t 
 // The CUDA runtime, as the allocator core resolves it from the process's symbols.
 int cudaMalloc(void** ptr, size_t size) {
   std::lock_guard<std::mutex> lock(device_mutex);
-  if (size > device_capacity - device_in_use) return 2;  // cudaErrorMemoryAllocation
+  if (device_in_use + size > device_capacity) return 2;  // cudaErrorMemoryAllocation
   void* block = std::aligned_alloc(512, (size + 511) / 512 * 512);
   if (block == nullptr) return 2;
   device_blocks[block] = size;
@@ -351,6 +351,7 @@ int cudaGetLastError() {
   return 0;
 }
 
+// The device's memory: cudaMalloc fails past `bytes` in use (SIZE_MAX: no limit).
 void memo_emulated_set_device_capacity(size_t bytes) {
   std::lock_guard<std::mutex> lock(device_mutex);
   device_capacity = bytes;

@@ -814,7 +814,7 @@ def shim(core):
     from memo_ext.allocator import cpu
 
     try:
-        cpu.build_cpu_shim()
+        cpu.build_shim()
     except cpu.ShimBuildError as err:
         if "C++ compiler" in str(err):
             pytest.skip(f"no C++ compiler: {err}")
@@ -916,12 +916,12 @@ def test_a_recorded_torch_step_planned_and_served_computes_the_same(core, shim):
 
 
 def test_without_a_cxx_compiler_the_shim_says_so(monkeypatch):
-    from memo_ext.allocator import cpu
+    from memo_ext.allocator import shim
 
-    monkeypatch.setattr(cpu, "_shim", {})
+    monkeypatch.setattr(shim, "_shim", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with pytest.raises(cpu.ShimBuildError, match="needs a C\\+\\+ compiler") as error:
-        cpu.build_cpu_shim()
+    with pytest.raises(shim.ShimBuildError, match="needs a C\\+\\+ compiler") as error:
+        shim.build_shim()
     assert isinstance(error.value, UsageError)
 
 

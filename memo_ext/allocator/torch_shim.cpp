@@ -1,7 +1,15 @@
-// CPU shim: routes torch's CPU allocations through the allocator core (core.c).
+// torch shim: the allocator core (core.c) behind torch's allocators.
 //
-// Compiled against torch's headers by memo_ext/allocator/cpu.py (torch.utils.cpp_extension.load,
-// a plain library, no Python module) and driven through ctypes:
+// CPU: a c10::Allocator over the core, set with c10::SetCPUAllocator.
+// CUDA: memo_cuda_alloc / memo_cuda_free, the pair torch's CUDAPluggableAllocator calls. torch
+// wraps whatever pointer `alloc` returns, NULL included (no check), so a NULL from the core
+// would become an illegal address at the first kernel, with a sticky CUDA error; the shim
+// raises c10::OutOfMemoryError instead, which torch turns into torch.OutOfMemoryError.
+//
+// Compiled against torch's headers (no CUDA headers: a cudaStream_t is a pointer) by
+// memo_ext/allocator/shim.py (torch.utils.cpp_extension.load, a plain library, no Python module)
+// and driven through ctypes:
+//   memo_shim_bind(core_so_path)               -> 0, or -1 with memo_shim_last_error()
 //   memo_shim_install(core_so_path, priority)  -> 0, or -1 with memo_shim_last_error()
 //   memo_shim_uninstall()                      -> 0, or -1 when not installed
 // The core is found by dlopen of the same path ctypes loaded, so both share its state. Neither
@@ -18,9 +26,11 @@ namespace {
 
 using AllocFn = void* (*)(size_t, int, void*);
 using FreeFn = void (*)(void*, size_t, int, void*);
+using ErrorFn = const char* (*)();
 
 AllocFn core_alloc = nullptr;
 FreeFn core_free = nullptr;
+ErrorFn core_last_error = nullptr;
 c10::Allocator* previous = nullptr;  // the CPU allocator before install
 uint8_t installed_priority = 0;
 char last_error[512] = "no error";
@@ -64,15 +74,8 @@ const char* memo_shim_last_error() {
   return last_error;
 }
 
-int memo_shim_install(const char* core_so_path, int priority) {
-  if (previous != nullptr) {
-    std::snprintf(last_error, sizeof last_error, "the CPU shim is already installed.");
-    return -1;
-  }
-  if (priority < 0 || priority > 255) {
-    std::snprintf(last_error, sizeof last_error, "priority %d is not in 0..255.", priority);
-    return -1;
-  }
+// Find the core's entry points (the same library, so the same state, as ctypes loaded).
+int memo_shim_bind(const char* core_so_path) {
   void* handle = dlopen(core_so_path, RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
     std::snprintf(last_error, sizeof last_error, "cannot load the core: %s.", dlerror());
@@ -87,6 +90,20 @@ int memo_shim_install(const char* core_so_path, int priority) {
   }
   core_alloc = alloc;
   core_free = free;
+  core_last_error = reinterpret_cast<ErrorFn>(dlsym(handle, "memo_last_error"));
+  return 0;
+}
+
+int memo_shim_install(const char* core_so_path, int priority) {
+  if (previous != nullptr) {
+    std::snprintf(last_error, sizeof last_error, "the CPU shim is already installed.");
+    return -1;
+  }
+  if (priority < 0 || priority > 255) {
+    std::snprintf(last_error, sizeof last_error, "priority %d is not in 0..255.", priority);
+    return -1;
+  }
+  if (memo_shim_bind(core_so_path) != 0) return -1;
   c10::Allocator* before = c10::GetCPUAllocator();
   c10::SetCPUAllocator(&allocator, static_cast<uint8_t>(priority));
   if (c10::GetCPUAllocator() != &allocator) {
@@ -115,6 +132,28 @@ int memo_shim_uninstall() {
 
 int memo_shim_installed() {
   return previous != nullptr && c10::GetCPUAllocator() == &allocator;
+}
+
+// CUDA: `alloc` and `free` of torch.cuda.memory.CUDAPluggableAllocator (cudaStream_t is a
+// pointer). The core's own sentence says why it failed (its backend, a bad size).
+void* memo_cuda_alloc(size_t size, int device, void* stream) {
+  TORCH_CHECK(core_alloc != nullptr, "the MEMO allocator shim is not bound to a core");
+  if (size == 0) return nullptr;
+  void* ptr = core_alloc(size, device, stream);
+  TORCH_CHECK_WITH(
+      OutOfMemoryError,
+      ptr != nullptr,
+      "CUDA out of memory. Tried to allocate ",
+      size,
+      " B on device ",
+      device,
+      " through the MEMO allocator core: ",
+      core_last_error != nullptr ? core_last_error() : "no reason given");
+  return ptr;
+}
+
+void memo_cuda_free(void* ptr, size_t size, int device, void* stream) {
+  if (ptr != nullptr) core_free(ptr, size, device, stream);
 }
 
 }  // extern "C"

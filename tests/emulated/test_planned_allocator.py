@@ -1,0 +1,64 @@
+"""``--memo-allocator plan`` on the emulated device: every device storage allocated and freed
+through torch's pluggable-allocator interface into the allocator core (the torch shim's
+``memo_cuda_alloc`` / ``memo_cuda_free``, the core's CUDA backend over the stand-in runtime)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.emulated.test_training import TINY, train_on
+
+PLANNED = [
+    "--memo",
+    "--memo-keep-last-layers",
+    "1",
+    "--memo-alpha",
+    "1",
+    "--memo-allocator",
+    "plan",
+]
+
+
+def test_planned_layer_passes_are_served_on_the_device(cuda, tmp_path):
+    summary, records = train_on(cuda, tmp_path, *PLANNED, "--train-iters", "4",
+                                "--memo-plan-cache", str(tmp_path / "plans"))  # fmt: skip
+    assert summary.iterations == 4
+    assert cuda.allocator is not None and cuda.shim.memo_emulated_device_in_use() > 0
+    assert records[-1]["plan_hit_ratio"] >= 0.99
+    # torch's own statistics raise under a pluggable allocator: the core's figures stand in
+    assert records[-1]["mem_allocated_bytes"] > 0
+
+
+def test_running_out_of_device_memory_is_torch_out_of_memory_with_the_bytes(cuda, tmp_path):
+    """The core returns NULL when cudaMalloc fails; torch would wrap that pointer and the first
+    kernel would fault (a sticky illegal address). The shim raises OutOfMemoryError instead,
+    which the trainer reports with the bytes asked for (exit status 3)."""
+    from memo_ext.allocator.core import AllocatorCore
+    from memo_ext.errors import OutOfMemory
+    from pretrain_gpt_memo import _train_reporting_oom
+
+    AllocatorCore().release_cached()  # the process-wide core may cache an earlier test's blocks
+    room = 64 << 10
+    cuda.shim.memo_emulated_set_device_capacity(cuda.shim.memo_emulated_device_in_use() + room)
+    try:
+        with pytest.raises(OutOfMemory, match=r"tried to allocate \d+ bytes") as error:
+            _train_reporting_oom([*TINY, *PLANNED])
+    finally:
+        cuda.shim.memo_emulated_set_device_capacity(2**64 - 1)
+    assert error.value.exit_status == 3 and error.value.requested_bytes > 0
+
+
+def test_nccl_is_told_to_hold_its_tensors_not_to_record_streams(cuda, tmp_path, monkeypatch):
+    """record_stream does nothing under a pluggable allocator: NCCL must keep a collective's
+    tensors alive itself (the emulated device raises on any record_stream under the core)."""
+    from memo_ext.allocator.cuda import NCCL_HOLDS_TENSORS
+    from memo_ext.errors import UsageError
+
+    monkeypatch.setenv(NCCL_HOLDS_TENSORS, "0")
+    with pytest.raises(UsageError, match=f"needs {NCCL_HOLDS_TENSORS}=1"):
+        train_on(cuda, tmp_path, *PLANNED)
+    monkeypatch.delenv(NCCL_HOLDS_TENSORS)
+    train_on(cuda, tmp_path, *PLANNED, "--train-iters", "1")
+    assert os.environ[NCCL_HOLDS_TENSORS] == "1"
