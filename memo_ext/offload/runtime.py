@@ -301,27 +301,17 @@ class MemoRuntime:
     # --------------------------------------------------------------------- α and the budget
 
     def _solve_alpha(self, layer, kwargs: dict[str, Any], groups: int) -> None:
-        """``auto``: measure one layer (bytes, forward time) and the copy bandwidth, solve α."""
+        """``auto``: measure one layer (bytes, forward time) and the copy bandwidth, solve α.
+
+        On CUDA the layer runs once untimed first: the process's first launches pay for cuBLAS
+        handles and workspaces and kernel loading, which would make the layer look slow and α
+        too high (copies that no longer hide under the compute)."""
         x = kwargs["hidden_states"]
         n = x.size(0)
-        if self.chunk_tokens is not None:
-            acts = self._chunked(layer, kwargs, host_tokens=n, measure_only=True)
-            capturing, run = contextlib.nullcontext(), acts.run
-        else:
-            probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
-            acts = self._activations(
-                layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
-            )
-            capturing, run = acts.capturing(), lambda: layer.forward_plain(**kwargs)
         with _preserved_rng():
-            _synchronize(x.device)
-            start = time.perf_counter()
-            with capturing:
-                run()
-            _synchronize(x.device)
-            forward_s = time.perf_counter() - start
-        if self.chunk_tokens is None:
-            acts.end_forward()
+            if x.device.type == "cuda":
+                self._measured_forward(layer, kwargs, groups)
+            acts, forward_s = self._measured_forward(layer, kwargs, groups)
         full, scaled = acts.host_bytes(0), acts.host_bytes(n) - acts.host_bytes(0)
         probe = self.pool.scratch(min(full + scaled, BANDWIDTH_PROBE_BYTES))
         gbps = measure_copy_gbps(self.engine, device=x.device, dst=probe)
@@ -344,6 +334,30 @@ class MemoRuntime:
             full / 2**20,
             scaled / 2**20,
         )
+
+    def _measured_forward(self, layer, kwargs: dict[str, Any], groups: int):
+        """The layer's forward with every save measured (nothing offloaded); (its activations'
+        record, seconds)."""
+        x = kwargs["hidden_states"]
+        n = x.size(0)
+        if self.chunk_tokens is not None:
+            acts = self._chunked(layer, kwargs, host_tokens=n, measure_only=True)
+            capturing, run = contextlib.nullcontext(), acts.run
+        else:
+            probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
+            acts = self._activations(
+                layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
+            )
+            capturing, run = acts.capturing(), lambda: layer.forward_plain(**kwargs)
+        _synchronize(x.device)
+        start = time.perf_counter()
+        with capturing:
+            run()
+        _synchronize(x.device)
+        forward_s = time.perf_counter() - start
+        if self.chunk_tokens is None:
+            acts.end_forward()
+        return acts, forward_s
 
     def _skeleton_budget(self, layer) -> int:
         """Chunked: settle :attr:`skeletons` from :attr:`cost` and return the host budget the α

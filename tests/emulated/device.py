@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import itertools
 import os
 import threading
@@ -492,7 +493,7 @@ def _blocking_copy_to_host(func, kwargs) -> bool:
 class EmulatedCuda:
     """The state of the emulated device while :func:`emulated_cuda` is active."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, first_gemm_s: float = 0.0) -> None:
         self.shim = runtime.loaded()
         if self.shim is None:
             raise RuntimeError(
@@ -510,6 +511,10 @@ class EmulatedCuda:
         self.initialized = False
         """A device tensor existed or a device was set: the allocator can no longer change."""
         self.scalar_reads = 0
+        self.first_gemm_s = first_gemm_s
+        """Host seconds a matrix product of shapes not seen before takes (CUDA loads kernels
+        lazily, cuBLAS makes its handle and workspace at first use)."""
+        self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
         self.lock = threading.RLock()
         self.generator = torch.Generator(device="cuda")
@@ -526,6 +531,11 @@ class EmulatedCuda:
             touches_data = not func.is_view and bool(written or tensors_out)
         if not touches_data:
             return
+        if self.first_gemm_s and func in _GEMMS:
+            shapes = (func, *(tuple(t.shape) for t in args if isinstance(t, torch.Tensor)))
+            if shapes not in self._gemm_shapes:  # a kernel loaded (and tuned) on first use
+                self._gemm_shapes.add(shapes)
+                time.sleep(self.first_gemm_s)
         with self.lock:
             stream = current_stream().id
             tick = self.timeline.tick(stream)
@@ -727,6 +737,9 @@ def _host_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+_GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
 def _written_arguments(func, args, kwargs) -> set[int]:
     """``id`` of the tensors an op writes in place (its schema's mutable arguments)."""
     written = set()
@@ -802,13 +815,16 @@ def _broadcast_object_list(object_list: list, src: int | None = None, group=None
 
 
 @contextlib.contextmanager
-def emulated_cuda(*, rank: int = 0, world_size: int = 1) -> Iterator[EmulatedCuda]:
-    """Run the block on the emulated CUDA device as rank ``rank`` of ``world_size``.
+def emulated_cuda(
+    *, rank: int = 0, world_size: int = 1, first_gemm_s: float = 0.0
+) -> Iterator[EmulatedCuda]:
+    """Run the block on the emulated CUDA device as rank ``rank`` of ``world_size``; each first
+    matrix product of new shapes takes ``first_gemm_s`` host seconds (a kernel's first use).
 
     Raises:
         RuntimeError: when the shim was not loaded before torch (``python -m tests.emulated``).
     """
-    device = EmulatedCuda()
+    device = EmulatedCuda(first_gemm_s=first_gemm_s)
     _local.stream = None
     patches = device.patches()
     saved = [(owner, name, getattr(owner, name, None)) for owner, name, _ in patches]
@@ -821,6 +837,7 @@ def emulated_cuda(*, rank: int = 0, world_size: int = 1) -> Iterator[EmulatedCud
     try:
         with device.mode:
             yield device
+            gc.collect()  # what the block dropped dies on the device (pinned pages unpinned)
         device.collect_released()
     finally:
         _active.pop()

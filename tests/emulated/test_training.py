@@ -65,3 +65,21 @@ def test_memo_steps(cuda, tmp_path, memo):
     assert summary.iterations == 3
     assert records[-1]["host_offload_bytes"] > 0
     assert 0 < cuda.registered_peak_bytes() <= budget * 2**30
+
+
+def test_memo_auto_times_the_layer_after_a_warm_up(tmp_path, caplog):
+    """A process's first matrix products of each shape pay for loading their kernels (and
+    cuBLAS's handle and workspace; here: 0.5 s of host time each); the α rule must time the
+    layer without that, or α comes out too high. (MEMO's one-token probe of the layer warms
+    other shapes than the layer's.)"""
+    import logging
+    import re
+
+    from tests.emulated.device import emulated_cuda
+
+    with emulated_cuda(first_gemm_s=0.5) as cuda, caplog.at_level(logging.INFO):
+        train_on(cuda, tmp_path, "--memo", "--memo-keep-last-layers", "1", "--memo-alpha", "auto",
+                 "--train-iters", "1")  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records if "MEMO auto α" in r.getMessage()]
+    forward_ms = float(re.search(r"layer forward ([0-9.]+) ms", line).group(1))
+    assert forward_ms < 400, line
