@@ -9,6 +9,12 @@ chunks and CP rank ``r`` holds chunks ``r`` and ``2·cp-1-r``, so every rank doe
 work. Keys and values are all-gathered across the CP group (reduce-scattered in backward) and
 each local query chunk attends to the global prefix that ends with it.
 
+Packed rows run one variable-length kernel call on CUDA (flash-attn's
+``flash_attn_varlen_func``, else torch's ``varlen_attn`` in half precision without dropout), and
+one SDPA call per document elsewhere, with the boundaries read on the host (no device → host copy
+per layer). Attention dropout always draws from megatron's tensor-parallel RNG stream (its CUDA
+RNG tracker's fork), as megatron's own attention does, so TP ranks drop different heads' weights.
+
 ``FlashAttention`` wraps flash-attn's kernels on CUDA. Both modules take megatron's
 core-attention constructor and ``forward`` signatures, so they slot into
 ``SelfAttentionSubmodules.core_attention``.
@@ -16,6 +22,8 @@ core-attention constructor and ``forward`` signatures, so they slot into
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 
 import torch
@@ -29,7 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from memo_ext.mcore.packed import cp_chunk_positions
+from memo_ext.mcore.packed import cp_chunk_positions, host_bounds
 
 
 class SDPAttention(MegatronModule):
@@ -97,26 +105,35 @@ class SDPAttention(MegatronModule):
         if groups > 1 and not isinstance(causal, bool):
             # lower-right causal biases do not take enable_gqa: expand k / v to all heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        dropout_p = self.dropout_p if self.training else 0.0
-        kwargs = dict(dropout_p=dropout_p, scale=self.softmax_scale)
+        kwargs = dict(dropout_p=self._dropout_p(), scale=self.softmax_scale)
         if isinstance(causal, bool):
             kwargs.update(is_causal=causal, enable_gqa=groups > 1)
         else:
             kwargs.update(attn_mask=causal)
-        if dropout_p > 0.0:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        else:
+        with self._dropout_rng():
             out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         return out.permute(2, 0, 1, 3)  # [sq, b, np, hn]
 
+    def _dropout_p(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    def _dropout_rng(self):
+        """Megatron's tensor-parallel RNG stream around a kernel that drops out (each TP rank
+        its own draws, the same on every DP replica), nothing otherwise."""
+        if self._dropout_p() > 0.0:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, params: PackedSeqParams) -> Tensor:
         """Packed ``thd`` inputs: each sequence of ``cu_seqlens`` attends only to itself."""
-        if params.cu_seqlens_q_padded is not None:
-            cu_q = params.cu_seqlens_q_padded
-        else:
-            cu_q = params.cu_seqlens_q
-        bounds = cu_q.tolist()
+        varlen = self._varlen_kernel(q)
+        if varlen is not None:
+            cu = params.cu_seqlens_q_padded
+            cu = cu if cu is not None else params.cu_seqlens_q
+            with self._dropout_rng():
+                out = varlen(q, k, v, cu, params.max_seqlen_q)
+            return out.reshape(out.size(0), -1)
+        bounds = host_bounds(params)
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end == start:
@@ -135,7 +152,7 @@ class SDPAttention(MegatronModule):
     ) -> Tensor:
         """Packed rows under CP: each document's two local query chunks against its gathered
         keys / values (the load-balanced order of ``cp_chunk_positions``, per document slot)."""
-        bounds = params.cu_seqlens_q_padded.tolist()
+        bounds = host_bounds(params)
         cp_size, rank = self.cp_group.size(), self.cp_group.rank()
         if bounds[-1] != q.size(0) * cp_size:
             raise ValueError("under CP, packed document slots must cover the whole row")
@@ -180,6 +197,33 @@ class SDPAttention(MegatronModule):
         out = torch.cat(outs, dim=0)
         return out.reshape(out.size(0), out.size(1), -1)
 
+    def _varlen_kernel(self, q: Tensor):
+        """One call over a packed row ``(q, k, v, cu_seqlens, max_seqlen) -> [t, np, hn]`` where
+        the device has one (torch's ``varlen_attn``: CUDA, half precision, no dropout), else
+        ``None``."""
+        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or self._dropout_p():
+            return None
+        return _torch_varlen(self.softmax_scale)
+
+
+def _torch_varlen(scale: float):
+    """torch's causal ``varlen_attn`` (torch >= 2.10), or ``None`` where it is absent."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    named = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in named else {"window_size": (-1, 0)}
+
+    def run(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+        groups = q.size(1) // k.size(1)
+        if groups > 1 and "enable_gqa" not in named:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": True} if groups > 1 and "enable_gqa" in named else {}
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal, **extra)
+
+    return run
+
 
 def _gather_cp_sequence(x: Tensor, group: torch.distributed.ProcessGroup, cp_size: int) -> Tensor:
     """All-gather a CP-sharded ``[s/cp, b, ...]`` tensor into global sequence order ``[s, ...]``.
@@ -201,7 +245,7 @@ def _gather_cp_sequence(x: Tensor, group: torch.distributed.ProcessGroup, cp_siz
 class FlashAttention(SDPAttention):
     """flash-attn kernels (CUDA only), same interface and layouts as :class:`SDPAttention`.
 
-    Context parallelism and dropout under TP fall back to :class:`SDPAttention`'s paths.
+    Context parallelism's lower-right masks go through :class:`SDPAttention`'s SDPA path.
     """
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool | Tensor) -> Tensor:
@@ -209,10 +253,22 @@ class FlashAttention(SDPAttention):
             return super()._sdpa(q, k, v, causal=causal)
         from flash_attn import flash_attn_func
 
-        dropout_p = self.dropout_p if self.training else 0.0
         # flash-attn wants [b, s, heads, hn] and handles GQA natively
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-        out = flash_attn_func(
-            q, k, v, dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=causal
-        )
+        with self._dropout_rng():
+            out = flash_attn_func(
+                q, k, v, dropout_p=self._dropout_p(), softmax_scale=self.softmax_scale,
+                causal=causal,
+            )  # fmt: skip
         return out.transpose(0, 1)
+
+    def _varlen_kernel(self, q: Tensor):
+        from flash_attn import flash_attn_varlen_func
+
+        def run(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int) -> Tensor:
+            return flash_attn_varlen_func(
+                q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=self._dropout_p(),
+                softmax_scale=self.softmax_scale, causal=True,
+            )  # fmt: skip
+
+        return run

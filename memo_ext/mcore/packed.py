@@ -16,24 +16,48 @@
   length only when the row holds a single segment, where both modes agree.
 - core attention receives ``[t, heads, head_dim]`` and the params; ``SDPAttention`` attends
   within each padded segment, causally, so real tokens never see another document or padding.
+
+The params are :class:`HostBoundsPackedSeqParams`: the boundaries also as host integers, read
+from the host batch before it moved to the device, so attention and the CP cut need no
+device → host copy (a synchronisation) per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
+@dataclass
+class HostBoundsPackedSeqParams(PackedSeqParams):
+    """megatron's ``thd`` params plus the padded boundaries on the host."""
+
+    host_cu_seqlens_padded: tuple[int, ...] | None = None
+    """``cu_seqlens_*_padded`` as host integers."""
+
+
+def host_bounds(params: PackedSeqParams) -> list[int]:
+    """The padded (else plain) query boundaries of ``params`` as host integers (read from the
+    device only for params built elsewhere)."""
+    host = getattr(params, "host_cu_seqlens_padded", None)
+    if host is not None:
+        return list(host)
+    bounds = params.cu_seqlens_q_padded
+    return (bounds if bounds is not None else params.cu_seqlens_q).tolist()
+
+
 def build_packed_seq_params(
     *, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, device: torch.device | str
-) -> PackedSeqParams:
+) -> HostBoundsPackedSeqParams:
     """``thd`` params of one row for ``GPTModel.forward``.
 
     Args:
         cu_seqlens: int32 ``[n + 1]``, start of each document's real tokens and the end of the
-            last one.
+            last one, on the host.
         cu_seqlens_padded: int32 ``[n + 1]``, the same boundaries with the row's padding
-            attached to the last document (last entry = row length).
+            attached to the last document (last entry = row length), on the host.
         device: Where the model runs (the boundaries go there; megatron reads them back).
 
     Returns:
@@ -44,10 +68,11 @@ def build_packed_seq_params(
             f"cu_seqlens {tuple(cu_seqlens.shape)} and cu_seqlens_padded "
             f"{tuple(cu_seqlens_padded.shape)} must both hold n + 1 >= 2 boundaries"
         )
+    host = tuple(int(b) for b in cu_seqlens_padded.tolist())
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     padded = cu_seqlens_padded.to(device=device, dtype=torch.int32)
-    max_seqlen = int((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).max())
-    return PackedSeqParams(
+    max_seqlen = max(b - a for a, b in zip(host[:-1], host[1:]))
+    return HostBoundsPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -55,6 +80,7 @@ def build_packed_seq_params(
         cu_seqlens_kv_padded=padded,
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
+        host_cu_seqlens_padded=host,
     )
 
 

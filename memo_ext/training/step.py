@@ -59,16 +59,19 @@ def load_micro_batch(
     ``cp_group`` (the model's); their boundaries stay whole. Plain rows use megatron's cut over
     the global CP group.
     """
-    host = next(data_iterator)
+    host = dict(next(data_iterator))
     if vocab_size is not None:
         check_token_ids(host, vocab_size=vocab_size)
+    # the boundaries stay on the host: the params take them there (and copy them over)
+    bounds = {k: host.pop(k) for k in ("cu_seqlens", "cu_seqlens_padded") if k in host}
     batch = {k: v.to(device, non_blocking=True) for k, v in host.items()}
-    if "cu_seqlens" not in batch:
+    if not bounds:
         return get_batch_on_this_cp_rank(batch)
+    batch.update(bounds)
     if cp_group is None or cp_group.size() == 1:
         return batch
     positions = cp_chunk_positions(
-        batch["cu_seqlens_padded"].tolist(), cp_rank=cp_group.rank(), cp_size=cp_group.size()
+        bounds["cu_seqlens_padded"].tolist(), cp_rank=cp_group.rank(), cp_size=cp_group.size()
     ).to(device)
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         batch[key] = batch[key][:, positions]
