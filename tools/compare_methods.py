@@ -79,6 +79,7 @@ from memo_ext.hardware import (  # noqa: E402
     read_calibration,
     write_calibration,
 )
+from memo_ext.mcore.specs import resolve_attention_backend  # noqa: E402
 from memo_ext.parallel import LayoutError, ParallelLayout  # noqa: E402
 from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
 from tools.compare_report import format_summary, format_table, plot_comparison  # noqa: E402
@@ -315,6 +316,8 @@ def resolve(args: argparse.Namespace, extra: list[str]) -> Comparison:
     _check_counts(args, granularity)
     layouts = _layouts(args, methods, launch, model, [*args.seq_lengths, granularity])
     device, cuda, kernels, notes = _device(args, model, launch)
+    extra, backend = _one_attention_backend(extra, methods)
+    notes.append(f"attention: {backend} for every method (--attention-backend {backend})")
     efficiency = Efficiency(loss_chunks=getattr(args, "model.loss_chunks") or 1)
     if args.calibration:
         calibration = read_calibration(args.calibration)
@@ -350,6 +353,39 @@ def resolve(args: argparse.Namespace, extra: list[str]) -> Comparison:
         retry_errors=args.retry_errors,
         notes=notes,
     )
+
+
+def _one_attention_backend(extra: list[str], methods: list[Method]) -> tuple[list[str], str]:
+    """The jobs' flags with one ``--attention-backend`` for every method, and that backend.
+
+    Left to ``auto``, the baselines would take transformer-engine's attention where MEMO (which
+    rebuilds layers from our core attention) takes flash-attn or SDPA, and the table would mix
+    the kernels' difference into the methods'. The backend passed after ``--`` is used when
+    given; else the one MEMO's ``auto`` picks on this machine.
+
+    Raises:
+        UsageError: transformer-engine's attention with a MEMO method among the methods.
+    """
+    given = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--attention-backend"]
+    given += [a.split("=", 1)[1] for a in extra if a.startswith("--attention-backend=")]
+    memo = any(m.is_memo for m in methods)
+    if given:
+        backend = given[-1]
+        if backend == "te" and memo:
+            raise UsageError(
+                "--attention-backend te cannot run MEMO (its layers use our core attention); "
+                "compare on --attention-backend flash or sdpa"
+            )
+        if backend != "auto":
+            return extra, backend
+    backend = resolve_attention_backend("auto", allow_te=not memo)
+    rest = [a for i, a in enumerate(extra) if not _is_backend_flag(extra, i)]
+    return [*rest, "--attention-backend", backend], backend
+
+
+def _is_backend_flag(extra: list[str], i: int) -> bool:
+    a = extra[i]
+    return a.startswith("--attention-backend") or (i > 0 and extra[i - 1] == "--attention-backend")
 
 
 def _model(args: argparse.Namespace) -> ModelShape:

@@ -257,3 +257,34 @@ def test_model_flags_need_a_preset_or_the_sizes():
     args = argparse.Namespace(model=None, **{f"shape.{n}": None for n in cm.MODEL_FIELDS})
     with pytest.raises(UsageError, match="--num-layers, --hidden-size, --num-attention-heads"):
         cm._model(args)
+
+
+@pytest.mark.parametrize(
+    "extra, installed, expect",
+    [
+        ([], {"transformer_engine", "flash_attn"}, "flash"),  # not te: MEMO cannot run on it
+        (["--bf16"], {"transformer_engine"}, "sdpa"),
+        (["--attention-backend", "sdpa", "--bf16"], {"transformer_engine", "flash_attn"}, "sdpa"),
+        (["--attention-backend=auto"], {"flash_attn"}, "flash"),
+    ],
+)
+def test_every_method_runs_on_one_attention_backend(monkeypatch, extra, installed, expect):
+    """``auto`` resolved per job would give the baselines transformer-engine's attention and
+    MEMO flash-attn's: the comparison picks one backend for all, MEMO's, and passes it."""
+    from memo_ext.mcore import specs
+
+    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(specs, "_installed", lambda module: module in installed)
+    methods = [cm.parse_method("full"), cm.parse_method("memo")]
+    flags, backend = cm._one_attention_backend(extra, methods)
+    assert backend == expect
+    assert (
+        flags.count("--attention-backend") == 1
+        and flags[flags.index("--attention-backend") + 1] == expect
+    )
+    assert "--bf16" in flags or "--bf16" not in extra
+
+
+def test_transformer_engine_attention_cannot_compare_memo():
+    with pytest.raises(UsageError, match="--attention-backend te cannot run MEMO"):
+        cm._one_attention_backend(["--attention-backend", "te"], [cm.parse_method("memo")])
