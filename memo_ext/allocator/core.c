@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MEMO_ABI_VERSION 1
+#define MEMO_ABI_VERSION 2
 /* sha256 of this file (first 16 hex digits), set by whoever compiles it (setup.py, core.py), so
  * a library built from an older source is recognised as stale. */
 #ifndef MEMO_SOURCE_DIGEST
@@ -96,7 +96,20 @@ typedef struct {
 
 typedef struct {
     uint64_t start, end; /* [start, end) offsets in the arena */
+    int64_t index;       /* the planned request this block serves, in its pass */
+    uint64_t serial;     /* that pass's serial */
+    int32_t kind;        /* that pass's kind */
 } interval_t;
+
+/* A planned block still live when a later request's planned bytes overlapped it: freed later
+ * than in the recording (by a thread of its own timing, say). `outlived`: past its pass's end. */
+typedef struct {
+    int32_t kind;
+    int32_t outlived;
+    int64_t index;
+} late_t;
+
+#define MAX_LATE 4096
 
 typedef struct {
     int32_t type;
@@ -173,6 +186,8 @@ static pass_t pass;
 static uint64_t pass_serial_counter;
 static event_log_t log_now, log_done;
 static int log_done_kind = -1;
+static late_t late[MAX_LATE];
+static int late_count;
 
 static void set_error(const char *fmt, ...) {
     va_list args;
@@ -415,18 +430,18 @@ static size_t first_starting_at_or_after(uint64_t offset) {
     return lo;
 }
 
-static int arena_overlaps_live(uint64_t start, uint64_t end) {
-    /* Live blocks are disjoint and sorted, so their ends are sorted too: only the last block
-     * starting before `end` can reach into [start, end). */
+/* The live block that reaches into [start, end), or NULL. Live blocks are disjoint and sorted,
+ * so their ends are sorted too: only the last block starting before `end` can. */
+static const interval_t *arena_overlapping_live(uint64_t start, uint64_t end) {
     size_t k = first_starting_at_or_after(end);
-    return k > 0 && arena.live[k - 1].end > start;
+    return k > 0 && arena.live[k - 1].end > start ? &arena.live[k - 1] : NULL;
 }
 
 /* Needs room for one more interval (reserve_tables). */
-static void arena_mark_live(uint64_t start, uint64_t end) {
+static void arena_mark_live(uint64_t start, uint64_t end, int64_t index) {
     size_t k = first_starting_at_or_after(start);
     memmove(&arena.live[k + 1], &arena.live[k], (arena.live_count - k) * sizeof *arena.live);
-    arena.live[k] = (interval_t){start, end};
+    arena.live[k] = (interval_t){start, end, index, pass.serial, pass.kind};
     arena.live_count++;
     stats[ST_ARENA_LIVE] += end - start;
     bump_peak(ST_ARENA_LIVE, ST_ARENA_PEAK);
@@ -526,8 +541,12 @@ static int64_t route_pass_request(uint64_t size, int device, void *stream, int64
         return -1;
     }
     uint64_t start = plan->offsets[i];
-    if (arena_overlaps_live(start, start + size)) {
+    const interval_t *blocking = arena_overlapping_live(start, start + size);
+    if (blocking) {
         stats[ST_MISS_OVERLAP]++;
+        if (late_count < MAX_LATE)
+            late[late_count++] = (late_t){blocking->kind, blocking->serial != pass.serial,
+                                          blocking->index};
         return -1;
     }
     return (int64_t)start;
@@ -559,7 +578,7 @@ void *memo_alloc(size_t size, int device, void *stream) {
     block_t block = {.size = rounded, .stream = stream, .device = device, .index = logged,
                      .pass_serial = logged >= 0 ? pass.serial : 0};
     if (offset >= 0) {
-        arena_mark_live((uint64_t)offset, (uint64_t)offset + rounded);
+        arena_mark_live((uint64_t)offset, (uint64_t)offset + rounded, pass.next_index - 1);
         result = arena.base + offset;
         block.kind = BLOCK_ARENA;
         if (!arena.stream_known) {
@@ -895,6 +914,23 @@ void memo_reset_stats(void) {
 }
 
 const char *memo_last_error(void) { return last_error; }
+
+/* The planned blocks that made requests miss by overlap since the last call (up to
+ * `capacity`, oldest first; the rest stay for the next call): kind, request index, and whether
+ * the block had outlived its pass. Returns the count. */
+int memo_take_late(int32_t *kinds, int64_t *indexes, int32_t *outlived, int capacity) {
+    pthread_mutex_lock(&lock);
+    int n = late_count < capacity ? late_count : capacity;
+    for (int k = 0; k < n; k++) {
+        kinds[k] = late[k].kind;
+        indexes[k] = late[k].index;
+        outlived[k] = late[k].outlived;
+    }
+    memmove(late, late + n, (size_t)(late_count - n) * sizeof *late);
+    late_count -= n;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
 
 int memo_live_blocks(void) {
     pthread_mutex_lock(&lock);

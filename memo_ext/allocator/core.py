@@ -90,7 +90,7 @@ from memo_ext.errors import UsageError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE = PACKAGE_DIR / "core.c"
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Must equal ``MEMO_ABI_VERSION`` in ``core.c``; a library of another version is rebuilt."""
 BLOCK_ALIGN = 512
 """Requests are rounded up to this many bytes; plan offsets and sizes are multiples of it."""
@@ -290,6 +290,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "memo_release_cached": (None, []),
         "memo_shutdown": (None, []),
         "memo_abi_version": (ctypes.c_int, []),
+        "memo_take_late": (
+            ctypes.c_int,
+            [ctypes.POINTER(i32), ctypes.POINTER(i64), ctypes.POINTER(i32), ctypes.c_int],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -471,6 +475,26 @@ class AllocatorCore:
     def live_blocks(self) -> int:
         """Number of blocks handed out and not freed (arena and fallback)."""
         return int(self._lib.memo_live_blocks())
+
+    def take_late(self) -> list[tuple[int, int, bool]]:
+        """The planned blocks that made a request miss by overlap since the last call, as
+        ``(kind, request index, outlived its pass)``, oldest first: blocks freed later than
+        their plan says."""
+        out: list[tuple[int, int, bool]] = []
+        kinds, indexes = np.zeros(1024, np.int32), np.zeros(1024, np.int64)
+        outlived = np.zeros(1024, np.int32)
+        while True:
+            n = self._lib.memo_take_late(
+                _pointer(kinds, ctypes.c_int32),
+                _pointer(indexes, ctypes.c_int64),
+                _pointer(outlived, ctypes.c_int32),
+                1024,
+            )
+            out += [
+                (int(k), int(i), bool(o)) for k, i, o in zip(kinds[:n], indexes[:n], outlived[:n])
+            ]
+            if n < 1024:
+                return out
 
     def release_cached(self) -> None:
         """Returns the cached fallback blocks to the backend."""

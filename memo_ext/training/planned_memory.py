@@ -25,6 +25,13 @@ copies, prefetched host data, tensors kept for the backward at α < 1) is left t
 exact-size caching path (``unplanned``): planning it would put it in the arena that the next
 pass's plan reuses from offset 0. docs/memo.md gives the measured consequence.
 
+Frees whose timing varies (a block another thread still holds a little longer, say; on CUDA,
+NCCL and autograd's device thread) make the next planned request over its bytes miss. The core
+names the block that was in the way (``AllocatorCore.take_late``); at the end of the step its
+kind is planned again with that block living to the end of its pass (or, when it outlived the
+pass, left to the caching path). Lifetimes only grow, so a few steps settle every such block,
+at the cost of a somewhat larger arena.
+
 A kind whose passes keep missing (more than :data:`MISS_TOLERANCE` of its requests in two
 consecutive steps) is recorded and planned once more; if it still misses, it falls back for
 good, with a warning that names the dominant reason.
@@ -36,7 +43,7 @@ import hashlib
 import json
 import logging
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +143,17 @@ class PassRecord:
             for a, b in zip(self.ends, other.ends, strict=True)
         )
         return PassRecord(self.sizes, ends)
+
+    def extended(self, late: dict[int, bool]) -> PassRecord:
+        """Lifetimes of requests freed later than recorded: request ``i`` of ``late`` lives to
+        the pass's end, or (``late[i]`` true: it outlived the pass) is left to the caching
+        path."""
+        n = len(self.sizes)
+        ends = list(self.ends)
+        for i, outlived in late.items():
+            if 0 <= i < n and ends[i] != -1:
+                ends[i] = -1 if outlived else n
+        return PassRecord(self.sizes, tuple(ends))
 
 
 def sequence_digest(sizes: tuple[int, ...], shape_key: str) -> str:
@@ -304,6 +322,7 @@ class PlannedMemory:
         elif self.recording:
             self._replan()
         elif self.serving:
+            self._absorb_late_frees()
             self._watch_misses()
 
     def _learn_kinds(self) -> None:
@@ -410,6 +429,34 @@ class PlannedMemory:
                     state.requests,
                     reason,
                 )
+
+    def _absorb_late_frees(self) -> None:
+        """Plan again each kind whose blocks were freed later than planned (module docstring)."""
+        late: dict[int, dict[int, bool]] = defaultdict(dict)
+        for kind, index, outlived in self.core.take_late():
+            late[kind][index] = late[kind].get(index, False) or outlived
+        changed = False
+        for kind, blocks in late.items():
+            state = self.kinds[kind] if 0 <= kind < len(self.kinds) else None
+            if state is None or state.given_up or state.record is None:
+                continue
+            record = state.record.extended(blocks)
+            if record == state.record:
+                continue
+            state.record = record
+            state.plan = plan_sequence(record, time_limit_s=self.time_limit_s)
+            self._save(state.digest, state.plan)
+            self.replans += 1
+            changed = True
+            logger.info(
+                "--memo-allocator plan: pass kind %d planned again: %d blocks were freed later "
+                "than planned (arena %.2f MiB)",
+                kind,
+                len(blocks),
+                state.plan.peak_bytes / 2**20,
+            )
+        if changed:
+            self._load_all()
 
     def _replan(self) -> None:
         """Plan each re-recorded kind again from the lifetimes of all its passes this step."""

@@ -22,11 +22,14 @@ PLANNED = [
 
 
 def test_planned_layer_passes_are_served_on_the_device(cuda, tmp_path):
-    summary, records = train_on(cuda, tmp_path, *PLANNED, "--train-iters", "4",
+    """Backward passes run on autograd's device thread here, as on a GPU: their frees come at
+    that thread's times; the hit ratio holds every served step."""
+    summary, records = train_on(cuda, tmp_path, *PLANNED, "--train-iters", "6",
                                 "--memo-plan-cache", str(tmp_path / "plans"))  # fmt: skip
-    assert summary.iterations == 4
+    assert summary.iterations == 6
     assert cuda.allocator is not None and cuda.shim.memo_emulated_device_in_use() > 0
-    assert records[-1]["plan_hit_ratio"] >= 0.99
+    served = [r for r in records if r["iteration"] >= 3]
+    assert all(r["plan_hit_ratio"] >= 0.99 for r in served), [r["plan_hit_ratio"] for r in served]
     # torch's own statistics raise under a pluggable allocator: the core's figures stand in
     assert records[-1]["mem_allocated_bytes"] > 0
 

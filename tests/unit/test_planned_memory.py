@@ -125,29 +125,41 @@ def test_a_cached_plan_is_reused(core, tmp_path, caplog):
     assert "from " + str(tmp_path) in caplog.text
 
 
-def test_late_frees_miss_then_replan_then_give_up(core, caplog):
+def test_a_late_free_is_planned_again_and_a_divergence_gives_up(core, caplog):
     memory = PlannedMemory(core, shape_key="t", cache_dir=None, time_limit_s=5)
     for iteration in range(1, RECORD_ITERATION + 1):
         run_step(core, memory, iteration)
-    caplog.set_level(logging.WARNING)
-    # from now on block 1 is freed only after the pass: the next pass's range for it is taken
-    for iteration in (3, 4):
+    caplog.set_level(logging.INFO)
+    # from now on block 1 is freed only after the pass: the next pass's range for it is taken;
+    # the core names the block, and the kind is planned again with it outliving its pass
+    run_step(core, memory, 3, late=1)
+    assert memory.step_metrics()["plan_miss_overlap"] > 0
+    assert memory.replans == 1 and memory.kinds[0].plan.offsets[1] == UNPLANNED
+    assert "1 blocks were freed later than planned" in caplog.text
+    for iteration in (4, 5):
         run_step(core, memory, iteration, late=1)
-        assert memory.step_metrics()["plan_miss_overlap"] > 0
-    assert "recording it again" in caplog.text and memory.recording == {0}
-    run_step(core, memory, 5, late=1)  # recorded: block 1 now outlives its pass
-    assert memory.replans == 1
-    assert memory.kinds[0].plan.offsets[1] == UNPLANNED
-    run_step(core, memory, 6, late=1)
-    assert memory.step_metrics()["plan_misses"] == 0
-    # a divergence the re-plan did not see: the kind gives up after two more missing steps
+        assert memory.step_metrics()["plan_misses"] == 0
+    # a divergence the plan cannot absorb (another size): recorded again, then given up
     grown = [("a", 8192), *FORWARD[1:]]
-    for iteration in (7, 8):
+    for iteration in (6, 7):
         run_step(core, memory, iteration, late=1, program=grown)
         assert memory.step_metrics()["plan_miss_size"] == 3
+    assert "recording it again" in caplog.text and memory.recording == {0}
+    run_step(core, memory, 8, late=1)  # recorded with the old program
+    for iteration in (9, 10):
+        run_step(core, memory, iteration, late=1, program=grown)
     assert memory.kinds[0].given_up and "from now on" in caplog.text
-    run_step(core, memory, 9, late=1, program=grown)
+    run_step(core, memory, 11, late=1, program=grown)
     assert memory.step_metrics()["plan_requests"] == 0  # the caching path only
+
+
+def test_blocks_freed_late_within_their_pass_live_to_its_end(core):
+    """A late free inside the pass: the block is planned to the end of its pass, not left to
+    the caching path."""
+    record = PassRecord((4096, 8192, 4096), (1, 3, 3))
+    assert record.extended({0: False}).ends == (3, 3, 3)
+    assert record.extended({0: True}).ends == (-1, 3, 3)
+    assert PassRecord((512,), (-1,)).extended({0: False}).ends == (-1,)  # outliving stays
 
 
 def test_a_resumed_run_records_its_own_second_step(core):
