@@ -2,7 +2,8 @@
 # Downloads, on a CPU machine with PyPI, the Python 3.12 wheels the lent GPU machine lacks, into
 # wheels/ (git-ignored), for scripts/gpu_check.sh to install offline. That machine has torch 2.11
 # (CUDA 13), numba, einops, psutil, tokenizers, tensorboard and matplotlib; it lacks
-# megatron-core and the planner's solvers (ortools, highspy, with ortools' own dependencies).
+# megatron-core, the planner's solvers (ortools, highspy, with ortools' own dependencies) and
+# ninja (the allocator's torch shim is compiled on first use).
 # Everything carried to it must stay under 64 MiB: the script fails if the wheels are larger.
 # Hardware: any Linux machine with pip and network access to PyPI. Expected time: < 1 minute.
 #   bash scripts/gpu_wheels.sh            # then carry wheels/ with the GPU run
@@ -16,6 +17,7 @@ LIMIT_MIB=${LIMIT_MIB:-60}  # of the 64 MiB that may travel; the working tree ta
 WHEELS=(
     megatron-core==0.16.1 ortools==9.15.6755 highspy==1.16.0
     absl-py immutabledict "protobuf>=6.33.1,<6.34" pandas==3.1.1 tzdata
+    ninja  # torch.utils.cpp_extension builds the allocator's torch shim with it
 )
 rm -rf "$DEST" && mkdir -p "$DEST"
 python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

@@ -20,12 +20,11 @@ pytestmark = [
 SCRIPT = r"""
 import json
 import torch
-from memo_ext.allocator.core import AllocatorCore, so_path
+from memo_ext.allocator.core import AllocatorCore
+from memo_ext.allocator.cuda import install_cuda_allocator
 
 core = AllocatorCore()
-core.init("cuda")
-allocator = torch.cuda.memory.CUDAPluggableAllocator(so_path(), "memo_alloc", "memo_free")
-torch.cuda.memory.change_current_allocator(allocator)
+install_cuda_allocator(core)  # the torch shim's memo_cuda_alloc / memo_cuda_free
 
 generator = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(512, 256, device="cuda", generator=generator)
@@ -67,8 +66,14 @@ for _ in range(4):
     del out
     backend_allocs.append(core.stats()["fallback_backend_allocs"])
 stats = core.stats()
+try:  # far past the device: the core returns NULL, the shim raises (no illegal address)
+    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    oom = "no error"
+except torch.OutOfMemoryError as err:
+    oom = str(err)
+usable = bool(torch.ones(4, device="cuda").sum().item() == 4)  # no sticky CUDA error after it
 print(json.dumps({"stats": stats, "same": same, "in_arena": in_arena, "planned": len(allocs),
-                  "backend_allocs": backend_allocs}))
+                  "backend_allocs": backend_allocs, "oom": oom, "usable": usable}))
 """
 
 
@@ -81,3 +86,4 @@ def test_a_recorded_cuda_forward_is_served_from_the_arena():
     assert out["same"] and out["in_arena"]
     # After the first step (whose comparison may take a new block) nothing reaches cudaMalloc.
     assert len(set(out["backend_allocs"][1:])) == 1
+    assert f"Tried to allocate {1 << 50} B" in out["oom"] and out["usable"]

@@ -10,6 +10,7 @@ from tests.launch import assert_same_curves, cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.launch,
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
     ),

@@ -15,6 +15,7 @@ from tools.method_jobs import MEGATRON_OFFLOAD_FLAGS
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.launch,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(
         importlib.util.find_spec("transformer_engine") is None,

@@ -156,6 +156,7 @@ def test_layer_gradients_match_plain(megatron_cuda, chunk):
         assert (a - b).norm() <= 1e-5 * a.norm()
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("chunk", [None, "200"])
 def test_training_matches_plain_run(tmp_path, chunk):
     args = GPU_LLAMA + cli(

@@ -18,6 +18,7 @@ from tests.launch import cli, run_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.launch,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
