@@ -1,11 +1,11 @@
 # make demo  — train a small GPT on 2 CPU processes (the built-in demo configuration)
-# make test  — lint, then the unit and gloo-distributed test suites
+# make test  — lint, the unit and gloo-distributed suites, then the emulated-CUDA tier
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test test-emulated lint format clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +28,15 @@ lint: $(STAMP)
 
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider
+
+# the program's CUDA branch on this CPU machine (its own process: see tests/emulated)
+test-emulated: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) runs data .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs data build .pytest_cache .ruff_cache
