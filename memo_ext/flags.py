@@ -95,7 +95,14 @@ def _unwrap_optional(hint: Any) -> Any:
 
 
 def _hint(cls: type, f: dataclasses.Field) -> Any:
-    return _unwrap_optional(typing.get_type_hints(cls)[f.name])
+    return _unwrap_optional(_type_hints(cls)[f.name])
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, evaluated once per class (it compiles every annotation
+    string of the class on each call: most of the parser's build time before)."""
+    return typing.get_type_hints(cls)
 
 
 def _is_switch(f: dataclasses.Field, cls: type) -> bool:
