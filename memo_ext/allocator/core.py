@@ -1,10 +1,11 @@
 """The allocator core from Python: finding (or compiling) the C library and driving it.
 
 The core (``core.c``, plain C, loaded with ctypes) is one process-wide allocator that serves a
-memory plan at run time. On a GPU its ``memo_alloc`` / ``memo_free`` pair is what
-``torch.cuda.memory.CUDAPluggableAllocator(so_path(), "memo_alloc", "memo_free")`` calls; on CPU
-the c10 shim of ``memo_ext.allocator.cpu`` calls the same pair, so the rules below are tested on
-CPU (the CUDA backend there only against a stand-in runtime).
+memory plan at run time. Its ``memo_alloc`` / ``memo_free`` pair is called by the torch shim
+(``memo_ext.allocator.shim``): on a GPU behind ``torch.cuda.memory.CUDAPluggableAllocator``
+(``memo_ext.allocator.cuda``, which turns a NULL into ``torch.OutOfMemoryError``), on CPU behind
+c10's CPU allocator (``memo_ext.allocator.cpu``), so the rules below are tested on CPU (the CUDA
+backend there against a stand-in runtime, and on the emulated device of ``tests/emulated``).
 
 Design
 ------
