@@ -15,6 +15,11 @@ from tests.launch import free_port
 collect_ignore = [] if emulated_runtime.loaded() else ["emulated"]
 
 
+def pytest_report_header(config):
+    if not emulated_runtime.loaded():
+        return "tests/emulated is not collected here: it runs as python -m tests.emulated"
+
+
 @pytest.fixture
 def megatron_cpu():
     """gloo world of one process, megatron's parallel state (all sizes 1), CUDA-isms redirected."""
