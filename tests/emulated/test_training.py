@@ -82,4 +82,4 @@ def test_memo_auto_times_the_layer_after_a_warm_up(tmp_path, caplog):
                  "--train-iters", "1")  # fmt: skip
     (line,) = [r.getMessage() for r in caplog.records if "MEMO auto α" in r.getMessage()]
     forward_ms = float(re.search(r"layer forward ([0-9.]+) ms", line).group(1))
-    assert forward_ms < 400, line
+    assert forward_ms < 1000, line  # without the warm-up: 0.5 s per GEMM shape, over 3 s here
