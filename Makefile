@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-emulated lint format clean
+.PHONY: install demo test test-fast test-emulated lint format clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider
+
+# the edit-test loop: the unit tier without the tests marked slow (tool subprocesses, big traces)
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit -m "not slow"
 
 # the program's CUDA branch on this CPU machine (its own process: see tests/emulated)
 test-emulated: $(STAMP)

@@ -998,5 +998,6 @@ void memo_shutdown(void) {
     mode = MODE_OFF;
     log_now.count = log_done.count = 0;
     log_done_kind = -1;
+    late_count = 0;
     pthread_mutex_unlock(&lock);
 }

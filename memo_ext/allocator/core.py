@@ -502,9 +502,9 @@ class AllocatorCore:
         self._lib.memo_release_cached()
 
     def shutdown(self) -> None:
-        """Closes any pass, drops plans and the record log, sets mode ``off``, returns cached
-        blocks and (with no planned block live) the arena to the backend. Live blocks stay
-        valid and can still be freed; the backend stays chosen."""
+        """Closes any pass, drops plans, the record log and the late blocks, sets mode ``off``,
+        returns cached blocks and (with no planned block live) the arena to the backend. Live
+        blocks stay valid and can still be freed; the backend stays chosen."""
         self._lib.memo_shutdown()
 
     def alloc(self, size: int, stream: int = 0) -> int:

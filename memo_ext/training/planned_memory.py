@@ -255,6 +255,7 @@ class PlannedMemory:
         self._open_stats: dict[str, int] | None = None
         self._recorded_now: list[tuple[int, str, list]] = []
         self._step_stats: dict[str, int] = {}
+        core.take_late()  # the process-wide core may name blocks of plans before this one
 
     # --------------------------------------------------------------------------- passes
 

@@ -206,6 +206,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_summarize_metrics_fails_on_nan_and_names_bad_files(tmp_path):
     path = tmp_path / "m.jsonl"
     records = [
@@ -251,6 +252,7 @@ def test_summarize_metrics_fails_on_nan_and_names_bad_files(tmp_path):
         ),
     ],
 )
+@pytest.mark.slow
 def test_tools_end_bad_input_in_one_sentence(args, message):
     result = _tool(*args)
     assert result.returncode == 2 and message in result.stderr
@@ -285,6 +287,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_snapshot_pickles_cannot_run_code(tmp_path):
     marker = tmp_path / "payload-ran"
     path = tmp_path / "snapshot.pickle"

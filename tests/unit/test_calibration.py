@@ -116,6 +116,7 @@ def test_a_calibration_keeps_its_achieved_rates_on_another_peak():
     assert eff.matmul * a100.peak_tflops == pytest.approx(0.62 * 156.0)
 
 
+@pytest.mark.slow
 def test_tools_estimate_reads_the_file_as_its_flags(tmp_path, capsys):
     """--calibration FILE gives the same estimate as the figures given as flags."""
     path = tmp_path / "cal.json"

@@ -325,6 +325,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo over localhost is set up for Linux here")
 def test_builds_under_gloo_match_one_process(corpus, tmp_path, monkeypatch):

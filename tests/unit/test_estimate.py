@@ -188,6 +188,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_json_contract_and_bad_input():
     done = _cli(
         *cli(

@@ -120,6 +120,7 @@ def _compare(tmp_path, reference: list[dict], other: list[dict], *extra: str):
     )
 
 
+@pytest.mark.slow
 def test_compare_metrics_tool(tmp_path):
     run = [{"iteration": i, "loss": 5.0 - i, "grad_norm": 1.0 + i} for i in (1, 2, 3)]
     assert _compare(tmp_path, run, run).returncode == 0

@@ -73,6 +73,7 @@ def long_documents():
 A800 = dict(model=model_shape("llama-7b"), device=device_spec("a800-80g"), world_size=8)
 
 
+@pytest.mark.slow
 def test_switching_is_chosen_only_when_it_pays(short_documents):
     stats, single = short_documents
     plan = choose_strategies(bounds=BOUNDS, stats=stats, single=single, max_cp=1, **A800)
@@ -258,6 +259,7 @@ def _resolved(*extra: str):
     return resolve_run(run, tokenizer=run.data.build_tokenizer())
 
 
+@pytest.mark.slow
 def test_resolved_run_records_the_plan_and_warns_of_slow_strategies(caplog):
     auto = _resolved().hotspa
     assert auto.predicted_single_layout_s is not None
@@ -303,6 +305,7 @@ def test_memory_is_sized_for_the_fullest_step():
 # --- recomputation per layout --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_auto_lets_short_rows_skip_the_recomputation_home_needs(short_documents):
     # 13B at 32K on 8 A800 fits no layout without recomputation: with full recomputation for
     # every bucket the best one layout is the strong baseline; short rows need none

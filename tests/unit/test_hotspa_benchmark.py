@@ -149,6 +149,7 @@ def test_bad_distribution_flag_exits_with_one_line(capsys):
     assert "unknown component 'gauss'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_quick_check_end_to_end(tmp_path, capsys):
     out = tmp_path / "quick.json"
     argv = ["--quick", "--check", "--steps", "4", "--documents", "4000", "--json", str(out)]

@@ -395,6 +395,7 @@ def test_cpu_optimizer_counts_zeros_of_the_reduced_gradient(megatron_cpu):
 # --- --manual-gc --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_manual_gc_collects_at_its_points_only():
     collections: list[int] = []
 

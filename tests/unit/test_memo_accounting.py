@@ -74,6 +74,7 @@ def forward_watched(layers, x, rope, watch: SavedWatch, monkeypatch=None):
     return h
 
 
+@pytest.mark.slow
 def test_device_holds_only_kept_layers_after_forward(monkeypatch):
     layers, s, b = 4, 12, 2
     config = make_config(layers=layers)

@@ -40,6 +40,7 @@ def test_chunk_tokens_flag_and_kept_layers_default():
     assert MemoConfig(enabled=True, chunk_tokens=512, keep_last_layers=1).kept_layers == 1
 
 
+@pytest.mark.slow
 def test_chunked_figures_scale_exactly():
     """Traced at two lengths of whole chunks, a third length is predicted exactly."""
     method = "memo-0.5@64"
@@ -59,6 +60,7 @@ def test_chunked_figures_scale_exactly():
     assert live.at(tokens) == direct
 
 
+@pytest.mark.slow
 def test_chunking_holds_less_than_whole_layers():
     """Per layer: copies in flight and the live set of one layer's passes are smaller, the host
     bytes about the same (whole storages, plus the chunks' copies of gathered rows under SP)."""
@@ -87,6 +89,7 @@ def test_auto_chunk_is_the_smallest_within_the_slowdown():
     assert auto_chunk_tokens(GPT_7B, TP8, Batch(), seq_length=4096, device=h100) == 512
 
 
+@pytest.mark.slow
 def test_estimator_chunked_peak_below_whole_layer_memo():
     """7B on 8 × A800 at 1M tokens (the paper's setting): chunked MEMO without kept layers
     peaks at least 30% below whole-layer MEMO as ``--memo`` runs it."""

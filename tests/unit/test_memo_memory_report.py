@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch import ROOT, cli
 
 LAYERS, H, S, TP, B = 6, 64, 256, 2, 2
 
 
+@pytest.mark.slow
 def test_memory_report_relations():
     cmd = [
         sys.executable,

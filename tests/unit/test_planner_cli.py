@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from memo_ext.planner import load_plan, load_trace, save_trace, validate
 from memo_ext.planner.packable import packable_instance
 from memo_ext.planner.problem import lower_bound
@@ -23,6 +25,7 @@ def _run(*args):
     )
 
 
+@pytest.mark.slow
 def test_plans_a_tiny_trace(tmp_path):
     events = [
         {"op": "alloc", "id": "a", "size": 4096},
@@ -39,6 +42,7 @@ def test_plans_a_tiny_trace(tmp_path):
     validate(load_trace(trace_path), load_plan(plan_path))
 
 
+@pytest.mark.slow
 def test_plans_a_minimalloc_csv(tmp_path):
     csv_path, plan_path = tmp_path / "input.12.csv", tmp_path / "p.json"
     csv_path.write_text("id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n")
@@ -47,6 +51,7 @@ def test_plans_a_minimalloc_csv(tmp_path):
     assert load_plan(plan_path).peak_bytes == 12
 
 
+@pytest.mark.slow
 def test_bad_file_gives_one_clear_sentence(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "memo-trace/1", "events": [{"op": "free", "id": "x"}]}))
@@ -66,6 +71,7 @@ def _write_cut_rectangle(path, *, num_buffers, seed):
     return lower_bound(problem)
 
 
+@pytest.mark.slow
 def test_plans_a_hard_cut_rectangle_at_its_optimum(tmp_path):
     # Searched whole, this draw ends 12-17% above its optimum in a minute; cut along its
     # levels it is placed at the optimum at once. --no-levels searches it whole.
@@ -84,6 +90,7 @@ def test_plans_a_hard_cut_rectangle_at_its_optimum(tmp_path):
     assert load_plan(plan_path).peak_bytes > optimum
 
 
+@pytest.mark.slow
 def test_memo_alpha_needs_a_model_and_a_value_in_range(tmp_path):
     out = str(tmp_path / "p.json")
     model = ("--model", "gpt-7b", "--seq-length", "1024", "--out", out)

@@ -74,6 +74,7 @@ def test_find_level_says_none_when_no_subset_is_flat():
     assert find_level(problem.subproblem(np.array([0]))) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [30, 120])
 def test_levels_pack_cut_rectangles_at_their_height(size):
     for seed in range(25):

@@ -180,6 +180,7 @@ def _compare_runs(problem, capacity, limits, *, seed=0, fixed=None, cuts=None):
     return outcomes
 
 
+@pytest.mark.slow
 def test_compiled_search_visits_the_reference_tree_node_for_node():
     """Same outcome, placement and node count as the plain reference, with the failed-state
     table carried across runs of one capacity: at, below and above the optimum, with node
@@ -344,6 +345,7 @@ def test_exact_cover_tiles_a_cut_rectangle_and_leaves_a_partial_when_stopped():
     assert len(find_conflicts(problem, completed)) == 0
 
 
+@pytest.mark.slow
 def test_a_dense_trace_is_planned_within_its_time_limit():
     # 3,000 tensors, each overlapping about a fifth of the others: every greedy placement, search
     # state and completion costs O(n²); before they were budgeted a 6 s limit took 30 s. The

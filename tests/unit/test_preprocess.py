@@ -60,6 +60,7 @@ def test_one_output_per_json_key_and_null_tokenizer(tmp_path):
     assert _read_documents(str(tmp_path / "n_b_document")) == [[9, 10], [0, 0, 10]]
 
 
+@pytest.mark.slow
 def test_workers_give_identical_files(tmp_path):
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("abcé🌍 \n"), size=rng.integers(0, 50))) for _ in range(300)]
@@ -74,6 +75,7 @@ def test_workers_give_identical_files(tmp_path):
         assert one == two
 
 
+@pytest.mark.slow
 def test_subprocess_run_prints_summary(tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}, {"text": "world!"}])
     command = [sys.executable, "tools/preprocess_data.py", "--input", str(source)]
@@ -101,6 +103,7 @@ def test_bad_json_line_names_its_line_number(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
+@pytest.mark.slow
 def test_bad_json_line_in_a_worker(tmp_path, capsys):
     lines = [json.dumps({"text": str(i)}) for i in range(20)] + ["[1, 2]"]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
