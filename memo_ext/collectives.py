@@ -53,11 +53,6 @@ def all_reduce_values(
     return tensor.tolist()
 
 
-def on_collective_device(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``t`` on ``group``'s collective device (``t`` itself when it is there already)."""
-    return t.to(collective_device(group))
-
-
 def loss_pair(records: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
     """(loss sum, real tokens) of megatron's logged ``"lm loss"`` records, float64, on the
     default group's collective device: ready for the all-reduce that sums it over the world.

@@ -74,3 +74,22 @@ def test_hotspa_switch_over_a_device_only_group_is_timed_on_the_device():
         assert created < start.clock[stream] < min(switched)
         assert max(switched) < end.clock[stream]
         assert stats.seconds >= 0 and stats.bytes_sent == 4 * 3 * 4
+
+
+def test_stop_conditions_agree_over_a_device_only_group():
+    """--exit-duration-in-mins / --exit-signal-handler reduce their flags with an all-reduce at
+    every step boundary: on NCCL they must travel as device tensors."""
+    import signal
+
+    import torch.distributed as dist
+
+    from memo_ext.config import CheckpointConfig
+    from memo_ext.training.control import StopConditions
+
+    with emulated_cuda(world_size=2):
+        dist.init_process_group("nccl")
+        config = CheckpointConfig(exit_duration_in_mins=600, exit_signal_handler=True)
+        with StopConditions(config) as stop:
+            assert stop.reason(1) is None
+            stop._on_signal(signal.SIGTERM, None)
+            assert stop.reason(2) == "signal received"
