@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.emulated import runtime as emulated_runtime
-from tests.launch import free_port
+from tests.workers import close_pool, free_port
 
 # the emulated-device tier runs in a process of its own (python -m tests.emulated; make test)
 collect_ignore = [] if emulated_runtime.loaded() else ["emulated"]
@@ -18,6 +18,22 @@ collect_ignore = [] if emulated_runtime.loaded() else ["emulated"]
 def pytest_report_header(config):
     if not emulated_runtime.loaded():
         return "tests/emulated is not collected here: it runs as python -m tests.emulated"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pool()
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """A folder shared by every pytest-xdist worker of this run (``tests.launch.reference_run``
+    trains each reference there once)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is a child of the run's
+        base = base.parent
+    folder = base / "reference_runs"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture

@@ -1,17 +1,24 @@
-"""Run ``pretrain_gpt_memo.py`` the way users do (torchrun) and read back its metrics.
+"""Training jobs for the tests, and reading back their metrics.
 
-Shared by the distributed tests: one call = one training job of ``nproc`` gloo processes.
+:func:`run_pretrain` runs one job of ``nproc`` gloo ranks in the session's worker pool
+(:mod:`tests.workers`: processes started once, jobs run in place); :func:`reference_run` trains
+a reference once per session for every test that compares against it; :func:`launch_pretrain`
+launches a real ``torchrun``, for what only a launch shows.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from filelock import FileLock
+
 from memo_ext.training.metrics import curve_differences, read_metrics
+from tests.workers import DEFAULT_ENTRY, JobResult, free_port, pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,12 +81,6 @@ GPU_LLAMA = cli(
 sequence, batch and steps it needs."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pretrain(
     args: list[str],
     *,
@@ -89,10 +90,108 @@ def run_pretrain(
     timeout_s: int = 600,
     module: str | None = None,
 ) -> list[dict]:
-    """Train with ``args`` on ``nproc`` processes; return the metrics records.
+    """Train with ``args`` on ``nproc`` ranks of the session's worker pool; the metrics records.
 
-    ``module``: a module to run instead of ``pretrain_gpt_memo.py`` (``python -m`` style, from
-    the repository root), for tests that patch the trainer before calling its ``main``.
+    ``module``: a module whose ``main(argv)`` runs instead of ``pretrain_gpt_memo.main``, for
+    tests that patch the trainer first (it must undo its patches when it returns).
+
+    Raises:
+        AssertionError: when the job fails, with every rank's output for diagnosis.
+    """
+    metrics = workdir / f"{name}.jsonl"
+    result = run_job(
+        [*args, "--metrics-file", str(metrics), "--log-interval", "1"],
+        nproc=nproc,
+        module=module,
+        timeout_s=timeout_s,
+    )
+    assert result.status == 0, f"{name} failed:\n{result.describe()}"
+    return read_metrics(metrics)
+
+
+def run_job(
+    args: list[str],
+    *,
+    nproc: int = 1,
+    module: str | None = None,
+    entry: str = DEFAULT_ENTRY,
+    timeout_s: float = 600,
+) -> JobResult:
+    """``pretrain_gpt_memo.py args`` (or ``module``'s ``main``, or ``entry``:
+    ``"module:function"``) on ``nproc`` ranks of the pool, whatever its outcome: each rank's
+    status and output. The job sees this process's environment, as a launch from here would.
+
+    A job with ``--memo-allocator plan`` installs torch's CPU allocator for the rest of its
+    process, as on a GPU: its workers are replaced after it.
+    """
+    if module:
+        entry = f"{module}:main"
+    return pool().run(
+        args,
+        nproc=nproc,
+        entry=entry,
+        env=dict(os.environ),
+        timeout_s=timeout_s,
+        fresh_after=_plans_memory(args),
+    )
+
+
+def train_fails(args: list[str], *, status: int, nproc: int = 1) -> str:
+    """A job that must end with exit ``status``: the last line its failed rank wrote to stderr.
+
+    Raises:
+        AssertionError: on another status, or a traceback.
+    """
+    result = run_job(args, nproc=nproc)
+    assert result.status == status, f"status {result.status}, not {status}:\n{result.describe()}"
+    if status != 1:
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+def run_tool(module: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``python -m module args`` (a tool with a ``main(argv)``) as a one-process job of the pool:
+    its exit status, standard output and error as ``subprocess.run`` would give them."""
+    job = pool().run(
+        list(args), nproc=1, entry=f"{module}:main", env=dict(os.environ), timeout_s=timeout_s
+    )
+    (rank,) = job.ranks
+    return subprocess.CompletedProcess([module, *args], rank.status, rank.stdout, rank.stderr)
+
+
+def _plans_memory(args: list[str]) -> bool:
+    return any(a == "--memo-allocator" and b == "plan" for a, b in zip(args, args[1:]))
+
+
+_REFERENCE_LOCK = "references.lock"
+
+
+def reference_run(args: list[str], *, nproc: int = 1, cache_dir: Path) -> list[dict]:
+    """The metrics of ``args`` on ``nproc`` ranks, trained once per test session and shared by
+    every test (and every pytest-xdist worker) that asks for the same run.
+
+    ``cache_dir``: the session's shared folder (the ``reference_runs`` fixture). Arguments that
+    name files must name the same files for two tests to share a run.
+    """
+    key = hashlib.sha256(json.dumps([nproc, list(map(str, args))]).encode()).hexdigest()[:20]
+    metrics = cache_dir / f"{key}.jsonl"
+    with FileLock(str(cache_dir / _REFERENCE_LOCK)):
+        if not metrics.exists():
+            run_pretrain(args, nproc=nproc, workdir=cache_dir, name=f"{key}.partial")
+            (cache_dir / f"{key}.partial.jsonl").replace(metrics)
+    return read_metrics(metrics)
+
+
+def launch_pretrain(
+    args: list[str],
+    *,
+    nproc: int,
+    workdir: Path,
+    name: str,
+    timeout_s: int = 600,
+) -> list[dict]:
+    """Train with ``args`` under a real ``torchrun`` of ``nproc`` processes (the ``launch``
+    tests: what only a launch shows, and GPU runs); return the metrics records.
 
     Raises:
         AssertionError: when the job fails, with its output for diagnosis.
@@ -108,7 +207,7 @@ def run_pretrain(
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        *(["--module", module] if module else [str(ROOT / "pretrain_gpt_memo.py")]),
+        str(ROOT / "pretrain_gpt_memo.py"),
         *args,
         "--metrics-file",
         str(metrics),

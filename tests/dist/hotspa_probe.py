@@ -1,4 +1,5 @@
-"""``pretrain_gpt_memo.py`` with probes for the HotSPa tests, run as a module under torchrun::
+"""``pretrain_gpt_memo.py`` with probes for the HotSPa tests (``run_pretrain(..., module=...)``
+runs its ``main`` in the tests' workers), or as a module under torchrun::
 
     torchrun --nproc-per-node 2 -m tests.dist.hotspa_probe --probe-loss-scale 1024 \\
         <pretrain_gpt_memo.py flags>
@@ -16,21 +17,23 @@ the metrics record gets what it found as ``probe_nonhome_held_bytes``, and each 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from unittest import mock
 
 from memo_ext.hotspa.engine import HotSPaEngine
 from memo_ext.training import loop
 
 
-def scale_losses(scale: float) -> None:
-    """Every later ``_connect_schedule_hooks`` also sets a constant loss scale."""
+def scale_losses(scale: float):
+    """Inside the block, every ``_connect_schedule_hooks`` also sets a constant loss scale."""
     connect = loop._connect_schedule_hooks
 
     def connect_and_scale(config, model, optimizer, *, hotspa: bool) -> None:
         connect(config, model, optimizer, hotspa=hotspa)
         config.grad_scale_func = lambda loss: loss * scale
 
-    loop._connect_schedule_hooks = connect_and_scale
+    return mock.patch.object(loop, "_connect_schedule_hooks", connect_and_scale)
 
 
 def nonhome_held_bytes(engine: HotSPaEngine) -> int:
@@ -45,8 +48,9 @@ def nonhome_held_bytes(engine: HotSPaEngine) -> int:
     return total
 
 
-def check_released_after_steps() -> None:
-    """``HotSPaEngine.step_metrics`` (collected after every step) also checks the models."""
+def check_released_after_steps():
+    """Inside the block, ``HotSPaEngine.step_metrics`` (collected after every step) also checks
+    the models."""
     metrics = HotSPaEngine.step_metrics
 
     def metrics_and_check(self: HotSPaEngine) -> dict:
@@ -60,18 +64,21 @@ def check_released_after_steps() -> None:
             "probe_recompute": recompute,
         }
 
-    HotSPaEngine.step_metrics = metrics_and_check
+    return mock.patch.object(HotSPaEngine, "step_metrics", metrics_and_check)
 
 
 def main(argv: list[str]) -> int:
-    if "--probe-loss-scale" in argv:
-        at = argv.index("--probe-loss-scale")
-        scale_losses(float(argv[at + 1]))
-        argv = argv[:at] + argv[at + 2 :]
-    check_released_after_steps()
+    """The trainer with the probes; they are undone when it returns (the tests' worker
+    processes run other jobs next)."""
     from pretrain_gpt_memo import main as pretrain_main
 
-    return pretrain_main(argv)
+    with contextlib.ExitStack() as probes:
+        if "--probe-loss-scale" in argv:
+            at = argv.index("--probe-loss-scale")
+            probes.enter_context(scale_losses(float(argv[at + 1])))
+            argv = argv[:at] + argv[at + 2 :]
+        probes.enter_context(check_released_after_steps())
+        return pretrain_main(argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launch import ROOT, TINY_LLAMA, assert_same_curves, cli, free_port, run_pretrain
+from tests.launch import (
+    ROOT,
+    TINY_LLAMA,
+    assert_same_curves,
+    cli,
+    free_port,
+    reference_run,
+    run_pretrain,
+    train_fails,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -28,8 +37,8 @@ RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return run_pretrain(MODEL + ITERS, nproc=1, workdir=tmp_path_factory.mktemp("u"), name="full")
+def uninterrupted(reference_runs):
+    return reference_run(MODEL + ITERS, nproc=1, cache_dir=reference_runs)
 
 
 def stop_and_resume(tmp_path, first: list[str], second: list[str], nprocs=(1, 1)) -> list[dict]:
@@ -73,7 +82,8 @@ def test_checkpoint_loads_into_another_layout(uninterrupted, tmp_path):
     assert_same_curves(uninterrupted, curves, rtol=1e-5)
 
 
-def test_sigterm_saves_and_exits_zero(uninterrupted, tmp_path):
+@pytest.mark.launch  # signals reach the processes of a real launch
+def test_sigterm_saves_and_exits_zero(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     metrics = tmp_path / "run.jsonl"
@@ -130,17 +140,8 @@ def saved_checkpoint(tmp_path) -> Path:
     return save
 
 
-def run_fails(args: list[str], *, status: int) -> str:
-    """One process of the trainer that must fail with ``status``; its last stderr line."""
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == status, proc.stderr[-3000:]
-    return proc.stderr.strip().splitlines()[-1]
-
-
 def load_fails(save: Path, tmp_path: Path, train_iters: int = 2) -> str:
-    return run_fails([*MODEL, "--train-iters", str(train_iters), "--load", str(save)], status=1)
+    return train_fails([*MODEL, "--train-iters", str(train_iters), "--load", str(save)], status=1)
 
 
 def _refresh_manifest(directory: Path) -> None:
@@ -194,7 +195,7 @@ def test_pickled_payload_is_refused_without_running(saved_checkpoint, tmp_path):
 def test_resume_with_another_schedule_needs_a_choice(saved_checkpoint, tmp_path):
     # the checkpoint decays its lr until step 3 (2 warm-up steps + 1); these flags until step 4
     longer = [*MODEL, "--train-iters", "4", "--load", str(saved_checkpoint)]
-    message = run_fails(longer, status=2)
+    message = train_fails(longer, status=2)
     assert "another LR schedule" in message and "lr_decay_steps 3 vs 4" in message
     assert "--override-opt_param-scheduler" in message
     flags = run_pretrain(
@@ -212,18 +213,18 @@ def test_resume_with_another_schedule_needs_a_choice(saved_checkpoint, tmp_path)
 
 def test_load_and_train_iters_that_cannot_resume_are_refused(saved_checkpoint):
     iteration_dir = saved_checkpoint / "iter_0000002"
-    message = run_fails([*MODEL, *ITERS, "--load", str(iteration_dir)], status=2)
+    message = train_fails([*MODEL, *ITERS, "--load", str(iteration_dir)], status=2)
     assert f"give the directory that holds it (--load {saved_checkpoint})" in message
     shorter = [*MODEL, "--train-iters", "1", "--lr-warmup-iters", "0"]
-    past = run_fails([*shorter, "--load", str(saved_checkpoint)], status=2)
+    past = train_fails([*shorter, "--load", str(saved_checkpoint)], status=2)
     assert "is at iteration 2, past --train-iters 1" in past
     other = [a if a != "36" else "48" for a in MODEL]  # another hidden size
-    shape = run_fails([*other, "--train-iters", "2", "--load", str(saved_checkpoint)], status=2)
+    shape = train_fails([*other, "--train-iters", "2", "--load", str(saved_checkpoint)], status=2)
     assert "does not fit this model" in shape
 
 
 def test_save_to_a_file_is_refused_before_training(tmp_path):
     target = tmp_path / "a-file"
     target.write_text("")
-    message = run_fails([*MODEL, *ITERS, "--save", str(target / "ckpt")], status=2)
+    message = train_fails([*MODEL, *ITERS, "--save", str(target / "ckpt")], status=2)
     assert "is a file, not a directory" in message

@@ -15,7 +15,7 @@ import pytest
 from memo_ext.hardware import read_calibration
 from tests.launch import ROOT
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.launch, pytest.mark.slow]
 
 # 8 thin layers and 64 sequences: activations large next to the FLOPs, so one cap separates the
 # methods. With this cap (growth of each process's data segment, RLIMIT_DATA) no recomputation

@@ -10,10 +10,9 @@ import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from memo_ext.data.datasets import preprocess_jsonl
-from tests.launch import ROOT, cli, free_port
+from tests.launch import ROOT, cli, free_port, run_job
 
 pytestmark = pytest.mark.dist
 
@@ -28,42 +27,44 @@ MODEL = cli(
 )
 
 
-def _stalled_rank(rank: int, port: int, result_path: str) -> None:
+def stalled_rank_job(argv: list[str]) -> int:
+    """A job of the tests' worker pool (two ranks): rank 1 stalls, rank 0 waits for it in a
+    barrier and writes what happened to ``argv[0]``."""
     from memo_ext.training.initialize import init_distributed
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
-    )
+    (result_path,) = argv
     init_distributed(timeout_minutes=0.05)  # 3 s
-    if rank == 1:
-        time.sleep(20)  # a stalled rank: it never joins the collective in time
-        return
-    start = time.perf_counter()
     try:
-        dist.barrier()
-        outcome = "returned"
-    except RuntimeError as err:
-        outcome = f"raised: {str(err).splitlines()[0][:200]}"
-    with open(result_path, "w") as f:
-        json.dump({"outcome": outcome, "seconds": time.perf_counter() - start}, f)
+        if dist.get_rank() == 1:
+            # a stalled rank: it never joins the collective, and outlives rank 0's wait
+            deadline = time.monotonic() + 20
+            while not os.path.exists(result_path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return 0
+        start = time.perf_counter()
+        try:
+            dist.barrier()
+            outcome = "returned"
+        except RuntimeError as err:
+            outcome = f"raised: {str(err).splitlines()[0][:200]}"
+        with open(result_path, "w") as f:
+            json.dump({"outcome": outcome, "seconds": time.perf_counter() - start}, f)
+        return 0
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_stalled_rank_fails_the_collective_within_the_timeout(tmp_path):
     result = tmp_path / "rank0.json"
-    mp.spawn(_stalled_rank, args=(free_port(), str(result)), nprocs=2, join=True)
+    job = run_job([str(result)], nproc=2, entry="tests.dist.test_faults:stalled_rank_job")
+    assert job.status == 0, job.describe()
     found = json.loads(result.read_text())
     # gloo's own default would have waited 30 minutes
     assert found["outcome"].startswith("raised") and found["seconds"] < 15, found
 
 
-def _train(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_a_host_budget_memo_cannot_fit_is_one_sentence():
-    run = _train(
+    run = run_job(
         [
             *MODEL,
             "--mock-data",
@@ -74,7 +75,7 @@ def test_a_host_budget_memo_cannot_fit_is_one_sentence():
             "0.000001",
         ]
     )
-    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.status == 2, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert "MEMO needs at least" in last and "raise --memo-host-memory-gb" in last
     assert "Traceback" not in run.stderr
@@ -90,7 +91,7 @@ def test_data_made_with_another_tokenizer_is_named(tmp_path):
         output_prefix=str(tmp_path / "c"),
         tokenizer_type="ByteTokenizer",
     ).prefixes["text"]
-    run = _train(
+    run = run_job(
         [
             *MODEL,
             "--data-path",
@@ -103,7 +104,7 @@ def test_data_made_with_another_tokenizer_is_named(tmp_path):
             "100",
         ]
     )
-    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.status == 2, run.stderr[-2000:]
     assert "outside the tokenizer's 101-token vocabulary" in run.stderr.strip().splitlines()[-1]
 
 
@@ -115,6 +116,7 @@ def _launch(args: list[str], nproc: int = 2, script=ROOT / "pretrain_gpt_memo.py
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.launch
 def test_the_launcher_ends_with_the_workers_sentence_and_status():
     # torchrun itself would exit 1 after a traceback of its own
     memo = ["--memo", "--memo-keep-last-layers", "0", "--memo-host-memory-gb", "0.000001"]
@@ -126,6 +128,7 @@ def test_the_launcher_ends_with_the_workers_sentence_and_status():
     assert "ChildFailedError" not in run.stderr
 
 
+@pytest.mark.launch
 def test_the_launcher_names_a_killed_rank(tmp_path):
     # a worker killed by a signal writes no sentence: the launcher names the signal
     script = tmp_path / "killed.py"

@@ -10,13 +10,12 @@ it, and the gradient norm checks the gradients that the switches carry back to h
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import ROOT, assert_same_curves, cli, run_pretrain
+from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
+from tools import preprocess_data
 
 pytestmark = pytest.mark.dist
 
@@ -43,19 +42,14 @@ def preprocess(tmp_path, texts: list[str], name: str) -> str:
     corpus = tmp_path / f"{name}.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prefix = tmp_path / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "tools.preprocess_data",
-        *cli(
-            input=str(corpus),
-            output_prefix=str(prefix),
-            tokenizer_type="ByteTokenizer",
-            append_eod=True,
-            no_progress=True,
-        ),
-    ]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    argv = cli(
+        input=str(corpus),
+        output_prefix=str(prefix),
+        tokenizer_type="ByteTokenizer",
+        append_eod=True,
+        no_progress=True,
+    )
+    assert preprocess_data.main(argv) == 0  # the tool's command line, in this process
     return f"{prefix}_text_document"
 
 
@@ -79,10 +73,8 @@ def train_args(data: str, *, iters: int = 3, gbs: int = 8) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    return run_pretrain(
-        train_args(corpus), nproc=1, workdir=tmp_path_factory.mktemp("r"), name="one"
-    )
+def reference(corpus, reference_runs):
+    return reference_run(train_args(corpus), nproc=1, cache_dir=reference_runs)
 
 
 def test_auto_strategies_on_four_processes_match_one_process(corpus, reference, tmp_path):

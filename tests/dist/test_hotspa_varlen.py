@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.launch import free_port
+from tests.launch import free_port, run_job
 from tests.models import LLAMA_TINY, build_gpt, cpu_config
 
 pytestmark = pytest.mark.dist
@@ -64,9 +63,13 @@ def packed_forward_step(data_iterator, model):
     return output, lambda out: loss_func(batch["loss_mask"], out)
 
 
-def worker(rank: int, world: int, port: int, position_embedding_type: str, out: str) -> None:
-    """One data-parallel rank: STEPS global batches, gradients only (no update between them,
-    so every step is compared against the same weights)."""
+def packed_job(argv: list[str]) -> int:
+    """One data-parallel rank of a job of the tests' worker pool (``RANK``, ``WORLD_SIZE`` and
+    the rendezvous in its environment): ``argv`` is the position embedding and the output file.
+    STEPS global batches, gradients only (no update between them, so every step is compared
+    against the same weights)."""
+    position_embedding_type, out = argv
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -78,8 +81,6 @@ def worker(rank: int, world: int, port: int, position_embedding_type: str, out: 
     from memo_ext.data.batches import packed_step_batches
     from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     with cpu_compat():
         parallel_state.initialize_model_parallel()
@@ -117,15 +118,16 @@ def worker(rank: int, world: int, port: int, position_embedding_type: str, out: 
             torch.save(results, out)
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    return 0
 
 
-def run_job(world: int, position_embedding_type: str, out: Path) -> list[dict]:
-    mp.start_processes(
-        worker,
-        args=(world, free_port(), position_embedding_type, str(out)),
-        nprocs=world,
-        start_method="spawn",
+def run_packed(world: int, position_embedding_type: str, out: Path) -> list[dict]:
+    job = run_job(
+        [position_embedding_type, str(out)],
+        nproc=world,
+        entry="tests.dist.test_hotspa_varlen:packed_job",
     )
+    assert job.status == 0, job.describe()
     return torch.load(out, weights_only=True)
 
 
@@ -161,8 +163,8 @@ def assert_same(got: list[dict], want: list[dict], *, tol: float) -> None:
 
 @pytest.mark.parametrize("position_embedding_type", ["rope", "learned_absolute"])
 def test_dp2_matches_one_process_and_unpacked_documents(tmp_path, position_embedding_type):
-    one = run_job(1, position_embedding_type, tmp_path / "one.pt")
-    two = run_job(2, position_embedding_type, tmp_path / "two.pt")
+    one = run_packed(1, position_embedding_type, tmp_path / "one.pt")
+    two = run_packed(2, position_embedding_type, tmp_path / "two.pt")
     # same rows, summed over ranks in another order (gloo all-reduce): fp32 rounding only
     assert_same(two, one, tol=1e-5)
     assert one[0]["loss"] != one[1]["loss"]  # two different global batches

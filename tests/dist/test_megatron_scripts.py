@@ -10,13 +10,11 @@ trains.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT, run_pretrain
+from tests.launch import run_job, run_pretrain
 
 SIZES = [
     *("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
@@ -174,16 +172,10 @@ def test_megatron_example_trains_after_dropping_only_refused_flags(script, tmp_p
     build, expected = SCRIPTS[script]
     argv = build(tmp_path)
     if expected:
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *argv],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-        )
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
-        assert _refused(proc.stderr, argv) == expected, proc.stderr[-3000:]
+        job = run_job(argv)
+        assert job.status == 2, job.describe()
+        assert "Traceback" not in job.stderr and "usage:" not in job.stderr
+        assert _refused(job.stderr, argv) == expected, job.stderr[-3000:]
         argv = _drop(argv, expected)
     records = run_pretrain(argv, nproc=1, workdir=tmp_path, name=script)
     assert records, "no step was logged"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import cli, run_pretrain
+from tests.launch import cli, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist
 
@@ -72,9 +72,9 @@ CHUNK_TOKENS = "7"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each case's (plain, memo) or with ``chunked`` (plain, chunked memo) metrics, launched
-    once per module."""
+def runs(tmp_path_factory, reference_runs):
+    """Each case's (plain, memo) or with ``chunked`` (plain, chunked memo) metrics, trained
+    once per module (the plain runs once per session)."""
     cache: dict[tuple[str, bool], list[dict]] = {}
 
     def launch(case: str, chunked: bool) -> list[dict]:
@@ -88,10 +88,7 @@ def runs(tmp_path_factory):
     def get(case: str, *, chunked: bool = False) -> tuple[list[dict], list[dict]]:
         if (case, None) not in cache:
             nproc, flags, _ = CASES[case]
-            workdir = tmp_path_factory.mktemp(f"{case}-plain")
-            cache[case, None] = run_pretrain(
-                flags + COMMON, nproc=nproc, workdir=workdir, name="plain"
-            )
+            cache[case, None] = reference_run(flags + COMMON, nproc=nproc, cache_dir=reference_runs)
         if (case, chunked) not in cache:
             cache[case, chunked] = launch(case, chunked)
         return cache[case, None], cache[case, chunked]

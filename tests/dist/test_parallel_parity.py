@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import assert_same_curves, cli, run_pretrain
+from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist
 
@@ -63,10 +63,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("reference")
+def references(reference_runs):
     return {
-        shape: run_pretrain(args + COMMON, nproc=1, workdir=workdir, name=shape)
+        shape: reference_run(args + COMMON, nproc=1, cache_dir=reference_runs)
         for shape, args in SHAPES.items()
     }
 

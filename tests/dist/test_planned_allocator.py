@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.launch import cli, run_pretrain
+from tests.launch import cli, reference_run, run_pretrain
 
 MODEL = cli(
     num_layers=5,
@@ -43,10 +43,10 @@ def _plan_peaks(cache) -> list[int]:
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_planned_allocator_is_exact_and_serves_the_plan(layout, tmp_path):
+def test_planned_allocator_is_exact_and_serves_the_plan(layout, tmp_path, reference_runs):
     nproc, extra = LAYOUTS[layout]
     cache = tmp_path / "plans"
-    plain = run_pretrain([*MODEL, *extra], nproc=nproc, workdir=tmp_path, name="plain")
+    plain = reference_run([*MODEL, *extra], nproc=nproc, cache_dir=reference_runs)
     planned_flags = [*MODEL, *extra, "--memo-allocator", "plan", "--memo-plan-cache", str(cache)]
     planned = run_pretrain(planned_flags, nproc=nproc, workdir=tmp_path, name="planned")
     for a, b in zip(plain, planned, strict=True):
@@ -59,7 +59,8 @@ def test_planned_allocator_is_exact_and_serves_the_plan(layout, tmp_path):
     arenas = [r["plan_arena_bytes"] for r in served]
     assert arenas == sorted(arenas) and arenas[-1] == max(_plan_peaks(cache))
     assert all(r["mem_reserved_bytes"] >= r["plan_arena_bytes"] for r in served)
-    # a restart finds its plans on disk and plans nothing anew: every file is the one saved,
+    # a restart (new processes: the planned run's workers are replaced after it) finds its
+    # plans on disk and plans nothing anew: every file is the one saved,
     # untouched, unless a late free in the restart planned its kind again (new content)
     saved = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in cache.glob("*.json")}
     again = run_pretrain(planned_flags, nproc=nproc, workdir=tmp_path, name="again")

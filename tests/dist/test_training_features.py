@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.launch import ROOT, assert_same_curves, cli, free_port, run_pretrain
+from tests.launch import assert_same_curves, cli, run_pretrain, train_fails
 
 pytestmark = pytest.mark.dist
 
@@ -58,16 +55,8 @@ def test_divergence_stops_with_a_pointer_to_the_last_checkpoint(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     # step 1 sees the initial weights; its update with an absurd rate makes step 2's loss NaN
-    cmd = [
-        sys.executable,
-        str(ROOT / "pretrain_gpt_memo.py"),
-        *MODEL,
-        *cli(lr="1e30", clip_grad=0, save=str(save), save_interval=1),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
+    args = [*MODEL, *cli(lr="1e30", clip_grad=0, save=str(save), save_interval=1)]
+    last = train_fails(args, status=1)
     assert "iteration 2: loss nan" in last
     assert "iteration 1 in" in last and f"--load {save}" in last
 
@@ -109,17 +98,7 @@ def test_preflight_refuses_a_run_that_cannot_fit_before_building_it(tmp_path):
         position_embedding_type="rope",
         preflight_device="a100-80g",
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt_memo.py"), *big],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    last = train_fails(big, status=2)
     assert "this run does not fit: device peak" in last and "--skip-preflight" in last
     # a small model passes the same check and trains
     records = run_pretrain(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import assert_same_curves, cli, run_pretrain
+from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist
 
@@ -28,8 +28,8 @@ ARGS = cli(
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_pretrain(ARGS, nproc=1, workdir=tmp_path_factory.mktemp("v"), name="one")
+def reference(reference_runs):
+    return reference_run(ARGS, nproc=1, cache_dir=reference_runs)
 
 
 @pytest.mark.parametrize(

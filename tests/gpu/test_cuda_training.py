@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import GPU_LLAMA, cli, run_pretrain
+from tests.launch import GPU_LLAMA, cli, launch_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,7 +17,7 @@ ARGS = GPU_LLAMA + cli(num_layers=2, seq_length=1024, micro_batch_size=2, train_
 
 
 def test_bf16_training_reports_mfu_and_memory(tmp_path):
-    records = run_pretrain([*ARGS, "--bf16"], nproc=1, workdir=tmp_path, name="bf16")
+    records = launch_pretrain([*ARGS, "--bf16"], nproc=1, workdir=tmp_path, name="bf16")
     last = records[-1]
     assert last["loss"] < records[0]["loss"]
     assert 0 < last["mfu"] < 1
@@ -26,9 +26,9 @@ def test_bf16_training_reports_mfu_and_memory(tmp_path):
 
 
 def test_fp32_cuda_matches_its_recomputation(tmp_path):
-    plain = run_pretrain(ARGS, nproc=1, workdir=tmp_path, name="plain")
+    plain = launch_pretrain(ARGS, nproc=1, workdir=tmp_path, name="plain")
     full = cli(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    recomputed = run_pretrain([*ARGS, *full], nproc=1, workdir=tmp_path, name="full")
+    recomputed = launch_pretrain([*ARGS, *full], nproc=1, workdir=tmp_path, name="full")
     for a, b in zip(plain, recomputed):
         # CUDA kernels may pick other algorithms on the recompute pass: TF32-free fp32 noise only
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])

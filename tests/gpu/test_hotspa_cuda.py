@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import assert_same_curves, cli, run_pretrain
+from tests.launch import assert_same_curves, cli, launch_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,8 +38,8 @@ ARGS = cli(
 
 @pytest.mark.parametrize("strategies", ["dp2;tp2;pp2", "dp2;cp2;tp2"])
 def test_switching_on_two_gpus_matches_one_gpu(tmp_path, strategies):
-    reference = run_pretrain(ARGS, nproc=1, workdir=tmp_path, name="one")
-    curves = run_pretrain(
+    reference = launch_pretrain(ARGS, nproc=1, workdir=tmp_path, name="one")
+    curves = launch_pretrain(
         ARGS + ["--hotspa", "--hotspa-buckets", "64,128,256", "--hotspa-strategies", strategies],
         nproc=2,
         workdir=tmp_path,

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.launch import GPU_LLAMA, cli, run_pretrain
+from tests.launch import GPU_LLAMA, cli, launch_pretrain
 from tools.method_jobs import MEGATRON_OFFLOAD_FLAGS
 
 pytestmark = [
@@ -31,8 +31,8 @@ ARGS = GPU_LLAMA + cli(num_layers=4, seq_length=4096, micro_batch_size=2, train_
 @pytest.mark.parametrize("backend", ["sdpa", "te"])
 def test_offloaded_run_has_the_plain_losses_and_a_lower_peak(tmp_path, backend):
     args = [*ARGS, "--attention-backend", backend]
-    plain = run_pretrain(args, nproc=1, workdir=tmp_path, name=f"plain_{backend}")
-    offload = run_pretrain(
+    plain = launch_pretrain(args, nproc=1, workdir=tmp_path, name=f"plain_{backend}")
+    offload = launch_pretrain(
         [*args, *MEGATRON_OFFLOAD_FLAGS], nproc=1, workdir=tmp_path, name=f"offload_{backend}"
     )
     assert len(offload) == len(plain) == 4

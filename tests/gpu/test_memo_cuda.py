@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import GPU_LLAMA, cli, run_pretrain
+from tests.launch import GPU_LLAMA, cli, launch_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -162,9 +162,9 @@ def test_training_matches_plain_run(tmp_path, chunk):
     args = GPU_LLAMA + cli(
         num_layers=4, seq_length=1024, micro_batch_size=2, train_iters=5, attention_backend="sdpa"
     )
-    plain = run_pretrain(args, nproc=1, workdir=tmp_path, name="plain")
+    plain = launch_pretrain(args, nproc=1, workdir=tmp_path, name="plain")
     chunked = ["--memo-chunk-tokens", chunk] if chunk else []
-    memo = run_pretrain(
+    memo = launch_pretrain(
         [*args, "--memo", "--memo-alpha", "0.5", *chunked], nproc=1, workdir=tmp_path, name="memo"
     )
     for a, b in zip(plain, memo):

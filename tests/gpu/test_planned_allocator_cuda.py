@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from tests.launch import cli, run_pretrain
+from tests.launch import cli, launch_pretrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,8 +47,8 @@ def _median(values: list[float]) -> float:
 
 def test_planned_allocator_on_cuda(tmp_path):
     cache = tmp_path / "plans"
-    plain = run_pretrain(MODEL, nproc=1, workdir=tmp_path, name="plain")
-    planned = run_pretrain(
+    plain = launch_pretrain(MODEL, nproc=1, workdir=tmp_path, name="plain")
+    planned = launch_pretrain(
         [*MODEL, "--memo-allocator", "plan", "--memo-plan-cache", str(cache)],
         nproc=1,
         workdir=tmp_path,

@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from memo_ext.planner import (
     validate,
 )
 from memo_ext.training.step import check_token_ids
-from tests.launch import ROOT, SMALL_GPT, cli
+from tests.launch import SMALL_GPT, cli, run_tool
 
 BASE = SMALL_GPT
 
@@ -194,16 +193,8 @@ def test_token_ids_outside_the_vocabulary_are_named():
 # ---------------------------------------------------------------------------------------------
 
 
-def _tool(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+def _tool(module: str, *args: str) -> subprocess.CompletedProcess:
+    return run_tool(module, *args)
 
 
 @pytest.mark.slow

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -18,7 +16,7 @@ from memo_ext.estimate.search import find_max_seq_length
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape
-from tests.launch import cli
+from tests.launch import cli, run_tool
 
 SMALL = ModelShape(
     name="small",
@@ -178,14 +176,7 @@ def test_search_is_monotone_in_gpus_and_memory():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "tools.estimate", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return run_tool("tools.estimate", *args)
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +13,7 @@ from memo_ext.config import HotSPaConfig, MemoConfig, TrainConfig
 from memo_ext.flags import add_flags, cli_fields, field_docs, flag_name, overrides_from_flags
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
-from tests.launch import ROOT, cli
+from tests.launch import cli, run_tool
 
 REQUIRED = cli(
     num_layers=2,
@@ -111,13 +109,7 @@ def _compare(tmp_path, reference: list[dict], other: list[dict], *extra: str):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         paths.append(str(path))
-    return subprocess.run(
-        [sys.executable, "-m", "tools.compare_metrics", *paths, *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_tool("tools.compare_metrics", *paths, *extra)
 
 
 @pytest.mark.slow
@@ -132,10 +124,5 @@ def test_compare_metrics_tool(tmp_path):
     nan = [*run[:2], {**run[2], "loss": float("nan")}]
     assert _compare(tmp_path, run, nan).returncode == 1
     assert _compare(tmp_path, run, run[:2]).returncode == 1  # other iterations logged
-    missing = subprocess.run(
-        [sys.executable, "-m", "tools.compare_metrics", "nope.jsonl", "nope.jsonl"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    missing = run_tool("tools.compare_metrics", "nope.jsonl", "nope.jsonl")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.launch import ROOT, cli
+from tests.launch import cli, run_tool
 
 LAYERS, H, S, TP, B = 6, 64, 256, 2, 2
 
 
 @pytest.mark.slow
 def test_memory_report_relations():
-    cmd = [
-        sys.executable,
-        "-m",
+    proc = run_tool(
         "tools.memory_report",
         *cli(
             num_layers=str(LAYERS),
@@ -35,9 +30,7 @@ def test_memory_report_relations():
             memo_chunk_tokens="32",
             json=True,
         ),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     methods = json.loads(proc.stdout.strip().splitlines()[-1])["methods"]
     assert set(methods) == {

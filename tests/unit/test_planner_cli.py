@@ -1,9 +1,6 @@
 """The plan_memory tool, run as users run it."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,18 +8,11 @@ from memo_ext.planner import load_plan, load_trace, save_trace, validate
 from memo_ext.planner.packable import packable_instance
 from memo_ext.planner.problem import lower_bound
 from memo_ext.planner.trace import trace_from_intervals
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launch import run_tool
 
 
 def _run(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "tools.plan_memory", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_tool("tools.plan_memory", *args)
 
 
 @pytest.mark.slow
