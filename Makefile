@@ -1,5 +1,6 @@
 # make demo  — train a small GPT on 2 CPU processes (the built-in demo configuration)
-# make test  — lint, the unit and gloo-distributed suites, then the emulated-CUDA tier
+# make test  — lint, then every tier on every core: unit, gloo (jobs in worker processes started
+#              once), the end-to-end launches, then the emulated-CUDA tier
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -26,17 +27,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# pytest-xdist: one test process per core (each runs its training jobs in a pool of its own);
+# worksteal: an idle process takes queued tests from a busy one (the long ones run first)
+XDIST := -n $(or $(JOBS),$(shell nproc)) --dist worksteal
+
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
-	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
+	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider $(XDIST)
 
-# the edit-test loop: the unit tier without the tests marked slow (tool subprocesses, big traces)
+# the edit-test loop: the unit tier without the slow tests and the launches
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests/unit -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests/unit -m "not slow and not launch"
 
-# the program's CUDA branch on this CPU machine (its own process: see tests/emulated)
+# the program's CUDA branch on this CPU machine (its own processes: see tests/emulated)
 test-emulated: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider $(XDIST)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

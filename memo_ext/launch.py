@@ -12,10 +12,11 @@ for a killed rank, as a shell would)::
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun_main
 
 
@@ -44,8 +45,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def first_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank that failed of its own accord: torchrun stops the other ranks with SIGTERM as
+    soon as it sees one fail, and a rank it stopped can be seen at the same poll as the one
+    that failed (bad input fails every rank at once), so exits with a status come first, then
+    deaths by a signal other than torchrun's, each in the order torchrun saw them."""
+
+    def order(rank: int) -> tuple[int, float]:
+        failure = err.failures[rank]
+        stopped = failure.exitcode == -signal.SIGTERM
+        return (0 if failure.exitcode > 0 else 2 if stopped else 1), failure.timestamp
+
+    rank = min(err.failures, key=order)
+    return rank, err.failures[rank]
+
+
 def _report(err: ChildFailedError) -> int:
-    rank, failure = err.get_first_failure()
+    rank, failure = first_failure(err)
     detail = _reported(failure)
     if detail is None:
         if failure.exitcode < 0:

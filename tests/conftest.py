@@ -20,6 +20,25 @@ def pytest_report_header(config):
         return "tests/emulated is not collected here: it runs as python -m tests.emulated"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test of a tier's folder carries the tier's marker (``-m "not dist"`` and the like
+    need no marker in each file), and the long tests run first: pytest-xdist hands tests out in
+    this order, so a long one started last would keep one core busy while the others idle."""
+    for item in items:
+        tier = item.path.relative_to(config.rootpath).parts[1:2]
+        if tier == ("dist",):
+            item.add_marker(pytest.mark.dist)
+        elif tier == ("gpu",):
+            item.add_marker(pytest.mark.gpu)
+
+    def rank(item) -> int:
+        return (
+            0 if item.get_closest_marker("launch") else 1 if item.get_closest_marker("slow") else 2
+        )
+
+    items.sort(key=rank)  # stable: files and parameters keep their order within a rank
+
+
 def pytest_sessionfinish(session, exitstatus):
     close_pool()
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from memo_ext.data import demo_corpus
 from memo_ext.data.datasets import (
@@ -19,6 +18,7 @@ from memo_ext.data.datasets import (
 )
 from memo_ext.data.demo_corpus import build_demo_corpus, document_lengths, select_stdlib_files
 from memo_ext.data.tokenizers import ByteTokenizer
+from tests.launch import run_job
 
 SEQ = 32
 
@@ -299,9 +299,12 @@ def test_iterator_argument_errors(corpus, tmp_path):
 # --- under torch.distributed (gloo) ---------------------------------------------------------
 
 
-def _distributed_worker(rank: int, world_size: int, prefix: str, cache_dir: str, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_MASTER_PORT"])
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+def distributed_build_job(argv: list[str]) -> int:
+    """One rank of a job of the tests' worker pool (rank, world and rendezvous in its
+    environment): builds the datasets under gloo and saves its first batch to ``out``."""
+    prefix, cache_dir, out = argv
+    torch.distributed.init_process_group("gloo")
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     try:
         train, _, _ = _build([prefix], cache_dir=cache_dir)
         blended, _, _ = _build(["1", prefix, "2", prefix], cache_dir=cache_dir)
@@ -315,28 +318,20 @@ def _distributed_worker(rank: int, world_size: int, prefix: str, cache_dir: str,
         )
     finally:
         torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return 0
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo over localhost is set up for Linux here")
-def test_builds_under_gloo_match_one_process(corpus, tmp_path, monkeypatch):
-    monkeypatch.setenv("TEST_MASTER_PORT", str(_free_port()))
+def test_builds_under_gloo_match_one_process(corpus, tmp_path):
     cache_dir = str(tmp_path / "cache")
-    mp.start_processes(
-        _distributed_worker,
-        args=(2, corpus, cache_dir, str(tmp_path)),
-        nprocs=2,
-        start_method="spawn",
+    job = run_job(
+        [corpus, cache_dir, str(tmp_path)],
+        nproc=2,
+        entry="tests.unit.test_data:distributed_build_job",
     )
+    assert job.status == 0, job.describe()
     train, _, _ = _build([corpus], cache_dir=str(tmp_path / "single"))
     blended, _, _ = _build(["1", corpus, "2", corpus], cache_dir=None)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -76,6 +76,7 @@ def test_workers_give_identical_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch  # the script as users run it
 def test_subprocess_run_prints_summary(tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}, {"text": "world!"}])
     command = [sys.executable, "tools/preprocess_data.py", "--input", str(source)]

@@ -1,0 +1,10 @@
+"""Loads the emulated CUDA device when pytest starts, before any conftest imports torch.
+
+``python -m tests.emulated`` names this module in ``PYTEST_PLUGINS``, which pytest reads before
+it imports conftest files, in its own process and in every pytest-xdist worker (they inherit
+the environment): each process of the tier then has the device before torch.
+"""
+
+from tests.emulated import runtime
+
+runtime.load()

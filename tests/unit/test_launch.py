@@ -1,0 +1,45 @@
+"""``python -m memo_ext.launch`` reports the rank that failed, not one torchrun stopped."""
+
+from __future__ import annotations
+
+import signal
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from memo_ext.launch import exit_status, first_failure
+
+
+def _failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
+    failure.timestamp = timestamp
+    return failure
+
+
+def test_a_rank_torchrun_stopped_is_not_the_failure_even_when_seen_first():
+    # both ranks refused bad input; torchrun saw rank 0's exit 2 and stopped rank 1 at once
+    err = ChildFailedError(
+        "pretrain_gpt_memo.py",
+        {1: _failure(1, -signal.SIGTERM, timestamp=10), 0: _failure(0, 2, timestamp=11)},
+    )
+    rank, failure = first_failure(err)
+    assert (rank, exit_status(failure.exitcode)) == (0, 2)
+
+
+def test_a_rank_killed_by_another_signal_comes_before_ranks_stopped_by_torchrun():
+    err = ChildFailedError(
+        "pretrain_gpt_memo.py",
+        {
+            0: _failure(0, -signal.SIGTERM, timestamp=5),
+            3: _failure(3, -signal.SIGKILL, timestamp=6),
+        },
+    )
+    rank, failure = first_failure(err)
+    assert (rank, exit_status(failure.exitcode)) == (3, 128 + 9)
+
+
+def test_among_failures_of_their_own_the_earliest_is_reported():
+    err = ChildFailedError(
+        "pretrain_gpt_memo.py",
+        {0: _failure(0, 1, timestamp=9), 1: _failure(1, 2, timestamp=7), 2: _failure(2, 3, 8)},
+    )
+    assert first_failure(err)[0] == 1
