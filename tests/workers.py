@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_ENTRY = "pretrain_gpt_memo:main"
@@ -128,8 +130,7 @@ class WorkerPool:
         worker = self._workers[rank]
         if worker is not None:
             process, conn = worker
-            process.kill()
-            process.join(10)
+            _kill_tree(process)
             conn.close()
             self.replaced += 1
         self._workers[rank] = None
@@ -204,12 +205,30 @@ class WorkerPool:
             if worker is None:
                 continue
             process, conn = worker
+            descendants = _descendants(process)
             with contextlib.suppress(OSError):
                 conn.send(None)
             process.join(5)
-            if process.is_alive():
-                process.kill()
+            _kill_tree(process, descendants)
             self._workers[rank] = None
+
+
+def _descendants(process: multiprocessing.Process) -> list[psutil.Process]:
+    try:
+        return psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_tree(process: multiprocessing.Process, descendants=None) -> None:
+    """Kill a worker and what it started (data-loader processes, the server process of the
+    queue megatron's checkpoint writer spawns), which a killed worker would leave running."""
+    for child in [*(descendants or _descendants(process))]:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    if process.is_alive():
+        process.kill()
+    process.join(10)
 
 
 def _torchrun_env(*, rank: int, nproc: int, port: int) -> dict[str, str]:

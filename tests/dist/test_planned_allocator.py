@@ -55,9 +55,15 @@ def test_planned_allocator_is_exact_and_serves_the_plan(layout, tmp_path, refere
     assert served and all(r["plan_hit_ratio"] >= 0.99 for r in served)
     assert all(r["plan_miss_size"] == r["plan_miss_extra"] == 0 for r in served)
     # the arena is the largest plan's peak (a kind planned again for a late free may grow it),
-    # and memory is reported through the core
+    # and memory is reported through the core; a record gives the arena its step ran with, and
+    # a kind planned again at the end of the last step (its plan_replans counts it) grows the
+    # arena only for a step that does not come
     arenas = [r["plan_arena_bytes"] for r in served]
-    assert arenas == sorted(arenas) and arenas[-1] == max(_plan_peaks(cache))
+    assert arenas == sorted(arenas)
+    if len(served) > 1 and served[-1]["plan_replans"] > served[-2]["plan_replans"]:
+        assert arenas[-1] <= max(_plan_peaks(cache))
+    else:
+        assert arenas[-1] == max(_plan_peaks(cache))
     assert all(r["mem_reserved_bytes"] >= r["plan_arena_bytes"] for r in served)
     # a restart (new processes: the planned run's workers are replaced after it) finds its
     # plans on disk and plans nothing anew: every file is the one saved,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
-from tests.launch import assert_same_curves, cli, run_pretrain, train_fails
+from tests.launch import assert_same_curves, cli, free_port, run_job, run_pretrain, train_fails
 
 pytestmark = pytest.mark.dist
 
@@ -108,3 +109,37 @@ def test_preflight_refuses_a_run_that_cannot_fit_before_building_it(tmp_path):
         name="fits",
     )
     assert records[-1]["iteration"] == 1
+
+
+def two_runs_job(argv: list[str]) -> int:
+    """A job of the tests' worker pool: trains twice in this process (``argv``: the second
+    run's rendezvous port, then the flags) and fails unless the second run leaves no more
+    threads or open files behind than the first (a run's process groups hold both until its
+    objects are collected)."""
+    import sys
+
+    from pretrain_gpt_memo import main
+
+    second_port, *flags = argv
+    held = []
+    for port in (os.environ["MASTER_PORT"], second_port):
+        os.environ["MASTER_PORT"] = port  # a new rendezvous, as a new launch would have
+        if status := main(flags):
+            return status
+        held.append((len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))))
+    if any(second > first for first, second in zip(*held)):
+        print(f"(threads, open files) after each run: {held}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_second_run_in_the_same_process_holds_no_more_threads(tmp_path):
+    args = MODEL + cli(train_iters=2, tensor_model_parallel_size=2)
+    job = run_job(
+        [str(free_port()), *args],
+        nproc=2,
+        entry="tests.dist.test_training_features:two_runs_job",
+        timeout_s=300,
+    )
+    assert job.status == 0, job.describe()
