@@ -3,8 +3,9 @@
 The flags are generated from the config dataclasses (``memo_ext.flags``), one argument group per
 section; flag names follow Megatron-LM wherever Megatron has the concept, so launch scripts carry
 over. :func:`parse_args` fills the defaults that depend on other flags (global batch, position
-table, DP size) and runs every check before any process group, model or dataset exists: a bad
-value fails with one sentence (:class:`~memo_ext.errors.UsageError`).
+table, DP size), then runs every check before any process group, model or dataset exists: the
+flags' (``RunConfig.check``), then the files they name (``memo_ext.data.inputs``). A bad value
+fails with one sentence (:class:`~memo_ext.errors.UsageError`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from collections.abc import Sequence
 import torch
 
 from memo_ext import config as c
+from memo_ext.config.train import parse_step_schedule
+from memo_ext.data.inputs import check_inputs
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, from_flags
-from memo_ext.mcore.batches import parse_step_schedule
 from memo_ext.megatron_lm.translate import translate
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -99,6 +101,7 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     sections["layout"] = sections["layout"].with_world(world_size)
     run = c.RunConfig(**_with_derived_defaults(sections), world_size=world_size)
     run.check()
+    check_inputs(run)
     if run.train.use_distributed_optimizer and not torch.cuda.is_available():
         # a memory saving of CUDA's optimizer: the same updates without it
         logger.info(

@@ -2,7 +2,7 @@
 
 :class:`ModelShape` is the project's single description of a decoder-only transformer's size: the
 trainer's model flags are generated from it, the estimator, the planner and the memory report
-take it, and ``memo_ext.mcore.config`` converts it to and from megatron-core's
+take it, and ``memo_ext.mcore.transformer_config`` converts it to and from megatron-core's
 ``TransformerConfig``. The presets are the MEMO paper's GPT models and Llama 1 / 2 shapes.
 
 This module imports nothing else from the package (but ``memo_ext.errors``), so every subsystem

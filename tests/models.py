@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from memo_ext.mcore.config import transformer_config
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec
+from memo_ext.mcore.transformer_config import transformer_config
 from memo_ext.shapes import ModelShape
 
 LLAMA_TINY = ModelShape(

@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from memo_ext.config import MemoConfig, ModelConfig  # noqa: E402
+from memo_ext.config.network import resolve_attention_backend  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.estimate.calibration import (  # noqa: E402
     KernelRates,
@@ -79,7 +80,6 @@ from memo_ext.hardware import (  # noqa: E402
     read_calibration,
     write_calibration,
 )
-from memo_ext.mcore.specs import resolve_attention_backend  # noqa: E402
 from memo_ext.parallel import LayoutError, ParallelLayout  # noqa: E402
 from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
 from tools.compare_report import format_summary, format_table, plot_comparison  # noqa: E402

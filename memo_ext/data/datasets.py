@@ -44,6 +44,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tqdm import tqdm
 
+from memo_ext.config.data import check_split
 from memo_ext.data.tokenizers import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -384,23 +385,6 @@ def check_split_documents(prefix: str, split: str, *, documents: int) -> None:
                 f"--split {split} gives the {name} part 0 of the {documents} documents in "
                 f"{prefix}; give that part weight 0 (or more weight), or use more documents"
             )
-
-
-def check_split(split: str) -> None:
-    """Check a ``--split`` string such as ``"969,30,1"`` (at most three non-negative weights).
-
-    megatron-core's own parser silently ignores signs and non-numeric text, so check first.
-    """
-    parts = [part.strip() for part in split.split(",")]
-    try:
-        weights = [float(part) for part in parts]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(
-            f"--split must be up to three comma-separated non-negative weights with a positive "
-            f"sum, such as 969,30,1; got {split!r}."
-        )
 
 
 def _check_blend_cache(*, prefixes: list[str], cache_dir: str | None) -> None:

@@ -22,10 +22,9 @@ from pathlib import Path
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
-"""The values accepted by ``--tokenizer-type``."""
-BYTE_VOCAB_SIZE = 257
-"""``ByteTokenizer``: 256 byte values and end-of-document."""
+from memo_ext.config.data import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, DataConfig
+from memo_ext.errors import UsageError
+
 
 
 class _LocalTokenizer(MegatronTokenizerBase):
@@ -288,3 +287,21 @@ def build_tokenizer(
         f"Unknown --tokenizer-type {tokenizer_type!r}; "
         f"valid types are {', '.join(TOKENIZER_TYPES)}."
     )
+
+
+def tokenizer_for(data: DataConfig) -> MegatronTokenizerBase:
+    """The tokenizer a run's data section names.
+
+    Raises:
+        UsageError: a tokenizer file that is missing or cannot be read.
+    """
+    try:
+        return build_tokenizer(
+            tokenizer_type=data.tokenizer_type,
+            vocab_size=data.vocab_size,
+            tokenizer_model=data.tokenizer_model,
+            vocab_file=data.vocab_file,
+            merge_file=data.merge_file,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None

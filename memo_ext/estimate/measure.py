@@ -40,7 +40,6 @@ from megatron.core.transformer.transformer_block import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo_ext.config import MemoConfig
-from memo_ext.mcore.config import traced_transformer_config
 from memo_ext.mcore.flop_count import flop_counter_mode
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.tracing import (
@@ -49,6 +48,7 @@ from memo_ext.mcore.tracing import (
     frozen_rng,
     tracing_environment,
 )
+from memo_ext.mcore.transformer_config import traced_transformer_config
 from memo_ext.offload.policy import (
     apply_memo,
     memo_runtime_of,

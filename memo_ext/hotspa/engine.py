@@ -58,6 +58,7 @@ from memo_ext.hotspa.switch import (
     ranks_per_node,
 )
 from memo_ext.mcore.groups import build_process_groups, home_process_groups, swap_cp_group
+from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class HotSPaEngine:
                     layout=layout, config=home_config, pgs=pgs, model=home_model, shares_home=True
                 )
                 continue
-            config = run.transformer_config(layout, recompute=method)
+            config = run_transformer_config(run, layout, recompute=method)
             model = build_model(config=config, pg_collection=pgs)
             copy = WorkingCopy(model)
             copy.release()  # until its first bucket: the weight switch will fill it

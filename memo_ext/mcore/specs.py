@@ -9,9 +9,7 @@ A memory policy (MEMO) is applied to the returned spec by ``memo_ext.training.mo
 from __future__ import annotations
 
 import copy
-import importlib.util
 
-import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -23,8 +21,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from memo_ext.mcore.attention import FlashAttention, SDPAttention
 from memo_ext.mcore.norms import Norm
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "te")
-
 # TransformerConfig settings for the local layer spec: megatron's fused element-wise kernels
 # come from apex / TE; the unfused paths are exact on every device and all the CPU supports.
 LOCAL_KERNEL_SETTINGS = {
@@ -35,35 +31,6 @@ LOCAL_KERNEL_SETTINGS = {
     "gradient_accumulation_fusion": False,
     "persist_layer_norm": False,
 }
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def resolve_attention_backend(backend: str, *, allow_te: bool = True) -> str:
-    """Turn ``auto`` into a concrete backend and check that the asked one can run here.
-
-    ``auto`` picks transformer-engine on CUDA when installed (unless ``allow_te`` is False, as
-    for layers that MEMO rebuilds from their own modules), then flash-attn, else SDPA.
-    """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {backend}")
-    cuda = torch.cuda.is_available()
-    if backend == "auto":
-        if cuda and allow_te and _installed("transformer_engine"):
-            return "te"
-        if cuda and _installed("flash_attn"):
-            return "flash"
-        return "sdpa"
-    if backend in ("te", "flash"):
-        package = "transformer_engine" if backend == "te" else "flash_attn"
-        if not cuda or not _installed(package):
-            raise ValueError(
-                f"--attention-backend {backend} needs CUDA and the {package} package; "
-                "use --attention-backend sdpa here"
-            )
-    return backend
 
 
 def build_layer_spec(*, config: TransformerConfig, attention_backend: str) -> ModuleSpec:

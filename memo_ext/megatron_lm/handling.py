@@ -21,13 +21,14 @@ for nothing (``--expert-model-parallel-size 1``).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from memo_ext.config.common import installed
+from memo_ext.config.network import resolve_attention_backend
 from memo_ext.megatron_lm.flags import MegatronFlag
 
 Status = Literal["same", "mapped", "no effect", "refused"]
@@ -79,24 +80,18 @@ def refused(reason: str) -> Handling:
     return Handling("refused", reason)
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def _attention_backend(values: list[str], given: Given) -> list[str]:
     """Megatron-LM's fused / unfused backends are transformer-engine's, local is its own unfused
     PyTorch attention; ours are SDPA, flash-attn and transformer-engine."""
     (value,) = values
     if value == "local":
         return ["--attention-backend", "sdpa"]
-    if torch.cuda.is_available() and _installed("transformer_engine"):
+    if torch.cuda.is_available() and installed("transformer_engine"):
         return ["--attention-backend", "te"]
     return ["--attention-backend", "sdpa"]
 
 
 def _use_flash_attn(values: list[str], given: Given) -> list[str]:
-    from memo_ext.mcore.specs import resolve_attention_backend
-
     try:
         resolve_attention_backend("flash")
     except ValueError:

@@ -36,14 +36,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from memo_ext.allocator.core import AllocatorCore
 from memo_ext.collectives import loss_pair
 from memo_ext.config import RunConfig
+from memo_ext.config.network import resolve_attention_backend
 from memo_ext.data.datasets import close_batch_iterator
+from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.errors import ReportedError, UsageError
 from memo_ext.estimate.preflight import check_preflight
 from memo_ext.hardware import device_peak_tflops, device_spec
 from memo_ext.hotspa.auto import plan_metrics
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
-from memo_ext.mcore.batches import StepBatchSizeCalculator, install_step_schedule
-from memo_ext.mcore.specs import resolve_attention_backend
+from memo_ext.mcore.microbatches import StepBatchSizeCalculator, install_step_schedule
+from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.offload.policy import format_memo_metrics, memo_runtime_of, memo_step_metrics
 from memo_ext.shapes import packed_train_flops, train_flops
 from memo_ext.training.checkpointing import (
@@ -130,7 +132,7 @@ def train(run: RunConfig) -> TrainSummary:
     (``memo_ext.training.resolve``) and logged, and nothing changes it afterwards.
     """
     core = _install_planned_allocator(run)  # before the first tensor of the run
-    tokenizer = run.data.build_tokenizer()
+    tokenizer = tokenizer_for(run.data)
     run = resolve_run(run, tokenizer=tokenizer)
     if _is_logging_process():
         logger.info("run configuration:\n%s", describe_run(run))
@@ -204,7 +206,7 @@ def _train(
 ) -> TrainSummary:
     # the home model's own megatron config: megatron's schedules read the gradient hooks from
     # it (_connect_schedule_hooks), so it is a copy, and the run's config stays as resolved
-    config = run.transformer_config()
+    config = run_transformer_config(run)
     bare = build_gpt_model(run=run, config=config, device=ctx.device)
     model = wrap_for_data_parallel(model=bare, run=run, config=config)
     _log_setup(run, ctx, model)

@@ -17,9 +17,10 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import RunConfig
+from memo_ext.config.network import resolve_attention_backend
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
-from memo_ext.mcore.specs import build_block_spec, build_layer_spec, resolve_attention_backend
+from memo_ext.mcore.specs import build_block_spec, build_layer_spec
 from memo_ext.offload.policy import apply_memo
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def build_gpt_model(
 ) -> ChunkedLossGPTModel:
     """The bare ``GPTModel`` of this process's pipeline stage, on ``device``.
 
-    ``config`` is the model's own ``TransformerConfig`` (``run.transformer_config(layout)``);
+    ``config`` is the model's own ``TransformerConfig`` (``run_transformer_config(run, layout)``);
     with ``pg_collection`` the model runs in another layout than megatron's global one (HotSPa's
     bucket layouts), by default in megatron's global groups.
     """

@@ -34,8 +34,8 @@ def build_stack(*, alpha: float | None, layers: int, keep_last: int, chunk: int 
     from megatron.core.transformer.spec_utils import build_module
 
     from memo_ext.config import MemoConfig
-    from memo_ext.mcore.config import transformer_config
     from memo_ext.mcore.specs import build_layer_spec
+    from memo_ext.mcore.transformer_config import transformer_config
     from memo_ext.offload.policy import apply_memo
     from memo_ext.shapes import ModelShape
 

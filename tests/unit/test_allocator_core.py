@@ -345,7 +345,7 @@ def test_requests_outside_passes_and_without_a_plan(core):
 def layer_program():
     """Two megatron-core layers, forward and backward, planned flat with 512-byte alignment;
     passes fwd0, fwd1, bwd1, bwd0 are kinds 0-3."""
-    from memo_ext.mcore.config import traced_transformer_config
+    from memo_ext.mcore.transformer_config import traced_transformer_config
     from memo_ext.parallel import ParallelLayout
     from memo_ext.planner import PlannerConfig, plan_flat
     from memo_ext.planner.capture import trace_transformer_layer

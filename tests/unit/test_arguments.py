@@ -6,6 +6,7 @@ import pytest
 
 from memo_ext.arguments import parse_args
 from memo_ext.errors import UsageError
+from memo_ext.mcore.transformer_config import run_transformer_config
 from tests.launch import SMALL_GPT, cli
 
 BASE = SMALL_GPT
@@ -33,7 +34,7 @@ def test_megatron_flags_reach_transformer_config():
         ),
         world_size=8,
     )
-    t = run.transformer
+    t = run_transformer_config(run)
     assert (t.num_layers, t.hidden_size, t.ffn_hidden_size) == (4, 64, 100)
     assert (t.num_attention_heads, t.num_query_groups) == (8, 2)
     assert t.gated_linear_unit and not t.add_bias_linear and t.normalization == "RMSNorm"
@@ -44,8 +45,8 @@ def test_megatron_flags_reach_transformer_config():
 
 def test_defaults_follow_megatron():
     run = parse(world_size=2)
-    assert run.transformer.ffn_hidden_size == 4 * 64
-    assert run.transformer.num_query_groups == 8
+    assert run_transformer_config(run).ffn_hidden_size == 4 * 64
+    assert run_transformer_config(run).num_query_groups == 8
     assert run.model.max_position_embeddings == 128
     assert run.train.lr_decay_style == "linear"  # one default, Megatron-LM's
     assert run.train.global_batch_size == 2 * 2  # mbs × DP
@@ -53,7 +54,7 @@ def test_defaults_follow_megatron():
 
 
 def test_sequence_parallel_is_dropped_without_tp():
-    assert not parse("--sequence-parallel").transformer.sequence_parallel
+    assert not run_transformer_config(parse("--sequence-parallel")).sequence_parallel
 
 
 @pytest.mark.parametrize(
@@ -178,7 +179,7 @@ def test_hotspa_accepts_fp16_and_refuses_dropout():
 
     run = parse(*HOT, world_size=2)
     fp16 = dataclasses.replace(run, train=dataclasses.replace(run.train, fp16=True))
-    fp16._check_hotspa()
+    fp16.hotspa.check_with(fp16)
     dropout = dataclasses.replace(fp16, model=dataclasses.replace(run.model, hidden_dropout=0.1))
     with pytest.raises(UsageError, match="--hidden-dropout 0"):
-        dropout._check_hotspa()
+        dropout.hotspa.check_with(dropout)

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from memo_ext.arguments import parse_args
+from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import (
     StepSample,
@@ -144,7 +145,7 @@ def test_kernels_timed_on_the_cpu_make_a_valid_calibration():
 
 def _resolved(argv: list[str]):
     run = parse_args(argv)
-    return resolve_run(run, tokenizer=run.data.build_tokenizer())
+    return resolve_run(run, tokenizer=tokenizer_for(run.data))
 
 
 def test_the_preflight_uses_the_calibration_and_the_memory_limit(tmp_path):

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from memo_ext.arguments import parse_args
+from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.errors import UsageError, out_of_memory
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -122,7 +123,7 @@ def test_the_trainer_parses_each_job_as_the_comparison_meant_it(tmp_path):
             assert getattr(shape, name) == getattr(comp.model, name)
         assert shape.add_bias_linear is False
         # NullTokenizer's vocabulary is --vocab-size plus end-of-document
-        assert run.data.build_tokenizer().vocab_size == comp.model.vocab_size
+        assert tokenizer_for(run.data).vocab_size == comp.model.vocab_size
         assert run.layout == comp.layouts[method.label]
         assert run.data.seq_length == 256
         assert run.train.global_batch_size == 2 * run.layout.dp
@@ -271,10 +272,10 @@ def test_model_flags_need_a_preset_or_the_sizes():
 def test_every_method_runs_on_one_attention_backend(monkeypatch, extra, installed, expect):
     """``auto`` resolved per job would give the baselines transformer-engine's attention and
     MEMO flash-attn's: the comparison picks one backend for all, MEMO's, and passes it."""
-    from memo_ext.mcore import specs
+    from memo_ext.config import network
 
-    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(specs, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(network.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(network, "installed", lambda module: module in installed)
     methods = [cm.parse_method("full"), cm.parse_method("memo")]
     flags, backend = cm._one_attention_backend(extra, methods)
     assert backend == expect

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from memo_ext.config import MemoConfig
+from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.estimate.measure import layer_fit, trace_layer
 from memo_ext.estimate.model import estimate
 from memo_ext.estimate.search import find_max_seq_length
@@ -69,9 +70,9 @@ def _real_saved_bytes(model: ModelShape, tokens: int) -> int:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from memo_ext.mcore.config import traced_transformer_config
     from memo_ext.mcore.specs import build_layer_spec
     from memo_ext.mcore.tracing import fake_process_groups, frozen_rng, tracing_environment
+    from memo_ext.mcore.transformer_config import traced_transformer_config
 
     config = traced_transformer_config(model, fp32=True, num_layers=1)
     with fake_process_groups(tp=1, cp=1) as groups, tracing_environment(), frozen_rng():
@@ -239,7 +240,7 @@ def _run_config(seq_length: int, *, memo: bool):
     if memo:
         argv += ["--memo", "--memo-host-memory-gb", "200"]
     run = parse_args(argv, world_size=8)
-    return resolve_run(run, tokenizer=run.data.build_tokenizer())
+    return resolve_run(run, tokenizer=tokenizer_for(run.data))
 
 
 def test_preflight_refuses_too_big_and_passes_small():

@@ -11,6 +11,7 @@ import pytest
 from memo_ext.arguments import SECTIONS, build_parser, parse_args
 from memo_ext.config import HotSPaConfig, MemoConfig, TrainConfig
 from memo_ext.flags import add_flags, cli_fields, field_docs, flag_name, overrides_from_flags
+from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 from tests.launch import cli, run_tool
@@ -65,7 +66,9 @@ def test_switches_and_negatable_flags():
     run = parse_args(
         [*REQUIRED, "--disable-bias-linear", "--no-check-for-nan-in-loss-and-grad"], world_size=1
     )
-    assert run.shape.add_bias_linear is False and run.transformer.add_bias_linear is False
+    assert (
+        run.shape.add_bias_linear is False and run_transformer_config(run).add_bias_linear is False
+    )
     assert run.train.check_for_nan_in_loss_and_grad is False
     assert parse_args(REQUIRED, world_size=1).train.check_for_nan_in_loss_and_grad is True
 

@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 
+from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.estimate.model import (
     ATTENTION_HALF_TOKENS,
     COLLECTIVE_START_S,
@@ -32,6 +33,7 @@ from memo_ext.hotspa.auto import (
     evaluate_strategies,
     plan_metrics,
 )
+from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout, parse_strategies
 from memo_ext.shapes import model_shape
 
@@ -256,7 +258,7 @@ def _resolved(*extra: str):
         preflight_device="a800-80g",
     )
     run = parse_args([*argv, "--hotspa", "--hotspa-buckets", "8192,32768", *extra], world_size=8)
-    return resolve_run(run, tokenizer=run.data.build_tokenizer())
+    return resolve_run(run, tokenizer=tokenizer_for(run.data))
 
 
 @pytest.mark.slow
@@ -359,9 +361,9 @@ def test_strategy_suffixes_set_a_layouts_recomputation():
     buckets = ["--hotspa-buckets", "64,128"]
     run = _parse_hot(*full, *buckets, "--hotspa-strategies", "dp2:none;tp2")
     assert run.hotspa.recompute == ("none", None)
-    config = run.transformer_config(run.hotspa.strategies[0], recompute="none")
+    config = run_transformer_config(run, run.hotspa.strategies[0], recompute="none")
     assert config.recompute_granularity is None
-    config = run.transformer_config(run.hotspa.strategies[0], recompute="full")
+    config = run_transformer_config(run, run.hotspa.strategies[0], recompute="full")
     assert (config.recompute_granularity, config.recompute_method) == ("full", "uniform")
     assert _parse_hot(*buckets, "--hotspa-strategies", "dp2;tp2").hotspa.recompute is None
     with pytest.raises(UsageError, match="after a colon comes the layout's recomputation"):

@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors"}),
     frozenset({"shapes", "parallel", "hardware", "flags", "collectives"}),
-    frozenset({"mcore", "data"}),
     frozenset({"config"}),
+    frozenset({"mcore", "data"}),
     frozenset({"planner", "offload", "allocator"}),
     frozenset({"estimate"}),
     frozenset({"hotspa", "megatron_lm"}),

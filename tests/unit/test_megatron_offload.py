@@ -16,10 +16,11 @@ from tqdm import tqdm
 import memo_ext.config as c
 import tools.method_jobs as mj
 from memo_ext.arguments import parse_args
+from memo_ext.config import megatron_offload
 from memo_ext.errors import UsageError
 from memo_ext.estimate.model import Efficiency
 from memo_ext.hardware import DeviceSpec
-from memo_ext.mcore.config import transformer_config
+from memo_ext.mcore.transformer_config import run_transformer_config, transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 from tests.launch import SMALL_GPT, cli
@@ -39,14 +40,16 @@ def parse(*extra: str, world_size: int = 1) -> c.RunConfig:
 @pytest.fixture
 def offload_machine(monkeypatch):
     """A process with CUDA and transformer-engine, as far as the checks can tell."""
-    monkeypatch.setattr(c, "megatron_offload_missing", lambda: None)
+    monkeypatch.setattr(megatron_offload, "megatron_offload_missing", lambda: None)
     monkeypatch.setattr(mj, "megatron_offload_missing", lambda: None)
 
 
 @pytest.fixture
 def bare_machine(monkeypatch):
     """A process with neither (this CPU machine, whatever machine runs the test)."""
-    monkeypatch.setattr(c, "megatron_offload_missing", lambda: "CUDA and transformer-engine")
+    monkeypatch.setattr(
+        megatron_offload, "megatron_offload_missing", lambda: "CUDA and transformer-engine"
+    )
     monkeypatch.setattr(mj, "megatron_offload_missing", lambda: "CUDA and transformer-engine")
 
 
@@ -54,7 +57,7 @@ def bare_machine(monkeypatch):
 
 
 def test_offloading_is_off_by_default_as_in_megatron_core():
-    t = parse().transformer
+    t = run_transformer_config(parse())
     reference = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8)
     for name in (
         "cpu_offloading",
@@ -72,7 +75,7 @@ def test_fine_grained_flags_reach_transformer_config(offload_machine):
     assert run.offload.offload_modules == ("attn_norm",)
     run = parse(*FINE, "--min-offloaded-tensor-size", "4096")
     assert run.offload.offload_modules == ("core_attn", "attn_proj")
-    t = run.transformer
+    t = run_transformer_config(run)
     assert t.fine_grained_activation_offloading and not t.cpu_offloading
     assert t.offload_modules == ["core_attn", "attn_proj"]  # megatron-core's type: a list
     assert t.min_offloaded_tensor_size == 4096
@@ -80,7 +83,7 @@ def test_fine_grained_flags_reach_transformer_config(offload_machine):
 
 def test_layer_offloading_reaches_transformer_config(offload_machine):
     # Megatron-LM turns cpu_offloading on whenever --cpu-offloading-num-layers is above 0
-    t = parse(*LAYER).transformer
+    t = run_transformer_config(parse(*LAYER))
     assert (t.cpu_offloading, t.cpu_offloading_num_layers) == (True, 3)
     assert t.cpu_offloading_activations and not t.cpu_offloading_weights  # megatron's defaults
     assert not t.fine_grained_activation_offloading
@@ -91,7 +94,7 @@ def test_accepted_settings_pass_megatron_cores_own_validation(offload_machine, m
     """The reference is megatron-core's ``TransformerConfig.__post_init__``: what the trainer
     accepts, it accepts (the config above is built through it; here with a TP 2 layout)."""
     run = parse("--fine-grained-activation-offloading", "--offload-modules", *modules)
-    config = run.transformer_config(ParallelLayout(tp=2))
+    config = run_transformer_config(run, ParallelLayout(tp=2))
     assert config.offload_modules == modules
 
 
@@ -183,12 +186,12 @@ def test_fine_grained_refuses_a_changing_number_of_micro_batches(offload_machine
         run, **{section: dataclasses.replace(getattr(run, section), **field_values)}
     )
     with pytest.raises(UsageError, match="replays the first step's micro-batches"):
-        changed._check_megatron_offload()
+        changed.offload.check_with(changed)
     # the layer-level variant keeps no state across steps: the same run is fine with it
     layer = dataclasses.replace(
         changed, offload=c.MegatronOffloadConfig(cpu_offloading_num_layers=3)
     )
-    layer._check_megatron_offload()
+    layer.offload.check_with(layer)
 
 
 @pytest.mark.parametrize("flags", [FINE, LAYER])
@@ -211,7 +214,9 @@ def test_a_machine_without_cuda_or_transformer_engine_is_refused(bare_machine, f
 )
 def test_what_is_missing_is_named(monkeypatch, cuda, te, missing):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(c, "_installed", lambda module: te and module == "transformer_engine")
+    monkeypatch.setattr(
+        megatron_offload, "installed", lambda module: te and module == "transformer_engine"
+    )
     assert c.megatron_offload_missing() == missing
 
 
@@ -260,7 +265,7 @@ def test_the_method_selects_fine_grained_offloading_of_every_dense_module(offloa
     assert set(run.offload.offload_modules) == set(c.OFFLOAD_MODULES)
     assert not run.offload.layer_offloading and not run.memo.enabled
     assert run.recompute.granularity is None
-    assert run.transformer.min_offloaded_tensor_size == c.MIN_OFFLOADED_TENSOR_SIZE
+    assert run_transformer_config(run).min_offloaded_tensor_size == c.MIN_OFFLOADED_TENSOR_SIZE
 
 
 def test_the_method_is_refused_in_one_sentence_without_cuda_or_te(bare_machine):

@@ -22,8 +22,8 @@ from memo_ext.data.datasets import build_batch_iterator, build_gpt_datasets
 from memo_ext.data.demo_corpus import build_demo_corpus
 from memo_ext.data.tokenizers import ByteTokenizer
 from memo_ext.errors import UsageError
-from memo_ext.mcore.config import model_shape_of
 from memo_ext.mcore.norms import Norm
+from memo_ext.mcore.transformer_config import model_shape_of, run_transformer_config
 from memo_ext.shapes import ModelShape
 from memo_ext.training import housekeeping
 from memo_ext.training.housekeeping import ManualGC, StepProfiler, notices_for_this_machine
@@ -54,7 +54,7 @@ def test_defaults_are_megatron_lms():
     assert run.cleanup == CleanupConfig(empty_unused_memory_level=0, manual_gc=False)
     assert (run.profile.step_start, run.profile.step_end, run.profile.ranks) == (10, 12, (0,))
     assert not (run.logging.log_throughput or run.logging.log_params_norm)
-    assert not run.transformer.layernorm_zero_centered_gamma
+    assert not run_transformer_config(run).layernorm_zero_centered_gamma
     assert run.logging.wandb_project is None
 
 
@@ -95,11 +95,14 @@ def test_flags_reach_the_run(tmp_path):
         enabled=True, step_start=2, step_end=4, ranks=(0, 1), use_pytorch_profiler=True
     )
     assert run.profile_dir == str(tmp_path / "tb")
-    assert run.transformer.layernorm_zero_centered_gamma
+    assert run_transformer_config(run).layernorm_zero_centered_gamma
     d = run.distributed
     assert d.overlap_grad_reduce and d.grad_reduce_in_bf16 and not d.overlap_param_gather
     # CPU: megatron's fused loss is not used (the notices say so, see below)
-    assert run.model.cross_entropy_loss_fusion and not run.transformer.cross_entropy_loss_fusion
+    assert (
+        run.model.cross_entropy_loss_fusion
+        and not run_transformer_config(run).cross_entropy_loss_fusion
+    )
 
 
 @pytest.mark.parametrize(

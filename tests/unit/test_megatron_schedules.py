@@ -408,7 +408,7 @@ def test_a_checkpoint_past_the_derived_steps_is_refused(tmp_path):
 
 
 def test_step_schedule_parses_token_thresholds():
-    from memo_ext.mcore.batches import batch_at, parse_step_schedule
+    from memo_ext.config.train import batch_at, parse_step_schedule
 
     schedule = parse_step_schedule("0:768 250B:1536 0.5T:3072")
     assert schedule == ((0, 768), (250 * 10**9, 1536), (5 * 10**11, 3072))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from memo_ext.mcore.config import model_shape_of
 from memo_ext.mcore.flop_count import flop_counter_mode
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec
+from memo_ext.mcore.transformer_config import model_shape_of
 from memo_ext.shapes import ModelShape, forward_flops
 from memo_ext.training.metrics import MetricsWriter, StepMetrics
 from tests.models import cpu_config

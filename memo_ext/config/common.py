@@ -1,0 +1,48 @@
+"""What the config sections share: the ``auto`` value and small checks that raise one sentence."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from memo_ext.errors import UsageError
+
+AUTO = "auto"
+
+
+def at_least(value: float | None, low: float, flag: str) -> None:
+    """``value`` (when given) is at least ``low``."""
+    if value is not None and value < low:
+        raise UsageError(f"{flag} must be at least {low:g}, got {value}")
+
+
+def fraction(value: float, flag: str) -> None:
+    """``value`` is in [0, 1)."""
+    if not 0.0 <= value < 1.0:
+        raise UsageError(f"{flag} must be in [0, 1), got {value}")
+
+
+def check_writable_directory(path: str, *, flag: str) -> None:
+    """``path`` is a directory this process can write, or can be created as one: a wrong path
+    fails now, not at the first save.
+
+    Raises:
+        UsageError: naming the path and what is wrong with it.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is" if existing == os.path.abspath(path) else f"lies under {existing}, which is"
+        raise UsageError(f"{flag} {path} {where} a file, not a directory; give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {existing} is not writable by this user")
+
+
+def installed(module: str) -> bool:
+    """``module`` can be imported (or already is: a module put in ``sys.modules`` may have no
+    spec; one set to ``None`` there is blocked)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None

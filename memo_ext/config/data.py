@@ -1,0 +1,131 @@
+"""The data section: where tokens come from and how they are read.
+
+Its checks read flags only; the files they name (datasets, tokenizer files) are checked by
+``memo_ext.data.inputs`` when the run is parsed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from memo_ext.config.common import at_least, check_writable_directory
+from memo_ext.errors import UsageError
+
+if TYPE_CHECKING:
+    from memo_ext.config.run import RunConfig
+
+TOKENIZER_TYPES = (
+    "ByteTokenizer",
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+)
+"""--tokenizer-type choices (``memo_ext.data.tokenizers`` builds them; nothing is downloaded)."""
+BYTE_VOCAB_SIZE = 257
+"""ByteTokenizer's ids: 256 bytes and the end-of-document token."""
+
+
+def check_split(split: str) -> None:
+    """Check a ``--split`` string such as ``"969,30,1"`` (at most three non-negative weights).
+
+    megatron-core's own parser silently ignores signs and non-numeric text, so check first.
+
+    Raises:
+        ValueError: naming the string.
+    """
+    parts = [part.strip() for part in split.split(",")]
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(
+            f"--split must be up to three comma-separated non-negative weights with a positive "
+            f"sum, such as 969,30,1; got {split!r}."
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    seq_length: int
+    """Tokens per sample."""
+    data_path: tuple[str, ...] = ()
+    """Dataset prefixes, optionally weighted (0.7 a 0.3 b), as in Megatron-LM."""
+    split: str = "969,30,1"
+    """Train,valid,test proportions."""
+    mock_data: bool = False
+    """Synthetic tokens."""
+    variable_seq_lengths: bool = False
+    """Whole documents (cut at --seq-length) packed into rows with per-document attention;
+    --global-batch-size then counts documents."""
+    tokenizer_type: Literal[TOKENIZER_TYPES] = "ByteTokenizer"
+    """Tokenizer; nothing is downloaded. Unset with --vocab-file and --merge-file given:
+    GPT2BPETokenizer (what Megatron-LM's GPT-3 scripts mean by those two files)."""
+    vocab_size: int | None = None
+    """NullTokenizer vocabulary (other tokenizers fix their own)."""
+    tokenizer_model: str | None = None
+    """Local tokenizer.json, or a directory holding one (HuggingFaceTokenizer)."""
+    vocab_file: str | None = None
+    """GPT-2 BPE vocab.json (GPT2BPETokenizer)."""
+    merge_file: str | None = None
+    """GPT-2 BPE merges.txt (GPT2BPETokenizer)."""
+    data_cache_path: str | None = None
+    """Where dataset index caches go (default: beside the data)."""
+    num_workers: int = 2
+    """Data loader processes per rank that read and collate fixed-length samples ahead of the
+    step (Megatron-LM's default, 2); 0 reads them in the training process. Same batches either
+    way. Whole documents (--variable-seq-lengths) are packed in the training process."""
+    mmap_bin_files: bool = True
+    """Memory-map the datasets' .bin files; --no-mmap-bin-files reads each sample with a plain file
+    read instead (file systems where mmap is slow)."""
+    create_attention_mask_in_dataloader: bool = False
+    """Build Megatron-LM's [b, 1, s, s] causal mask in the data loader and hand it to the model
+    (Megatron-LM's default). Off here: the core attentions mask causally by themselves, so the
+    results are the same, and the mask costs s² bytes per sample (1 TiB at 1M tokens); Megatron-LM's
+    --no-create-attention-mask-in-dataloader is therefore this trainer's behaviour."""
+
+    def check(self) -> None:
+        """The flags alone; the files they name are checked by ``memo_ext.data.inputs``."""
+        at_least(self.seq_length, 1, "--seq-length")
+        at_least(self.num_workers, 0, "--num-workers")
+        if self.data_cache_path:
+            check_writable_directory(self.data_cache_path, flag="--data-cache-path")
+        if self.mock_data == bool(self.data_path):
+            raise UsageError("give exactly one of --data-path PREFIX… or --mock-data")
+        if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
+            raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+        if self.tokenizer_type == "ByteTokenizer" and self.vocab_size not in (
+            None,
+            BYTE_VOCAB_SIZE,
+        ):
+            raise UsageError(
+                f"--tokenizer-type ByteTokenizer has {BYTE_VOCAB_SIZE} tokens but --vocab-size "
+                f"says {self.vocab_size}; drop --vocab-size"
+            )
+        try:
+            check_split(self.split)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+    def check_with(self, run: RunConfig) -> None:
+        """Packed rows (--variable-seq-lengths) run under DP, TP, PP and CP; refuse what they do
+        not support."""
+        if not self.variable_seq_lengths:
+            return
+        unsupported = {
+            "--micro-batch-size > 1 (a packed row is one micro-batch)": run.train.micro_batch_size
+            != 1,
+            "--memo": run.memo.enabled,
+            "--eval-interval": bool(run.evaluation.eval_interval),
+            # rows are packed from global_batch_size documents per step (with HotSPa, split
+            # into buckets from them): a growing batch is not wired through either
+            "--rampup-batch-size": run.train.rampup_batch_size is not None,
+            "--step-batch-size-schedule": run.train.step_batch_size_schedule is not None,
+            "a blend of several --data-path prefixes": len(self.data_path) > 1,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise UsageError(f"--variable-seq-lengths does not support {what} yet")

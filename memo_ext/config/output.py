@@ -1,0 +1,267 @@
+"""What a run writes and when: the logging, evaluation, checkpoint, cleanup, profile and
+preflight sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from memo_ext.config.common import at_least, check_writable_directory, installed
+from memo_ext.errors import UsageError
+from memo_ext.flags import flag_name
+from memo_ext.hardware import DEVICES
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Console, metrics-file and TensorBoard output."""
+
+    log_interval: int = 10
+    """Log every this many steps (and the first and last)."""
+    metrics_file: str | None = None
+    """JSON Lines metrics, one object per logged step (rank 0)."""
+    device_peak_tflops: float | None = None
+    """Device dense peak for MFU; looked up from the CUDA device's name when unset."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (rank 0)."""
+    log_throughput: bool = False
+    """Show TFLOP/s per device and MFU in the console line (the metrics file, TensorBoard and W&B
+    always get them)."""
+    log_params_norm: bool = False
+    """Log the L2 norm of all weights after each step as params_norm (every weight counted once
+    over the TP / PP ranks; an all-reduce per step, as Megatron-LM)."""
+    log_num_zeros_in_grad: bool = False
+    """Log the zero elements of each step's reduced gradient as num_zeros_in_grad (every weight
+    counted once over the TP / PP ranks)."""
+    wandb_project: str | None = None
+    """Also send every record of the metrics file to this Weights & Biases project (rank 0; needs
+    pip install wandb; WANDB_MODE=offline writes the run locally)."""
+    wandb_exp_name: str | None = None
+    """Name of the W&B run; required with --wandb-project, as in Megatron-LM."""
+    wandb_save_dir: str | None = None
+    """Where W&B keeps its local files (default: --save/wandb, else ./wandb)."""
+    wandb_entity: str | None = None
+    """W&B team or user the run belongs to (default: the login's)."""
+
+    def check(self) -> None:
+        at_least(self.log_interval, 1, "--log-interval")
+        self._check_wandb()
+        if self.device_peak_tflops is not None and self.device_peak_tflops <= 0:
+            raise UsageError(
+                f"--device-peak-tflops must be positive, got {self.device_peak_tflops}"
+            )
+        if self.tensorboard_dir and not installed("tensorboard"):
+            raise UsageError(
+                "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
+            )
+        if self.tensorboard_dir:
+            check_writable_directory(self.tensorboard_dir, flag="--tensorboard-dir")
+        if self.metrics_file:
+            if os.path.isdir(self.metrics_file):
+                raise UsageError(f"--metrics-file {self.metrics_file} is a directory; give a file")
+            parent = os.path.dirname(os.path.abspath(self.metrics_file))
+            check_writable_directory(parent, flag=f"--metrics-file {self.metrics_file}: folder")
+
+    def _check_wandb(self) -> None:
+        """W&B is on when --wandb-project is given and not empty (Megatron-LM's '' means off)."""
+        if not self.wandb_project:
+            return
+        if not self.wandb_exp_name:
+            raise UsageError("--wandb-project needs --wandb-exp-name NAME, the name of the run")
+        if not installed("wandb"):
+            raise UsageError("--wandb-project needs the wandb package: pip install wandb")
+        if self.wandb_save_dir:
+            check_writable_directory(self.wandb_save_dir, flag="--wandb-save-dir")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationConfig:
+    """Validation during training."""
+
+    eval_interval: int | None = None
+    """Evaluate on the validation split every N steps (never if unset)."""
+    eval_iters: int = 10
+    """Validation global batches per evaluation."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.eval_interval) and self.eval_iters > 0
+
+    def check(self) -> None:
+        at_least(self.eval_interval, 1, "--eval-interval")
+        at_least(self.eval_iters, 0, "--eval-iters")
+
+    def check_split(self, *, split: str, mock_data: bool) -> None:
+        """Evaluation reads the validation part of --split (mock data has every part)."""
+        if not self.enabled or mock_data:
+            return
+        weights = [float(w) for w in split.replace("/", ",").split(",") if w.strip()]
+        if len(weights) < 2 or weights[1] <= 0:
+            raise UsageError(f"--eval-interval needs a validation part in --split, got {split!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanupConfig:
+    """When the trainer hands cached device memory back and collects Python garbage."""
+
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Return the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 0 never, 1 after
+    each step's forward / backward passes and each validation batch, 2 also after the optimizer
+    step. Less fragmentation, slower steps; nothing to free on CPU."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off while training and collect at fixed points
+    instead (every --manual-gc-interval steps, around evaluations), so no rank stalls the others
+    at a random step."""
+    manual_gc_interval: int = 0
+    """With --manual-gc, collect every N steps (0: never between steps)."""
+    manual_gc_eval: bool = True
+    """With --manual-gc, collect before each evaluation and the evaluation's garbage after it;
+    --no-manual-gc-eval skips both."""
+
+    def check(self) -> None:
+        at_least(self.manual_gc_interval, 0, "--manual-gc-interval")
+        if not self.manual_gc and (self.manual_gc_interval or not self.manual_gc_eval):
+            raise UsageError(
+                "--manual-gc-interval / --no-manual-gc-eval apply with --manual-gc; add --manual-gc"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """Profiling a window of training steps on some ranks."""
+
+    FLAG_PREFIX: ClassVar[str] = "profile"
+
+    enabled: bool = field(default=False, metadata={"flag": "--profile"})
+    """Profile iterations --profile-step-start to --profile-step-end − 1 on the --profile-ranks:
+    a torch.profiler trace (Chrome trace JSON for Perfetto or TensorBoard) in --tensorboard-dir,
+    else ./profile, with --use-pytorch-profiler or on CPU; on CUDA without it, an nsys capture
+    range (run under nsys profile --capture-range=cudaProfilerApi)."""
+    step_start: int = 10
+    """First profiled iteration; the one before it warms the profiler up."""
+    step_end: int = 12
+    """Profiling stops before this iteration."""
+    ranks: tuple[int, ...] = (0,)
+    """Global ranks that profile."""
+    use_pytorch_profiler: bool = field(default=False, metadata={"flag": "--use-pytorch-profiler"})
+    """Profile with torch.profiler instead of an nsys range (always so on CPU)."""
+
+    @property
+    def first_iteration(self) -> int:
+        """The first profiled iteration (iterations count from 1)."""
+        return max(self.step_start, 1)
+
+    def check(self, *, train_iters: int | None, world_size: int) -> None:
+        if not self.enabled:
+            given = [
+                flag_name(f, prefix=self.FLAG_PREFIX)
+                for f in dataclasses.fields(self)
+                if f.name != "enabled" and getattr(self, f.name) != f.default
+            ]
+            if given:
+                verb = "applies" if len(given) == 1 else "apply"
+                raise UsageError(f"{', '.join(given)} only {verb} with --profile; add --profile")
+            return
+        at_least(self.step_start, 0, "--profile-step-start")
+        if self.step_end <= self.first_iteration:
+            raise UsageError(
+                f"--profile-step-end {self.step_end} must be larger than --profile-step-start "
+                f"{self.step_start} (and than 1): iterations [start, end) are profiled"
+            )
+        if train_iters is not None and self.first_iteration > train_iters:
+            raise UsageError(
+                f"--profile-step-start {self.step_start} is past --train-iters {train_iters}: "
+                "nothing would be profiled"
+            )
+        outside = [r for r in self.ranks if not 0 <= r < world_size]
+        if not self.ranks or outside:
+            raise UsageError(
+                f"--profile-ranks must name ranks in [0, {world_size}), got "
+                f"{' '.join(map(str, self.ranks)) or 'none'}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving, resuming and stopping early."""
+
+    save: str | None = None
+    """Directory to write checkpoints to."""
+    load: str | None = None
+    """Resume from the newest checkpoint in this directory (none there: start fresh)."""
+    save_interval: int | None = None
+    """Save every this many steps (and at the end)."""
+    exit_interval: int | None = None
+    """Save and stop after a step whose number is a multiple of N."""
+    exit_duration_in_mins: float | None = None
+    """Save and stop after N minutes."""
+    exit_signal_handler: bool = False
+    """On SIGTERM / SIGINT save at the next step boundary and exit 0."""
+    override_opt_param_scheduler: bool = field(
+        default=False, metadata={"flag": "--override-opt_param-scheduler"}
+    )
+    """On resume, train with the LR / weight-decay schedule of these flags, not the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = field(
+        default=False, metadata={"flag": "--use-checkpoint-opt_param-scheduler"}
+    )
+    """On resume, keep the checkpoint's LR / weight-decay schedule whatever these flags say.
+    Without either flag a resumed run whose schedule differs from its checkpoint's stops and
+    names the difference (as Megatron-LM does)."""
+
+    def check(self) -> None:
+        at_least(self.save_interval, 1, "--save-interval")
+        at_least(self.exit_interval, 1, "--exit-interval")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise UsageError(
+                f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}"
+            )
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise UsageError(
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+                "exclusive; choose the flags' schedule or the checkpoint's"
+            )
+        if self.save:
+            check_writable_directory(self.save, flag="--save")
+        if self.save_interval and not self.save:
+            raise UsageError("--save-interval needs --save DIR")
+        same = self.save and os.path.abspath(self.load or "") == os.path.abspath(self.save)
+        if self.load and not os.path.isdir(self.load) and not same:
+            # --load DIR --save DIR on a first run (Megatron-LM scripts' pattern) starts fresh
+            raise UsageError(f"--load directory {self.load} does not exist")
+        stops = self.exit_interval or self.exit_duration_in_mins or self.exit_signal_handler
+        if stops and not self.save:
+            raise UsageError(
+                "--exit-interval / --exit-duration-in-mins / --exit-signal-handler save before "
+                "stopping and need --save DIR"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreflightConfig:
+    """The memory check made before the model is built (``memo_ext.estimate.preflight``)."""
+
+    enabled: bool = field(default=True, metadata={"flag": "--skip-preflight"})
+    """Estimate device and host memory first and refuse a run that cannot fit; --skip-preflight
+    runs it even if it cannot fit."""
+    device: str | None = field(
+        default=None, metadata={"flag": "--preflight-device", "choices": sorted(DEVICES)}
+    )
+    """Check the run against this device preset (default: the CUDA device; none on CPU); HotSPa's
+    auto layouts are planned for it too."""
+    calibration: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """Estimator calibration (memo-calibration/1 JSON, written by python -m tools.compare_methods
+    --calibrate): the measured matmul / attention efficiencies and host-link bandwidth replace the
+    estimator's assumptions in the preflight and in HotSPa's auto layouts."""
+    memory_limit_gb: float | None = None
+    """Cap this process's memory so that a run too big for a smaller device fails here with out
+    of memory (exit status 3): on CUDA the device memory torch may use, in GiB (the preflight
+    checks against it too); on CPU how far the process's data segment may grow after start-up
+    (RLIMIT_DATA). Not with --memo-allocator plan on CUDA."""
+
+    def check(self) -> None:
+        """Refuse a non-positive limit (the calibration file is read by
+        ``memo_ext.data.inputs.check_inputs``)."""
+        if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
+            raise UsageError(f"--memory-limit-gb must be positive, got {self.memory_limit_gb}")

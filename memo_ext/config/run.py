@@ -1,0 +1,151 @@
+"""The whole run: every section together, and the rules that tie sections together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memo_ext.config.common import check_writable_directory
+from memo_ext.config.data import DataConfig
+from memo_ext.config.hotspa import HotSPaConfig
+from memo_ext.config.megatron_offload import MegatronOffloadConfig
+from memo_ext.config.memo import MemoConfig
+from memo_ext.config.network import DistributedConfig, ModelConfig, RecomputeConfig
+from memo_ext.config.output import (
+    CheckpointConfig,
+    CleanupConfig,
+    EvaluationConfig,
+    LoggingConfig,
+    PreflightConfig,
+    ProfileConfig,
+)
+from memo_ext.config.train import TrainConfig
+from memo_ext.errors import UsageError
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import ModelShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one training run needs (see the package docstring)."""
+
+    shape: ModelShape
+    """The model's sizes."""
+    model: ModelConfig
+    layout: ParallelLayout
+    """This run's process layout (with HotSPa: the home layout once resolved)."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    offload: MegatronOffloadConfig = field(default_factory=MegatronOffloadConfig)
+    """megatron-core's own activation offloading (off by default)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    train: TrainConfig
+    data: DataConfig
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    cleanup: CleanupConfig = field(default_factory=CleanupConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    memo: MemoConfig = field(default_factory=MemoConfig)
+    """MEMO's token-wise activation offloading (off by default)."""
+    hotspa: HotSPaConfig = field(default_factory=HotSPaConfig)
+    """HotSPa's length buckets and per-bucket layouts (off by default)."""
+    world_size: int = 1
+    """Processes in the job (torchrun's ``WORLD_SIZE``)."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step on each DP rank."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.layout.dp)
+
+    @property
+    def fused_cross_entropy(self) -> bool:
+        """--cross-entropy-loss-fusion where megatron-core's fused loss runs: on CUDA, and not
+        under HotSPa (its bucket models take explicit process groups, the fused loss does not)."""
+        fusion = self.model.cross_entropy_loss_fusion
+        return fusion and torch.cuda.is_available() and not self.hotspa.enabled
+
+    @property
+    def profile_dir(self) -> str:
+        """Where --profile writes torch.profiler traces: --tensorboard-dir (TensorBoard's profiler
+        plugin reads them there, as Megatron-LM writes them), else ./profile."""
+        return self.logging.tensorboard_dir or "profile"
+
+    def check(self) -> None:
+        """Every section's own checks, then each feature's rules against the rest of the run
+        (``check_with``), then the rules of the run as a whole. Reads no file: the files the
+        flags name are checked by ``memo_ext.data.inputs``.
+
+        Raises:
+            UsageError: the first problem, in one sentence that says what to change.
+        """
+        self.shape.check()
+        self.data.check()  # before the model's: --max-position-embeddings defaults to its length
+        self.model.check()
+        self.train.check()
+        self.layout.check_fits(self.shape, self.data.seq_length)
+        self._check_sequence()
+        self._check_batch()
+        self.recompute.check(stage_layers=self.shape.num_layers // self.layout.pp)
+        self.offload.check(num_layers=self.shape.num_layers)
+        self.logging.check()
+        self.distributed.check(distributed_optimizer=self.train.use_distributed_optimizer)
+        self.cleanup.check()
+        self.profile.check(train_iters=self.train.train_iters, world_size=self.world_size)
+        if self.profile.enabled:
+            check_writable_directory(self.profile_dir, flag="--profile: trace folder")
+        self.memo.check()
+        self.memo.check_with(self)
+        self.evaluation.check()
+        self.evaluation.check_split(split=self.data.split, mock_data=self.data.mock_data)
+        self.checkpoint.check()
+        self.preflight.check()
+        self.data.check_with(self)
+        self.hotspa.check()
+        self.hotspa.check_with(self)
+        self.offload.check_with(self)
+
+    def _check_sequence(self) -> None:
+        seq = self.data.seq_length
+        if self.shape.position_embedding_type == "rope" and self.shape.head_dim % 2:
+            raise UsageError(
+                f"rotary embeddings rotate channel pairs: the head dim {self.shape.head_dim} "
+                "(--hidden-size / --num-attention-heads, or --kv-channels) must be even"
+            )
+        if (self.model.max_position_embeddings or seq) < seq:
+            raise UsageError(
+                f"--max-position-embeddings {self.model.max_position_embeddings} is shorter than "
+                f"--seq-length {seq}"
+            )
+        local = seq // self.layout.cp
+        if not 1 <= self.model.loss_chunks <= local:
+            raise UsageError(
+                f"--loss-chunks must be in [1, {local}] (tokens per CP rank), got "
+                f"{self.model.loss_chunks}"
+            )
+
+    def _check_batch(self) -> None:
+        mbs, dp = self.train.micro_batch_size, self.layout.dp
+        gbs = self.train.global_batch_size
+        if gbs is not None and (gbs < 1 or gbs % (mbs * dp)):
+            raise UsageError(
+                f"--global-batch-size {gbs} is not divisible by --micro-batch-size × DP = "
+                f"{mbs}×{dp}"
+            )
+        schedule = self.train.step_schedule or ()
+        uneven = [batch for _, batch in schedule if batch % (mbs * dp)]
+        if uneven:
+            raise UsageError(
+                f"--step-batch-size-schedule batch {uneven[0]} is not divisible by "
+                f"--micro-batch-size × DP = {mbs}×{dp}"
+            )
+        ramp = self.train.rampup_batch_size
+        if self.data.variable_seq_lengths:  # refused there (DataConfig.check_with)
+            ramp = None
+        if ramp is not None and (ramp[0] % (mbs * dp) or ramp[1] % (mbs * dp)):
+            # every batch of the ramp, START + k × INCR, must split into whole micro-batches
+            raise UsageError(
+                f"--rampup-batch-size START {ramp[0]} and INCR {ramp[1]} must be multiples of "
+                f"--micro-batch-size × DP = {mbs}×{dp}"
+            )
