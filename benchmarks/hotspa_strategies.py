@@ -108,7 +108,7 @@ import numpy as np
 
 from memo_ext.config import parse_buckets
 from memo_ext.errors import UsageError
-from memo_ext.estimate.model import METHODS
+from memo_ext.estimate.cost_model import METHODS
 from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
 from memo_ext.hotspa.auto import (
     AUTO_RECOMPUTE,

@@ -31,7 +31,7 @@ import warnings
 
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
-from memo_ext.offload.policy import memo_trace_options
+from memo_ext.memo.policy import memo_trace_options
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.capture import trace_transformer_layer
 from memo_ext.planner.problem import lower_bound, problem_from_trace

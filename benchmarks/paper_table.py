@@ -16,7 +16,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from memo_ext.estimate.model import Batch, Efficiency
+from memo_ext.estimate.cost_model import Batch, Efficiency
 from memo_ext.estimate.search import SearchSpace, find_max_seq_length
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.shapes import MODELS

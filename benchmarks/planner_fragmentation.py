@@ -21,7 +21,7 @@ import time
 
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
-from memo_ext.offload.policy import memo_trace_options
+from memo_ext.memo.policy import memo_trace_options
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner import PlannerConfig, plan_trace
 from memo_ext.planner.caching_allocator import replay_caching_allocator

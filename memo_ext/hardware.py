@@ -73,7 +73,7 @@ class DeviceSpec:
 # - NVLink: per-direction NVLink bandwidth (A100 300, A800 and H800 200, H100 / H200 450 GB/s)
 #   times about 0.8, what NCCL's all-gather / reduce-scatter bus bandwidth reaches on 8 GPUs.
 # - HBM: data sheets of the SXM parts: A100 / A800 80 GB 2,039 GB/s, H100 / H800 3,350 GB/s, H200
-#   4,800 GB/s (the time model applies an achieved fraction, ``memo_ext.estimate.model``).
+#   4,800 GB/s (the time model applies an achieved fraction, ``memo_ext.estimate.cost_model``).
 # - network: assumption of one 200 Gb/s NIC per GPU (HDR InfiniBand, ~22 GB/s achieved) for
 #   A100 / A800 and one 400 Gb/s NIC per GPU (NDR, ~45 GB/s achieved) for the Hopper parts.
 DEVICES: dict[str, DeviceSpec] = {

@@ -66,8 +66,8 @@ from memo_ext.estimate.calibration import (  # noqa: E402
     kernel_calibration,
     measure_kernels,
 )
+from memo_ext.estimate.cost_model import Batch, Efficiency, EstimateError, estimate  # noqa: E402
 from memo_ext.estimate.measure import trace_layer  # noqa: E402
-from memo_ext.estimate.model import Batch, Efficiency, EstimateError, estimate  # noqa: E402
 from memo_ext.flags import add_flags, cli_fields, flag_name, overrides_from_flags  # noqa: E402
 from memo_ext.hardware import (  # noqa: E402
     DEVICES,

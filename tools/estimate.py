@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore")
 from memo_ext.config import DataConfig, MemoConfig, ModelConfig, TrainConfig  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.estimate.calibration import apply_calibration  # noqa: E402
-from memo_ext.estimate.model import METHODS, Batch, Efficiency, Estimate  # noqa: E402
+from memo_ext.estimate.cost_model import METHODS, Batch, Efficiency, Estimate  # noqa: E402
 from memo_ext.estimate.search import (  # noqa: E402
     DEFAULT_GRANULARITY,
     SearchSpace,

@@ -39,7 +39,7 @@ from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, trace_layer
 from memo_ext.flags import add_flags, flag_values
-from memo_ext.offload.alpha import slots_after_forward
+from memo_ext.memo.alpha import slots_after_forward
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 

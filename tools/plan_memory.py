@@ -27,7 +27,7 @@ from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, flag_values, overrides_from_flags
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
-from memo_ext.offload.policy import memo_trace_options
+from memo_ext.memo.policy import memo_trace_options
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner import PlannerConfig, load_trace, plan_trace, save_plan, save_trace
 from memo_ext.planner.capture import trace_transformer_layer

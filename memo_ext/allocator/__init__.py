@@ -1,7 +1,7 @@
 """The run-time side of a memory plan: tensors served at their planned offsets in one region.
 
 ``memo_ext.planner`` makes plans (``tools/plan_memory.py``); this package serves them
-(``--memo-allocator plan``, through ``memo_ext.training.planned_memory``).
+(``--memo-allocator plan``, through ``memo_ext.memo.planned_memory``).
 
 Modules:
     core.c: the allocator core in plain C (arena, passes, hit / miss rules, exact-size caching

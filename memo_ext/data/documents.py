@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+if TYPE_CHECKING:
+    from memo_ext.config import RunConfig
 
 
 class DocumentSource(Protocol):
@@ -157,3 +160,15 @@ def global_batches(
             batch.append(source.document(int(order[position % n]))[:seq_length])
             position += 1
         yield batch
+
+
+def document_source(run: RunConfig, *, vocab_size: int) -> DocumentSource:
+    """The whole documents ``--variable-seq-lengths`` trains on."""
+    if run.data.mock_data:
+        return MockDocuments(
+            num_documents=run.train.total_train_samples,
+            seq_length=run.data.seq_length,
+            vocab_size=vocab_size,
+            seed=run.train.seed,
+        )
+    return IndexedDocuments(run.data.data_path[0], mmap=run.data.mmap_bin_files)

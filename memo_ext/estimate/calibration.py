@@ -1,6 +1,6 @@
 """The estimator calibrated on a real machine: kernels timed alone, efficiencies fitted to steps.
 
-The time model (``memo_ext.estimate.model``) divides FLOPs by peak × an assumed efficiency and
+The time model (``memo_ext.estimate.cost_model``) divides FLOPs by peak × an assumed efficiency and
 copies by an assumed host link. A :class:`~memo_ext.hardware.Calibration` replaces both with
 what one machine achieves:
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from memo_ext.estimate.model import CAUSAL_FRACTION, Efficiency
+from memo_ext.estimate.cost_model import CAUSAL_FRACTION, Efficiency
 from memo_ext.hardware import Calibration, DeviceSpec
 from memo_ext.shapes import ModelShape
 

@@ -49,7 +49,7 @@ from memo_ext.mcore.tracing import (
     tracing_environment,
 )
 from memo_ext.mcore.transformer_config import traced_transformer_config
-from memo_ext.offload.policy import (
+from memo_ext.memo.policy import (
     apply_memo,
     memo_runtime_of,
     memo_step_metrics,
@@ -196,7 +196,7 @@ def trace_layer(
     local = tokens // tp if sp else tokens
     with (
         warnings.catch_warnings(),
-        _quiet("memo_ext.offload"),
+        _quiet("memo_ext.memo"),
         fake_process_groups(tp=tp, cp=1) as groups,
         tracing_environment(),
         frozen_rng(),
@@ -396,7 +396,7 @@ def chunked_layer_max_live_bytes(
     config = traced_transformer_config(model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1)
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     options = memo_trace_options(config, spec, alpha=alpha, chunk_tokens=chunk_tokens)
-    with warnings.catch_warnings(), _quiet("memo_ext.offload"):
+    with warnings.catch_warnings(), _quiet("memo_ext.memo"):
         warnings.simplefilter("ignore")
         trace = trace_transformer_layer(
             config=config, seq_length=tokens, micro_batch_size=micro_batch_size, **options

@@ -16,18 +16,25 @@ from dataclasses import dataclass, replace
 from memo_ext.config import MemoConfig, RunConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import apply_calibration
-from memo_ext.estimate.model import Batch, Efficiency, Estimate, EstimateError
-from memo_ext.estimate.model import estimate as run_estimate
+from memo_ext.estimate.cost_model import Batch, Efficiency, Estimate, EstimateError
+from memo_ext.estimate.cost_model import estimate as run_estimate
+from memo_ext.extension import PlanningTarget
 from memo_ext.hardware import (
+    DEVICES,
     GIB,
     DeviceSpec,
     available_host_memory_bytes,
     cuda_device,
+    device_spec,
     read_calibration,
 )
 from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+AUTO_DEVICE = "h100-80g"
+"""The device ``auto`` choices (HotSPa's layouts, MEMO's chunk) plan for on a machine without a
+GPU and without ``--preflight-device``."""
 
 
 class PreflightError(UsageError):
@@ -67,6 +74,7 @@ def preflight(
     device: DeviceSpec | None = None,
     host_memory_bytes: int | None = None,
     efficiency: Efficiency | None = None,
+    target: PlanningTarget | None = None,
 ) -> Report:
     """Estimates ``run`` and says whether it fits.
 
@@ -76,12 +84,20 @@ def preflight(
         host_memory_bytes: host memory per node; default MEMO's budget (``--memo-host-memory-gb``
             per process) times the node's processes, else the memory available now.
         efficiency: estimator knobs (headroom, host share …).
+        target: the run's device as the trainer decided it (:func:`planning_target`), in place
+            of ``device`` and ``efficiency``.
     """
-    device = device or cuda_device()
-    if device is None:
-        return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
-    efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
-    device, efficiency = as_configured(run, device, efficiency)
+    if target is not None:
+        if target.device is None:
+            return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
+        device = target.planned
+        efficiency = replace(target.efficiency, loss_chunks=run.model.loss_chunks)
+    else:
+        device = device or cuda_device()
+        if device is None:
+            return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
+        efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
+        device, efficiency = as_configured(run, device, efficiency)
     layout = run.layout
     if host_memory_bytes is None:
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
@@ -116,6 +132,15 @@ def as_configured(
         limit = int(run.preflight.memory_limit_gb * GIB)
         device = replace(device, memory_bytes=min(device.memory_bytes, limit))
     return device, efficiency
+
+
+def planning_target(run: RunConfig) -> PlanningTarget:
+    """The device ``run`` plans for, decided once: ``--preflight-device``, else the CUDA
+    device's preset, else (for ``auto`` choices only) :data:`AUTO_DEVICE`; with ``--calibration``
+    and ``--memory-limit-gb`` applied (:func:`as_configured`)."""
+    device = device_spec(run.preflight.device) if run.preflight.device else cuda_device()
+    planned, efficiency = as_configured(run, device or DEVICES[AUTO_DEVICE], Efficiency())
+    return PlanningTarget(device=device, planned=planned, efficiency=efficiency)
 
 
 def check_preflight(run: RunConfig, **kwargs) -> Report:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from memo_ext.config import MemoConfig
-from memo_ext.estimate.model import (
+from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
     Estimate,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from memo_ext.data.documents import DocumentSource, global_batches
 from memo_ext.errors import UsageError
-from memo_ext.estimate.model import (
+from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
     Estimate,

@@ -20,10 +20,10 @@ Modules:
     packable: perfectly packable instances with a known optimum.
 """
 
-from memo_ext.planner.config import PlannerConfig
 from memo_ext.planner.errors import PlannerInputError, PlanValidationError, SolverUnavailableError
 from memo_ext.planner.plan import Plan, load_plan, plan_from_dict, plan_to_dict, save_plan, validate
 from memo_ext.planner.planning import plan_bilevel, plan_flat, plan_trace
+from memo_ext.planner.settings import PlannerConfig
 from memo_ext.planner.trace import Alloc, Free, Trace, trace_from_dict, trace_to_dict
 from memo_ext.planner.trace_files import load_trace, save_trace, trace_from_minimalloc_csv
 

@@ -184,7 +184,7 @@ def trace_transformer_layer(
         num_layers: how many layer passes to run.
         vocab_size: include the embedding and loss ends with this vocabulary.
         layer_spec: megatron ``ModuleSpec`` of the layer, for example a MEMO layer's
-            (``memo_ext.offload.policy.memo_trace_spec``). One layer object runs every pass.
+            (``memo_ext.memo.policy.memo_trace_spec``). One layer object runs every pass.
         context: optional context-manager factory wrapped around the traced program.
         host_storages: called with the layer once the program has run; the storages it names
             (``untyped_storage()._cdata``) are host memory, such as MEMO's pinned buffers, and

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memo_ext.planner.config import PlannerConfig
 from memo_ext.planner.plan import Plan, validate
 from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of, problem_from_trace
+from memo_ext.planner.settings import PlannerConfig
 from memo_ext.planner.solvers import solve_dsa
 from memo_ext.planner.trace import Alloc, Trace, trace_digest
 

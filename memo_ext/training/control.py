@@ -1,4 +1,6 @@
-"""When a run stops early: ``--exit-interval``, ``--exit-duration-in-mins``, and signals.
+"""When a run stops, saves or refuses to go on: ``--exit-interval``, ``--exit-duration-in-mins``
+and signals (:class:`StopConditions`), ``--save-interval`` (:func:`save_due`), a checkpoint past
+the run's end (:func:`check_resumable`), non-finite losses and gradients (:func:`check_finite`).
 
 A scheduler's SIGTERM may reach one rank before the others, and clocks drift, so the decision
 is made together: at every step boundary each rank contributes what it saw to one all-reduce,
@@ -8,14 +10,18 @@ and all ranks stop (after saving) at the same iteration.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed as dist
 
 from memo_ext.collectives import all_reduce_values
-from memo_ext.config import CheckpointConfig
+from memo_ext.config import CheckpointConfig, RunConfig
+from memo_ext.errors import ReportedError, UsageError
+from memo_ext.training.checkpointing import latest_iteration
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +70,63 @@ class StopConditions:
         if c.exit_duration_in_mins and minutes >= c.exit_duration_in_mins:
             return f"--exit-duration-in-mins {c.exit_duration_in_mins}"
         return None
+
+
+class TrainingDiverged(ReportedError):
+    """A non-finite loss or gradient norm; the message points at the last good checkpoint."""
+
+
+def check_finite(run: RunConfig, iteration: int, loss: float, grad_norm: float | None) -> bool:
+    """True when the step is usable; raise (or, when skipping, return False) otherwise."""
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):
+        return True
+    if not run.train.check_for_nan_in_loss_and_grad:
+        return True
+    if run.train.skip_iterations_with_nan:
+        logger.warning(
+            "iteration %d: loss %s, grad norm %s; update skipped", iteration, loss, grad_norm
+        )
+        return False
+    raise TrainingDiverged(
+        f"iteration {iteration}: loss {loss}, gradient norm {grad_norm}; "
+        + _last_good_checkpoint_hint(run)
+    )
+
+
+def _last_good_checkpoint_hint(run: RunConfig) -> str:
+    for directory in (run.checkpoint.save, run.checkpoint.load):
+        if directory and (it := latest_iteration(Path(directory))) is not None:
+            return (
+                f"the last good checkpoint is iteration {it} in {directory} "
+                f"(resume with --load {directory}, e.g. with a lower --lr)"
+            )
+    return "no checkpoint was saved (use --save DIR --save-interval N to keep one)"
+
+
+def check_resumable(run: RunConfig) -> None:
+    """A checkpoint past --train-iters would train nothing and exit as if it had (checked on
+    the tracker, before the checkpoint is read)."""
+    iteration = latest_iteration(Path(run.checkpoint.load))
+    if iteration is not None and iteration > run.train.train_iters:
+        length = f"--train-iters {run.train.train_iters}"
+        if run.train.sample_based:
+            length = (
+                f"the {run.train.train_iters} steps of --train-samples {run.train.train_samples}"
+            )
+        flag = "--train-samples" if run.train.sample_based else "--train-iters"
+        raise UsageError(
+            f"the checkpoint in {run.checkpoint.load} is at iteration {iteration}, past "
+            f"{length}; raise {flag} to train further"
+        )
+    if iteration == run.train.train_iters:
+        logger.info("the checkpoint is at iteration %d: training is complete", iteration)
+
+
+def save_due(iteration: int, run: RunConfig) -> bool:
+    """At every ``--save-interval`` and at the end of training, when ``--save`` is set."""
+    ckpt = run.checkpoint
+    if not ckpt.save:
+        return False
+    if iteration == run.train.train_iters:
+        return True
+    return bool(ckpt.save_interval) and iteration % ckpt.save_interval == 0

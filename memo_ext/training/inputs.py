@@ -2,42 +2,34 @@
 
 Fixed-length samples come from megatron-core's ``GPTDataset`` splits (``memo_ext.data.datasets``)
 in Megatron-LM's sampling order; whole documents (``--variable-seq-lengths``) are packed into rows
-per step (``memo_ext.data.batches``), and with HotSPa into each bucket's rows in the bucket's
-layout (``memo_ext.hotspa.buckets``). Every iterator starts where a checkpoint's consumed samples
-say.
+per step (``memo_ext.data.batches``), or by an extension that groups them its own way
+(``Extension.batches``: HotSPa's buckets). Every iterator starts where a checkpoint's consumed
+samples say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from memo_ext.config import RunConfig
 from memo_ext.data.batches import packed_step_batches
 from memo_ext.data.datasets import build_batch_iterator, build_gpt_datasets
-from memo_ext.data.documents import DocumentSource, IndexedDocuments, MockDocuments
-from memo_ext.hotspa.buckets import hotspa_step_batches
+from memo_ext.data.documents import document_source
+from memo_ext.extension import Extension
 from memo_ext.training.checkpointing import TrainProgress
 from memo_ext.training.initialize import ParallelContext
 
 
-def document_source(run: RunConfig, *, vocab_size: int) -> DocumentSource:
-    """The whole documents ``--variable-seq-lengths`` trains on."""
-    if run.data.mock_data:
-        return MockDocuments(
-            num_documents=run.train.total_train_samples,
-            seq_length=run.data.seq_length,
-            vocab_size=vocab_size,
-            seed=run.train.seed,
-        )
-    return IndexedDocuments(run.data.data_path[0], mmap=run.data.mmap_bin_files)
-
-
 def build_batches(
-    run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress
+    run: RunConfig,
+    ctx: ParallelContext,
+    tokenizer,
+    progress: TrainProgress,
+    extensions: Sequence[Extension] = (),
 ) -> tuple[Iterator, Iterator | None]:
     """Train and validation iterators, both positioned where ``progress`` says."""
     if run.data.variable_seq_lengths:
-        return _packed_batches(run, ctx, tokenizer, progress), None
+        return _packed_batches(run, ctx, tokenizer, progress, extensions), None
     gbs = run.train.global_batch_size
     evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
     valid_samples = evals * run.evaluation.eval_iters * gbs
@@ -76,22 +68,21 @@ def build_batches(
 
 
 def _packed_batches(
-    run: RunConfig, ctx: ParallelContext, tokenizer, progress: TrainProgress
+    run: RunConfig,
+    ctx: ParallelContext,
+    tokenizer,
+    progress: TrainProgress,
+    extensions: Sequence[Extension],
 ) -> Iterator:
-    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents
-    (with HotSPa: this process's rows of each non-empty bucket, in the bucket's layout)."""
+    """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents, or
+    the first extension's own batches of them."""
     source = document_source(run, vocab_size=tokenizer.vocab_size)
-    if run.hotspa.enabled:
-        return hotspa_step_batches(
-            source,
-            bounds=run.hotspa.buckets,
-            layouts=run.hotspa.strategies,
-            rank=ctx.rank,
-            global_batch_size=run.train.global_batch_size,
-            seed=run.train.seed,
-            consumed_documents=progress.consumed_samples,
-            backfill=run.hotspa.backfill,
+    for extension in extensions:
+        batches = extension.batches(
+            run, source, rank=ctx.rank, consumed_documents=progress.consumed_samples
         )
+        if batches is not None:
+            return batches
     cp = run.layout.cp
     return packed_step_batches(
         source,

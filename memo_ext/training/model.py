@@ -1,50 +1,44 @@
 """Build the GPT model of this pipeline stage and wrap it for data parallelism.
 
-The layer spec comes from ``memo_ext.mcore.specs``; :func:`apply_memory_policy` is the one
-place where a memory policy (MEMO's token-wise offload, or none) changes that spec.
+The layer spec comes from ``memo_ext.mcore.specs``; the run's extensions
+(``Extension.layer_spec``: MEMO's token-wise offload) change it there, and nowhere else.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from memo_ext.config import RunConfig
 from memo_ext.config.network import resolve_attention_backend
+from memo_ext.extension import Extension
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec
-from memo_ext.offload.policy import apply_memo
 
 logger = logging.getLogger(__name__)
 
 
-def apply_memory_policy(*, layer_spec: ModuleSpec, run: RunConfig, config) -> ModuleSpec:
-    """Return the layer spec with the run's activation-memory policy applied.
-
-    Megatron's own recomputation baselines are configured through ``TransformerConfig`` and
-    need no spec change; this is where token-wise offloading plugs in.
-    """
-    if not run.memo.enabled:
-        return layer_spec
-    return apply_memo(layer_spec, run.memo, config)
-
-
 def build_gpt_model(
-    *, run: RunConfig, config, device: torch.device, pg_collection=None
+    *,
+    run: RunConfig,
+    config,
+    device: torch.device,
+    pg_collection=None,
+    extensions: Sequence[Extension] = (),
 ) -> ChunkedLossGPTModel:
     """The bare ``GPTModel`` of this process's pipeline stage, on ``device``.
 
     ``config`` is the model's own ``TransformerConfig`` (``run_transformer_config(run, layout)``);
     with ``pg_collection`` the model runs in another layout than megatron's global one (HotSPa's
-    bucket layouts), by default in megatron's global groups.
+    bucket layouts), by default in megatron's global groups. Each of ``extensions`` applies
+    its layer spec, in order.
     """
     if pg_collection is None:
         first, last = (
@@ -57,12 +51,11 @@ def build_gpt_model(
         first, last = pp.rank() == 0, pp.rank() == pp.size() - 1
         tp_rank = pg_collection.tp.rank()
     model_cfg = run.model
-    backend = resolve_attention_backend(model_cfg.attention_backend, allow_te=not run.memo.enabled)
-    layer_spec = apply_memory_policy(
-        layer_spec=build_layer_spec(config=config, attention_backend=backend),
-        run=run,
-        config=config,
-    )
+    rebuilt = any(extension.rebuilds_layers for extension in extensions)
+    backend = resolve_attention_backend(model_cfg.attention_backend, allow_te=not rebuilt)
+    layer_spec = build_layer_spec(config=config, attention_backend=backend)
+    for extension in extensions:
+        layer_spec = extension.layer_spec(run, layer_spec, config)
     block_spec = build_block_spec(config=config, layer_spec=layer_spec)
     model = ChunkedLossGPTModel(
         loss_chunks=model_cfg.loss_chunks,

@@ -29,8 +29,8 @@ def scale_losses(scale: float):
     """Inside the block, every ``_connect_schedule_hooks`` also sets a constant loss scale."""
     connect = loop._connect_schedule_hooks
 
-    def connect_and_scale(config, model, optimizer, *, hotspa: bool) -> None:
-        connect(config, model, optimizer, hotspa=hotspa)
+    def connect_and_scale(config, model, optimizer, *, finalizes_gradients: bool) -> None:
+        connect(config, model, optimizer, finalizes_gradients=finalizes_gradients)
         config.grad_scale_func = lambda loss: loss * scale
 
     return mock.patch.object(loop, "_connect_schedule_hooks", connect_and_scale)

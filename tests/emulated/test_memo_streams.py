@@ -11,8 +11,8 @@ from tests.emulated.device import OrderError, emulated_cuda
 
 
 def test_host_pool_pins_what_it_counts_within_its_budget(cuda):
-    from memo_ext.offload.alpha import HostMemoryError
-    from memo_ext.offload.transfer import HostPool
+    from memo_ext.memo.alpha import HostMemoryError
+    from memo_ext.memo.transfer import HostPool
 
     before = cuda.pinned_bytes()
     pool = HostPool(budget_bytes=40_000, pin_memory=True)
@@ -26,7 +26,7 @@ def test_host_pool_pins_what_it_counts_within_its_budget(cuda):
 
 
 def test_the_bandwidth_probe_is_counted_and_returned(cuda):
-    from memo_ext.offload.transfer import HostPool, build_transfer_engine, measure_copy_gbps
+    from memo_ext.memo.transfer import HostPool, build_transfer_engine, measure_copy_gbps
 
     pool = HostPool(budget_bytes=1 << 20, pin_memory=True)
     engine = build_transfer_engine(torch.device("cuda", 0))
@@ -46,7 +46,7 @@ def _memo_training(cuda, tmp_path):
 def test_a_copy_read_before_its_event_is_caught(tmp_path, monkeypatch):
     """The timeline is the check: with the compute stream not waiting for the host → device
     copies of a prefetch, the backward reads tensors whose copy may still be running."""
-    from memo_ext.offload.transfer import CudaTransferEngine
+    from memo_ext.memo.transfer import CudaTransferEngine
 
     wait = CudaTransferEngine.wait
 
@@ -63,7 +63,7 @@ def test_a_copy_read_before_its_event_is_caught(tmp_path, monkeypatch):
 def test_a_source_freed_under_its_copy_is_caught(tmp_path, monkeypatch):
     """Without the ping-pong slots a layer's copy sources die while the device → host copy still
     reads them, and their blocks could be handed out again."""
-    from memo_ext.offload import runtime
+    from memo_ext.memo import runtime
 
     def drop_sources(self, acts, pairs):
         acts.offloaded = self.engine.to_host(pairs, reuse=[b.last_read for b in acts.host_buffers])

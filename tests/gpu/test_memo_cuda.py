@@ -36,7 +36,7 @@ def build_stack(*, alpha: float | None, layers: int, keep_last: int, chunk: int 
     from memo_ext.config import MemoConfig
     from memo_ext.mcore.specs import build_layer_spec
     from memo_ext.mcore.transformer_config import transformer_config
-    from memo_ext.offload.policy import apply_memo
+    from memo_ext.memo.policy import apply_memo
     from memo_ext.shapes import ModelShape
 
     shape = ModelShape(
@@ -74,8 +74,8 @@ def forward(stack, x):
 
 
 def test_pinned_buffers_allocated_once_and_streams_separate(megatron_cuda):
-    from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
-    from memo_ext.offload.transfer import CudaTransferEngine
+    from memo_ext.memo.policy import memo_runtime_of, memo_step_metrics
+    from memo_ext.memo.transfer import CudaTransferEngine
 
     stack = build_stack(alpha=0.5, layers=4, keep_last=1)
     x = torch.randn(S, B, H, device="cuda", requires_grad=True)
@@ -98,7 +98,7 @@ def test_pinned_buffers_allocated_once_and_streams_separate(megatron_cuda):
 
 
 def test_device_memory_after_forward_is_kept_layers_plus_ping_pong(megatron_cuda):
-    from memo_ext.offload.policy import memo_runtime_of
+    from memo_ext.memo.policy import memo_runtime_of
 
     layers = 6
     x = torch.randn(S, B, H, device="cuda", requires_grad=True)
@@ -125,7 +125,7 @@ def test_device_memory_after_forward_is_kept_layers_plus_ping_pong(megatron_cuda
 
 def test_chunked_copies_in_flight_are_a_few_chunks(megatron_cuda):
     """Chunked MEMO on the side streams: copy sources in flight stay below one layer's saves."""
-    from memo_ext.offload.policy import memo_runtime_of
+    from memo_ext.memo.policy import memo_runtime_of
 
     x = torch.randn(S, B, H, device="cuda", requires_grad=True)
     whole = build_stack(alpha=1.0, layers=4, keep_last=0)

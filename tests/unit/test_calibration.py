@@ -19,7 +19,7 @@ from memo_ext.estimate.calibration import (
     kernel_calibration,
     measure_kernels,
 )
-from memo_ext.estimate.model import Efficiency
+from memo_ext.estimate.cost_model import Efficiency
 from memo_ext.estimate.preflight import preflight
 from memo_ext.hardware import (
     DEVICES,

@@ -11,8 +11,8 @@ import torch
 
 from memo_ext.config import MemoConfig
 from memo_ext.data.tokenizers import tokenizer_for
+from memo_ext.estimate.cost_model import estimate
 from memo_ext.estimate.measure import layer_fit, trace_layer
-from memo_ext.estimate.model import estimate
 from memo_ext.estimate.search import find_max_seq_length
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from memo_ext.data.tokenizers import tokenizer_for
-from memo_ext.estimate.model import (
+from memo_ext.estimate.cost_model import (
     ATTENTION_HALF_TOKENS,
     COLLECTIVE_START_S,
     KERNEL_FLOOR_S,

@@ -10,7 +10,7 @@ import torch
 
 from memo_ext.config import parse_buckets
 from memo_ext.data.documents import MockDocuments, global_batches
-from memo_ext.estimate.model import Efficiency
+from memo_ext.estimate.cost_model import Efficiency
 from memo_ext.hardware import device_spec
 from memo_ext.hotspa.auto import (
     BucketStats,

@@ -18,7 +18,7 @@ import tools.method_jobs as mj
 from memo_ext.arguments import parse_args
 from memo_ext.config import megatron_offload
 from memo_ext.errors import UsageError
-from memo_ext.estimate.model import Efficiency
+from memo_ext.estimate.cost_model import Efficiency
 from memo_ext.hardware import DeviceSpec
 from memo_ext.mcore.transformer_config import run_transformer_config, transformer_config
 from memo_ext.parallel import ParallelLayout

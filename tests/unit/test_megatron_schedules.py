@@ -394,12 +394,12 @@ def test_decoupled_lr_follows_the_schedule_with_its_own_peak(megatron_cpu):
 
 
 def test_a_checkpoint_past_the_derived_steps_is_refused(tmp_path):
-    from memo_ext.training.loop import _check_resumable
+    from memo_ext.training.control import check_resumable
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("11\n")
     run = parse(*cli(train_samples=40, global_batch_size=4, load=tmp_path))
     with pytest.raises(UsageError) as err:
-        _check_resumable(run)
+        check_resumable(run)
     assert "at iteration 11, past the 10 steps of --train-samples 40" in str(err.value)
     assert "raise --train-samples" in str(err.value)
 

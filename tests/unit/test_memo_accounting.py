@@ -15,10 +15,10 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from memo_ext.offload.activations import LayerActivations
-from memo_ext.offload.policy import memo_runtime_of, memo_step_metrics
-from memo_ext.offload.tensors import storage_key
-from memo_ext.offload.transfer import DONE, Completion, SyncTransferEngine
+from memo_ext.memo.activations import LayerActivations
+from memo_ext.memo.policy import memo_runtime_of, memo_step_metrics
+from memo_ext.memo.tensors import storage_key
+from memo_ext.memo.transfer import DONE, Completion, SyncTransferEngine
 from tests.unit.test_memo_layer import build_pair, make_config, megatron_one_process  # noqa: F401
 
 H, HEADS, GROUPS, D, FFN = 32, 4, 2, 8, 48  # make_config's defaults
@@ -168,7 +168,7 @@ def _held_after_each_layer(*, layers: int, keep_last: int):
     runtime = memo_runtime_of(mem)
     engine = HeldCopies()
     runtime.engine = engine
-    from memo_ext.offload.transfer import HostPool
+    from memo_ext.memo.transfer import HostPool
 
     runtime.pool = HostPool(budget_bytes=2**30, pin_memory=False)
     h = torch.randn(s, b, H, requires_grad=True)

@@ -22,8 +22,8 @@ from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.mcore.chunked import ChunkedLayer, ChunkingError, chunk_bounds
 from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.offload.alpha import HostMemoryError
-from memo_ext.offload.policy import apply_memo, memo_runtime_of, memo_step_metrics
+from memo_ext.memo.alpha import HostMemoryError
+from memo_ext.memo.policy import apply_memo, memo_runtime_of, memo_step_metrics
 from tests.unit.test_memo_layer import (  # noqa: F401  (the fixture is used by name)
     SHAPES,
     make_config,

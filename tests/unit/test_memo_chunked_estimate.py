@@ -7,21 +7,21 @@ import argparse
 import pytest
 
 from memo_ext.config import MemoConfig, parse_chunk_tokens
-from memo_ext.estimate.measure import (
-    chunked_layer_max_live_bytes,
-    chunked_live_fit,
-    layer_fit,
-    trace_layer,
-)
-from memo_ext.estimate.model import (
+from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
     auto_chunk_tokens,
     estimate,
     matmul_shape_factor,
 )
+from memo_ext.estimate.measure import (
+    chunked_layer_max_live_bytes,
+    chunked_live_fit,
+    layer_fit,
+    trace_layer,
+)
 from memo_ext.hardware import DEVICES
-from memo_ext.offload.alpha import HostMemoryError, LayerCost, skeleton_layers
+from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS
 from tests.unit.test_estimate import BIG_HOST, SMALL_LLAMA

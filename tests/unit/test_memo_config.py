@@ -10,8 +10,8 @@ from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, from_flags
 from memo_ext.hardware import GIB
-from memo_ext.offload.alpha import HostMemoryError, LayerCost, solve_alpha
-from memo_ext.offload.transfer import host_budget_bytes
+from memo_ext.memo.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.memo.transfer import host_budget_bytes
 from tests.launch import cli
 
 
@@ -47,7 +47,7 @@ def test_defaults_and_values():
 
 
 def test_default_budget_shares_available_memory(monkeypatch):
-    monkeypatch.setattr("memo_ext.offload.transfer.available_host_memory_bytes", lambda: 100 * GIB)
+    monkeypatch.setattr("memo_ext.memo.transfer.available_host_memory_bytes", lambda: 100 * GIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert host_budget_bytes(MemoConfig(enabled=True)) == int(100 * GIB * 0.8 / 4)
 

@@ -19,8 +19,8 @@ from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.mcore.compat import cpu_compat, seed_cpu_rng_tracker
 from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.offload.alpha import HostMemoryError
-from memo_ext.offload.policy import apply_memo, memo_step_metrics
+from memo_ext.memo.alpha import HostMemoryError
+from memo_ext.memo.policy import apply_memo, memo_step_metrics
 from memo_ext.shapes import ModelShape
 from tests.models import cpu_config
 

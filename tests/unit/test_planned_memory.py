@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from memo_ext.allocator.core import UNPLANNED, AllocatorCore
-from memo_ext.training.planned_memory import (
+from memo_ext.memo.planned_memory import (
     RECORD_ITERATION,
     KindPlan,
     PassRecord,

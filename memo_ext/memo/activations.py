@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memo_ext.offload.tensors import (
+from memo_ext.memo.tensors import (
     TensorMeta,
     TokenLayout,
     empty_like_meta,
@@ -46,7 +46,7 @@ from memo_ext.offload.tensors import (
     storage_key,
     view_of,
 )
-from memo_ext.offload.transfer import DONE, Completion, HostBuffer, HostPool, host_view
+from memo_ext.memo.transfer import DONE, Completion, HostBuffer, HostPool, host_view
 
 
 @dataclass
@@ -160,7 +160,7 @@ class LayerActivations:
         on_backward: Callable[[LayerActivations], None],
         measure_only: bool = False,
     ):
-        """``pool`` gives host buffers, ``engine`` moves data (``memo_ext.offload.transfer``),
+        """``pool`` gives host buffers, ``engine`` moves data (``memo_ext.memo.transfer``),
         ``stats`` counts what moved; ``on_backward`` is called when the layer's backward starts
         (the runtime then frees copied sources and prefetches the layer before)."""
         x = kwargs["hidden_states"]

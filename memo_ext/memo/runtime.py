@@ -17,11 +17,11 @@ kept layers the device therefore holds two layers' sets when the forward ends, n
 layers plus two slots; the wait costs nothing when the copies kept pace with the compute (the
 α rule makes them).
 
-Chunked layers (``--memo-chunk-tokens``, :mod:`memo_ext.offload.chunked`) copy in batches, one
-per chunk's phase and one for the layer's whole storages, instead of one per layer: at most
-:data:`COPIES_IN_FLIGHT` batches are in flight, the oldest waited for first. When the host
-budget cannot hold every chunked layer's whole storages, the stage's last offloaded layers keep
-theirs on the device (:attr:`MemoRuntime.skeletons`, fewest needed).
+Chunked layers (``--memo-chunk-tokens``, :mod:`memo_ext.memo.chunked_activations`) copy in
+batches, one per chunk's phase and one for the layer's whole storages, instead of one per
+layer: at most :data:`COPIES_IN_FLIGHT` batches are in flight, the oldest waited for first.
+When the host budget cannot hold every chunked layer's whole storages, the stage's last
+offloaded layers keep theirs on the device (:attr:`MemoRuntime.skeletons`, fewest needed).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ from torch import Tensor
 from memo_ext.collectives import all_reduce_values
 from memo_ext.config import MemoConfig
 from memo_ext.mcore.chunked import sp_groups
-from memo_ext.offload.activations import (
+from memo_ext.memo.activations import (
     LayerActivations,
     MemoStats,
     ProbeShapes,
     ZeroAttention,
     run_token_slice,
 )
-from memo_ext.offload.alpha import HostMemoryError, LayerCost, skeleton_layers, solve_alpha
-from memo_ext.offload.chunked import ChunkedActivations
-from memo_ext.offload.transfer import (
+from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers, solve_alpha
+from memo_ext.memo.chunked_activations import ChunkedActivations
+from memo_ext.memo.transfer import (
     Completion,
     HostPool,
     build_transfer_engine,

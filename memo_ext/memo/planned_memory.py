@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 
 from memo_ext.allocator.core import MISS_NAMES, UNPLANNED, AllocatorCore
-from memo_ext.planner.config import PlannerConfig
 from memo_ext.planner.plan import validate
 from memo_ext.planner.planning import plan_trace
+from memo_ext.planner.settings import PlannerConfig
 from memo_ext.planner.trace import Alloc, Free, Trace
 
 logger = logging.getLogger(__name__)

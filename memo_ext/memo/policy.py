@@ -15,8 +15,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from memo_ext.config import MemoConfig
-from memo_ext.offload.layer import MemoTransformerLayer, memo_core_attention
-from memo_ext.offload.runtime import MemoRuntime
+from memo_ext.memo.layer import MemoTransformerLayer, memo_core_attention
+from memo_ext.memo.runtime import MemoRuntime
 
 
 def apply_memo(

@@ -20,7 +20,7 @@ from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, chunked_live_fit, layer_fit, transient_fit
 from memo_ext.hardware import DeviceSpec
-from memo_ext.offload.alpha import (
+from memo_ext.memo.alpha import (
     HostMemoryError,
     LayerCost,
     skeleton_layers,
@@ -511,7 +511,7 @@ def solve_memo_alpha(
     host_budget_bytes: int,
     resident_layers: int,
 ) -> float:
-    """MEMO's α rule (``memo_ext.offload.alpha.solve_alpha``) on estimated figures.
+    """MEMO's α rule (``memo_ext.memo.alpha.solve_alpha``) on estimated figures.
 
     Raises:
         HostMemoryError: when even α = 0 does not fit the host budget.

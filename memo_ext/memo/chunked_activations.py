@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from memo_ext.mcore.chunked import ChunkedLayer
-from memo_ext.offload.activations import MemoStats, RecomputeMismatch, unpack_saved
-from memo_ext.offload.tensors import TensorMeta, storage_bytes, storage_key, view_of
-from memo_ext.offload.transfer import DONE, Completion, HostBuffer, HostPool, host_view
+from memo_ext.memo.activations import MemoStats, RecomputeMismatch, unpack_saved
+from memo_ext.memo.tensors import TensorMeta, storage_bytes, storage_key, view_of
+from memo_ext.memo.transfer import DONE, Completion, HostBuffer, HostPool, host_view
 
 
 @dataclass(eq=False)

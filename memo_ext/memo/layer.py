@@ -2,7 +2,7 @@
 
 :class:`MemoTransformerLayer` is megatron-core's ``TransformerLayer`` with one change: during
 training, unless it is one of the last layers of its pipeline stage, its forward runs under the
-shared :class:`~memo_ext.offload.runtime.MemoRuntime`. The core attention becomes a subclass of the
+shared :class:`~memo_ext.memo.runtime.MemoRuntime`. The core attention becomes a subclass of the
 spec's own class (see :func:`memo_core_attention`) that lets the runtime observe it in the forward
 and replace it by a stand-in in the recompute pass; parameters and state-dict keys are unchanged.
 """
@@ -23,7 +23,7 @@ from megatron.core.utils import get_pg_rank
 
 from memo_ext.mcore.chunked import ChunkedLayer, check_chunkable
 from memo_ext.mcore.compat import transformer_layer_arguments
-from memo_ext.offload.runtime import MemoRuntime
+from memo_ext.memo.runtime import MemoRuntime
 
 
 class MemoCoreAttentionMixin:

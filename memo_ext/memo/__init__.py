@@ -1,8 +1,8 @@
 """MEMO: token-wise activation swapping and recomputation for every transformer layer.
 
 Entry points: ``--memo`` on ``pretrain_gpt_memo.py`` (the trainer applies
-:func:`memo_ext.offload.policy.apply_memo` to its layer spec), and
-:func:`memo_ext.offload.policy.memo_trace_options` for traces of MEMO layers
+:func:`memo_ext.memo.policy.apply_memo` to its layer spec), and
+:func:`memo_ext.memo.policy.memo_trace_options` for traces of MEMO layers
 (``tools/plan_memory.py --memo-alpha``). The design is in docs/memo.md.
 
 Modules:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
 from memo_ext.hardware import GIB, available_host_memory_bytes
-from memo_ext.offload.alpha import HostMemoryError
+from memo_ext.memo.alpha import HostMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class CudaTransferEngine:
 
     Device → host: the D2H stream waits for the compute stream (the sources are written), copies
     into pinned buffers and records an event; the caller keeps the sources alive until the compute
-    stream has waited on that event (ping-pong rule in :mod:`memo_ext.offload.runtime`).
+    stream has waited on that event (ping-pong rule in :mod:`memo_ext.memo.runtime`).
     Host → device: destinations are allocated on the compute stream, the H2D stream waits for it,
     copies, and records an event the compute stream waits on before the first read.
     """

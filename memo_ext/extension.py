@@ -1,0 +1,171 @@
+"""How a memory or parallelism feature plugs into the trainer: one :class:`Extension` per
+feature, registered once in ``memo_ext.features``.
+
+The trainer (``memo_ext.training.loop``) names no feature. It asks the registry for the
+extensions a run enables and calls their hooks at fixed points of a run:
+
+1. :meth:`~Extension.setup`, before the run's first tensor (a process-wide allocator);
+2. :meth:`~Extension.resolve` (before any process group): settle the feature's open choices in
+   the run config (``auto`` values) for the device the run plans for, and
+   :meth:`~Extension.preflight_skip_reason`;
+3. :meth:`~Extension.layer_spec`, while the model is built (a layer that runs the feature);
+4. :meth:`~Extension.attach`, once the model and optimizer exist (state of its own, hooks);
+5. per step :meth:`~Extension.begin_step`, optionally :meth:`~Extension.forward_backward` (an
+   extension that runs the step's passes itself), :meth:`~Extension.end_backward`, and the
+   figures of :meth:`~Extension.metric_sources`;
+6. :meth:`~Extension.close` when the run ends, failed or not.
+
+Every hook does nothing by default, so an extension overrides only what it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from memo_ext.config import RunConfig
+    from memo_ext.hardware import DeviceSpec
+
+
+@dataclass(frozen=True)
+class MetricSource:
+    """A feature's per-step figures: ``collect`` is called once per step (its counters cover that
+    step) and its dict joins the logged record; ``describe`` renders it for the console."""
+
+    collect: Callable[[], dict]
+    describe: Callable[[dict], str]
+
+
+@dataclass(frozen=True)
+class PlanningTarget:
+    """The device a run's ``auto`` choices and its preflight plan for, decided once.
+
+    ``device`` is the given ``--preflight-device``, else the CUDA device's preset, else ``None``
+    (nothing known to check against); ``planned`` is that device, or the fallback preset where
+    none is known, with ``--calibration`` and ``--memory-limit-gb`` applied, and ``efficiency``
+    the estimator's efficiencies under the same calibration.
+    """
+
+    device: DeviceSpec | None
+    planned: DeviceSpec
+    efficiency: Any
+    """``memo_ext.estimate.model.Efficiency``."""
+
+
+@dataclass(frozen=True)
+class ResolveContext:
+    """What :meth:`Extension.resolve` may read besides the run."""
+
+    tokenizer: Any
+    target: PlanningTarget
+    documents: Callable[[], Any]
+    """The run's whole documents (``memo_ext.data.documents.DocumentSource``), opened on call."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the trainer has built when extensions attach (:meth:`Extension.attach`)."""
+
+    run: RunConfig
+    ctx: Any
+    """``memo_ext.training.initialize.ParallelContext``."""
+    model: torch.nn.Module
+    """The home model, wrapped for data parallelism."""
+    optimizer: Any
+    config: Any
+    """The home model's own megatron-core ``TransformerConfig``."""
+    build_model: Callable[..., torch.nn.Module]
+    """``build_model(config=..., pg_collection=...)``: another model of the run, wrapped for data
+    parallelism without the distributed optimizer, with every extension's layer spec."""
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """One global batch's outcome on this process."""
+
+    pair: torch.Tensor
+    """(loss sum, tokens with a label) of the global batch, the same on every rank."""
+    document_lengths: list[int]
+    """Packed documents: the lengths this process's FLOPs are counted from (empty otherwise)."""
+    flops_shared_by: int
+    """Processes that share those documents' FLOPs."""
+
+
+class Extension:
+    """A feature of the trainer. Subclass it, override the hooks the feature needs, and add the
+    class to ``memo_ext.features.FEATURES`` (or call ``memo_ext.features.register``).
+
+    An extension is made from the run as parsed (``self.run``), before the run is resolved; the
+    resolved run reaches the hooks that need it as an argument (:meth:`layer_spec`,
+    :meth:`batches`, :meth:`attach`).
+    """
+
+    name: ClassVar[str] = "extension"
+    replaces_allocator: bool = False
+    """Serves the process's device memory itself (:meth:`setup`): torch's memory cap cannot
+    apply."""
+    rebuilds_layers: bool = False
+    """Its layer spec rebuilds layers from their modules (transformer-engine's fused layer
+    cannot be used)."""
+    finalizes_gradients: bool = False
+    """Reduces gradients itself: megatron-core's schedules must not finalize them."""
+
+    @classmethod
+    def enabled(cls, run: RunConfig) -> bool:
+        """Whether ``run`` turns the feature on."""
+        raise NotImplementedError
+
+    def __init__(self, run: RunConfig):
+        self.run = run
+
+    def setup(self) -> None:
+        """Before the run's first tensor (and before it is resolved)."""
+
+    def resolve(self, run: RunConfig, context: ResolveContext) -> RunConfig:
+        """``run`` with this feature's open choices settled (every rank gets the same)."""
+        return run
+
+    def preflight_skip_reason(self, run: RunConfig) -> str | None:
+        """Why the memory preflight cannot judge ``run``, or ``None`` when it can."""
+        return None
+
+    def layer_spec(self, run: RunConfig, spec: Any, config: Any) -> Any:
+        """The transformer layer spec with the feature applied (``config``: the model's
+        ``TransformerConfig``)."""
+        return spec
+
+    def attach(self, built: Built) -> None:
+        """The model and optimizer exist; keep what the feature needs of them."""
+
+    def batches(
+        self, run: RunConfig, documents: Any, *, rank: int, consumed_documents: int
+    ) -> Iterator | None:
+        """Per step, the packed batches of this process (``--variable-seq-lengths``), when the
+        feature groups documents its own way; ``None`` for the trainer's packing."""
+        return None
+
+    def metric_sources(self) -> list[MetricSource]:
+        """Per-step figures for the log and the metrics file."""
+        return []
+
+    def begin_step(self, iteration: int) -> None:
+        """Before the step's forward passes."""
+
+    def forward_backward(self, batches: Iterator, forward_step: Callable) -> StepLoss | None:
+        """Run a training step's passes in place of megatron-core's schedule, or ``None`` to
+        leave them to it."""
+        return None
+
+    def end_backward(self) -> None:
+        """After the step's last backward, before the optimizer."""
+
+    def memory(self) -> tuple[int, int] | None:
+        """(allocated, reserved) device bytes of the step when the feature serves them."""
+        return None
+
+    def close(self) -> None:
+        """The run ends (also on failure)."""

@@ -1,0 +1,32 @@
+"""The trainer's features, each an ``memo_ext.extension.Extension``: the one list the trainer
+reads (``extensions_for``). A new feature is a package with its extension class, plus one line
+here (or one ``register`` call, as a test's own extension does)."""
+
+from __future__ import annotations
+
+from memo_ext.config import RunConfig
+from memo_ext.extension import Extension
+from memo_ext.hotspa.extension import HotSPa
+from memo_ext.mcore.offloading import MegatronOffload
+from memo_ext.memo.extension import Memo
+
+FEATURES: list[type[Extension]] = [Memo, HotSPa, MegatronOffload]
+"""Every feature, in the order its hooks run (and its figures appear in a logged step)."""
+
+
+def register(feature: type[Extension]) -> type[Extension]:
+    """Add ``feature`` to :data:`FEATURES` (once); usable as a class decorator."""
+    if feature not in FEATURES:
+        FEATURES.append(feature)
+    return feature
+
+
+def unregister(feature: type[Extension]) -> None:
+    """Take ``feature`` out of :data:`FEATURES` (a test's own, after the test)."""
+    if feature in FEATURES:
+        FEATURES.remove(feature)
+
+
+def extensions_for(run: RunConfig) -> list[Extension]:
+    """One extension per feature ``run`` turns on, made from the run as parsed."""
+    return [feature(run) for feature in FEATURES if feature.enabled(run)]

@@ -1,0 +1,116 @@
+"""MEMO's connection to the trainer (:class:`Memo`, an ``memo_ext.extension.Extension``).
+
+What ``--memo`` changes in a run: ``--memo-chunk-tokens auto`` settled for the run's device
+(:meth:`Memo.resolve`); with ``--memo-allocator plan`` the process's allocator replaced before the
+run's first tensor (:meth:`Memo.setup`) and MEMO's layer passes recorded, planned and served
+(``memo_ext.memo.planned_memory``); every transformer layer built as a MEMO layer
+(:meth:`Memo.layer_spec`); MEMO's and the planner's figures in every logged step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from memo_ext.allocator.core import AllocatorCore
+from memo_ext.config import AUTO, RunConfig
+from memo_ext.estimate.cost_model import Batch, auto_chunk_tokens
+from memo_ext.extension import Built, Extension, MetricSource, ResolveContext
+from memo_ext.memo.planned_memory import (
+    PlannedMemory,
+    format_plan_metrics,
+    install_allocator,
+    shape_key,
+)
+from memo_ext.memo.policy import apply_memo, format_memo_metrics, memo_runtime_of
+
+logger = logging.getLogger(__name__)
+
+
+class Memo(Extension):
+    """Token-wise activation swapping and recomputation in every transformer layer."""
+
+    name = "memo"
+    rebuilds_layers = True
+
+    def __init__(self, run: RunConfig):
+        super().__init__(run)
+        self.core: AllocatorCore | None = None
+        self.planned: PlannedMemory | None = None
+        self.runtime = None
+
+    @classmethod
+    def enabled(cls, run: RunConfig) -> bool:
+        return run.memo.enabled
+
+    @property
+    def replaces_allocator(self) -> bool:
+        return self.run.memo.allocator == "plan"
+
+    def resolve(self, run: RunConfig, context: ResolveContext) -> RunConfig:
+        """``--memo-chunk-tokens auto`` as a token count (``auto_chunk_tokens``)."""
+        if run.memo.chunk_tokens != AUTO:
+            return run
+        target = context.target
+        chunk = auto_chunk_tokens(
+            run.shape,
+            run.layout,
+            Batch(micro_batch_size=run.train.micro_batch_size),
+            seq_length=run.data.seq_length,
+            device=target.planned,
+            eff=target.efficiency,
+        )
+        if os.environ.get("RANK", "0") == "0":
+            logger.info("MEMO chunks: %d local tokens (auto, for %s)", chunk, target.planned.name)
+        return dataclasses.replace(run, memo=dataclasses.replace(run.memo, chunk_tokens=chunk))
+
+    def setup(self) -> None:
+        """``--memo-allocator plan``: every allocation of this process through the allocator
+        core (it cannot be swapped in once tensors exist on the device)."""
+        if self.replaces_allocator:
+            self.core = AllocatorCore()
+            install_allocator(self.core)
+
+    def layer_spec(self, run: RunConfig, spec, config):
+        return apply_memo(spec, run.memo, config)
+
+    def attach(self, built: Built) -> None:
+        self.runtime = memo_runtime_of(built.model)
+        if self.core is not None:
+            memo = built.run.memo
+            self.planned = PlannedMemory(
+                self.core,
+                shape_key=shape_key(built.run),
+                cache_dir=memo.plan_cache_dir,
+                time_limit_s=memo.plan_time_limit,
+                rank=built.ctx.rank,
+            )
+            self.runtime.passes = self.planned
+
+    def metric_sources(self) -> list[MetricSource]:
+        runtime = self.runtime
+        sources = [
+            MetricSource(
+                collect=lambda: runtime.take_metrics() if runtime is not None else {},
+                describe=format_memo_metrics,
+            )
+        ]
+        if self.planned is not None:
+            sources.append(
+                MetricSource(collect=self.planned.step_metrics, describe=format_plan_metrics)
+            )
+        return sources
+
+    def begin_step(self, iteration: int) -> None:
+        if self.planned is not None:
+            self.planned.begin_step(iteration)
+
+    def end_backward(self) -> None:
+        if self.planned is not None:
+            self.planned.end_step()  # the last layer pass ends with the backward
+
+    def memory(self) -> tuple[int, int] | None:
+        """The planned allocator's bytes (torch's CUDA statistics are the caching allocator's,
+        absent once it is replaced)."""
+        return self.planned.memory() if self.planned is not None else None
