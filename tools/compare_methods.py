@@ -37,15 +37,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import shlex
 import sys
-import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -59,16 +55,11 @@ from memo_ext.config.network import resolve_attention_backend  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.estimate.calibration import (  # noqa: E402
     KernelRates,
-    StepSample,
     apply_calibration,
-    fit_efficiencies,
-    fitted_calibration,
-    kernel_calibration,
     measure_kernels,
 )
-from memo_ext.estimate.cost_model import Batch, Efficiency, EstimateError, estimate  # noqa: E402
-from memo_ext.estimate.measure import trace_layer  # noqa: E402
-from memo_ext.flags import add_flags, cli_fields, flag_name, overrides_from_flags  # noqa: E402
+from memo_ext.estimate.cost_model import Efficiency  # noqa: E402
+from memo_ext.flags import add_flags, cli_fields, overrides_from_flags  # noqa: E402
 from memo_ext.hardware import (  # noqa: E402
     DEVICES,
     GIB,
@@ -82,24 +73,17 @@ from memo_ext.hardware import (  # noqa: E402
 )
 from memo_ext.parallel import LayoutError, ParallelLayout  # noqa: E402
 from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
+from tools.compare_calibration import calibrate, format_calibration  # noqa: E402
 from tools.compare_report import format_summary, format_table, plot_comparison  # noqa: E402
-from tools.memory_report import Setup, method_figures  # noqa: E402
+from tools.compare_runs import BudgetSpent, Results, Runner  # noqa: E402
+from tools.compare_search import find_longest, known_bounds  # noqa: E402
+from tools.comparison import Comparison  # noqa: E402
 from tools.method_jobs import (  # noqa: E402
-    OK,
-    OOM,
-    REFUSED,
-    ROOT,
-    TIMEOUT,
-    JobOutcome,
     Launch,
     Method,
-    measured_figures,
     parse_method,
-    run_job,
 )
 
-logger = logging.getLogger("compare_methods")
-FORMAT = "memo-compare/1"
 MODEL_FIELDS = tuple(f.name for f in cli_fields(ModelShape)) + ("vocab_size",)
 
 
@@ -234,60 +218,6 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
 
 
 # --- the comparison, resolved once --------------------------------------------------------
-
-
-@dataclass
-class Comparison:
-    """Everything a comparison runs with, resolved and checked from the flags."""
-
-    model: ModelShape
-    methods: list[Method]
-    layouts: dict[str, ParallelLayout]
-    """Method label → its layout (DP included)."""
-    seq_lengths: list[int]
-    find_max: bool
-    granularity: int
-    max_seq_length: int
-    find_max_start: int | None
-    launch: Launch
-    micro_batch_size: int
-    num_microbatches: int
-    keep_last_layers: int | None
-    loss_chunks: int
-    warmup_steps: int
-    measure_steps: int
-    timeout_s: float
-    time_budget_s: float | None
-    memory_limit_gb: float | None
-    extra: list[str]
-    out: Path
-    device: DeviceSpec
-    """The device the predictions are for (on CPU: this CPU, measured)."""
-    cuda: bool
-    host_memory_bytes: int
-    efficiency: Efficiency
-    kernels: KernelRates | None
-    calibrate_path: Path | None
-    retry_errors: bool
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def fp32(self) -> bool:
-        """The jobs train in fp32 (no --bf16 / --fp16 among the passed flags)."""
-        return not ({"--bf16", "--fp16"} & set(self.extra))
-
-    def signature(self) -> dict:
-        """What makes two comparisons' runs interchangeable (not the methods or lengths)."""
-        return {
-            "model": dataclasses.asdict(self.model),
-            "launch": [self.launch.nproc_per_node, self.launch.nnodes],
-            "batch": [self.micro_batch_size, self.num_microbatches],
-            "steps": [self.warmup_steps, self.measure_steps],
-            "keep_last_layers": self.keep_last_layers,
-            "loss_chunks": self.loss_chunks,
-            "memory_limit_gb": self.memory_limit_gb,
-            "extra": self.extra,
-        }
 
 
 def resolve(args: argparse.Namespace, extra: list[str]) -> Comparison:
@@ -494,442 +424,6 @@ def _kernels_in_subprocess(model: ModelShape) -> KernelRates:
         return pool.submit(measure_kernels, model, device="cuda").result()
 
 
-# --- one configuration --------------------------------------------------------------------
-
-
-def model_flags(model: ModelShape) -> list[str]:
-    """The trainer's flags for ``model`` (its vocabulary through ``NullTokenizer``, which adds
-    one token for end-of-document)."""
-    argv = []
-    for f in cli_fields(ModelShape):
-        value = getattr(model, f.name)
-        if isinstance(value, bool):
-            argv += [flag_name(f)] if value != f.default else []
-        elif value is not None:
-            argv += [flag_name(f), str(value)]
-    return argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model.vocab_size - 1)]
-
-
-def layout_flags(layout: ParallelLayout) -> list[str]:
-    flags = ["--tensor-model-parallel-size", str(layout.tp)]
-    flags += ["--context-parallel-size", str(layout.cp)]
-    flags += ["--pipeline-model-parallel-size", str(layout.pp)]
-    return flags + (["--sequence-parallel"] if layout.sp else [])
-
-
-def job_argv(comp: Comparison, method: Method, seq: int, *, metrics: Path, job_id: str):
-    """The command of one configuration's job."""
-    layout = comp.layouts[method.label]
-    argv = comp.launch.torchrun_argv(job_id=job_id) + [str(ROOT / "pretrain_gpt_memo.py")]
-    argv += model_flags(comp.model) + layout_flags(layout) + method.trainer_flags()
-    if method.is_memo and comp.keep_last_layers is not None:
-        argv += ["--memo-keep-last-layers", str(comp.keep_last_layers)]
-    batch = comp.micro_batch_size * layout.dp * comp.num_microbatches
-    argv += ["--seq-length", str(seq), "--micro-batch-size", str(comp.micro_batch_size)]
-    argv += ["--global-batch-size", str(batch), "--lr", "1e-4", "--mock-data"]
-    argv += ["--train-iters", str(comp.warmup_steps + comp.measure_steps), "--log-interval", "1"]
-    argv += ["--metrics-file", str(metrics), "--skip-preflight"]  # real runs decide what fits
-    if comp.loss_chunks > 1:
-        argv += ["--loss-chunks", str(comp.loss_chunks)]
-    if not comp.cuda:  # MFU against the CPU's measured peak
-        argv += ["--device-peak-tflops", f"{comp.device.peak_tflops:.6g}"]
-    if comp.memory_limit_gb is not None:
-        argv += ["--memory-limit-gb", f"{comp.memory_limit_gb:g}"]
-    return argv + comp.extra
-
-
-def run_key(comp: Comparison, method: Method, seq: int) -> str:
-    layout = dataclasses.asdict(comp.layouts[method.label])
-    text = json.dumps([comp.signature(), method.label, layout, seq], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def predict(comp: Comparison, method: Method, seq: int, *, efficiency=None, device=None) -> dict:
-    """The estimator's figures for one configuration (``error`` when it cannot estimate it)."""
-    try:
-        est = _estimate(comp, method, seq, efficiency=efficiency, device=device)
-    except (EstimateError, UsageError) as err:
-        return {"step_time_s": None, "mfu": None, "peak_memory_bytes": None, "error": str(err)}
-    return {
-        "step_time_s": est.step_time_s,
-        "mfu": est.mfu,
-        "peak_memory_bytes": est.device_peak_bytes,
-        "fits": est.fits,
-        "activation_bytes": est.activation_bytes,
-        "host_bytes": est.host_bytes,
-        "recompute_flops": est.recompute_flops,
-        "alpha": est.alpha,
-        "compute_s": est.compute_s,
-        "exposed_comm_s": est.exposed_comm_s,
-        "exposed_host_copy_s": est.exposed_host_copy_s,
-    }
-
-
-def _estimate(comp: Comparison, method: Method, seq: int, *, efficiency=None, device=None):
-    return estimate(
-        model=comp.model,
-        device=device or comp.device,
-        layout=comp.layouts[method.label],
-        batch=Batch(
-            micro_batch_size=comp.micro_batch_size,
-            num_microbatches=comp.num_microbatches,
-            distributed_optimizer="--use-distributed-optimizer" in comp.extra,
-        ),
-        method=method.estimator_method(),
-        seq_length=seq,
-        host_memory_bytes=comp.host_memory_bytes,
-        memo=MemoConfig(enabled=True, alpha=method.alpha, keep_last_layers=comp.keep_last_layers),
-        efficiency=efficiency or comp.efficiency,
-    )
-
-
-def traced_figures(comp: Comparison, method: Method, seq: int, alpha: float | None) -> dict:
-    """Activation bytes kept, host bytes and recompute FLOPs of one iteration of one process,
-    traced on fake tensors in the jobs' precision (``tools.memory_report``'s figures)."""
-    layout = comp.layouts[method.label]
-    if layout.cp > 1:
-        return {"note": "context parallelism cannot be traced on fake tensors"}
-    if method.name == "megatron-offload":
-        return {"note": "megatron-core's offloading is not traced on fake tensors"}
-    key = method.estimator_method()
-    if method.is_memo:
-        key = f"memo-{alpha if alpha is not None else 0.0:g}"
-    setup = Setup(
-        shape=comp.model,
-        layout=layout,
-        seq_length=seq,
-        micro_batch_size=comp.micro_batch_size,
-        micro_batches=comp.num_microbatches,
-        fp32=comp.fp32,
-        keep_last_layers=comp.keep_last_layers,
-    )
-    kw = dict(tp=layout.tp, sp=layout.sp, tokens=seq, micro_batch_size=comp.micro_batch_size)
-    layers = {m: trace_layer(comp.model, method=m, fp32=comp.fp32, **kw) for m in {"none", key}}
-    figures = dataclasses.asdict(method_figures(setup, layers)[key])
-    return {**figures, "traced_as": key, "dtype": "fp32" if comp.fp32 else "bf16"}
-
-
-# --- running the comparison ---------------------------------------------------------------
-
-
-class Results:
-    """``compare.json``: every run so far, saved after each one (so a stopped comparison
-    resumes where it stopped)."""
-
-    def __init__(self, comp: Comparison) -> None:
-        self.path = comp.out / "compare.json"
-        self.comp = comp
-        self.runs: dict[str, dict] = {}
-        self.searches: dict[str, dict] = {}
-        self.calibration: dict | None = None
-        if self.path.exists():
-            self._load()
-
-    def _load(self) -> None:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UsageError(
-                f"{self.path} cannot be read ({err}); remove it to start over"
-            ) from None
-        if data.get("format") != FORMAT or data.get("signature") != _jsonable(
-            self.comp.signature()
-        ):
-            raise UsageError(
-                f"{self.path} holds a comparison of another model, launch, step count or trainer "
-                "flags; use another --out or remove it"
-            )
-        self.runs = {run["key"]: run for run in data.get("runs", [])}
-        self.searches = data.get("find_max", {})
-        self.calibration = data.get("calibration")
-
-    def save(self) -> None:
-        comp = self.comp
-        data = {
-            "format": FORMAT,
-            "signature": _jsonable(comp.signature()),
-            "methods": [m.label for m in comp.methods],
-            "layouts": {k: dataclasses.asdict(v) for k, v in comp.layouts.items()},
-            "device": dataclasses.asdict(comp.device),
-            "efficiency": dataclasses.asdict(comp.efficiency),
-            "kernels": dataclasses.asdict(comp.kernels) if comp.kernels else None,
-            "notes": comp.notes,
-            "runs": list(self.runs.values()),
-            "find_max": self.searches,
-            "calibration": self.calibration,
-        }
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, self.path)
-
-    def current(self) -> list[dict]:
-        """Runs of this comparison's methods."""
-        labels = {m.label for m in self.comp.methods}
-        return [r for r in self.runs.values() if r["method"] in labels]
-
-
-def _jsonable(value):
-    return json.loads(json.dumps(value))
-
-
-class BudgetSpent(Exception):
-    """--time-budget-s has passed: no new job starts."""
-
-
-class Runner:
-    """Runs configurations once each, records them, and shows progress."""
-
-    def __init__(self, comp: Comparison, results: Results, bar: tqdm) -> None:
-        self.comp, self.results, self.bar = comp, results, bar
-        self.deadline = time.monotonic() + (comp.time_budget_s or float("inf"))
-        (comp.out / "jobs").mkdir(parents=True, exist_ok=True)
-
-    def run(self, method: Method, seq: int) -> dict:
-        """The record of ``method`` at ``seq`` tokens: from the file, else from a new job; for a
-        method this machine cannot run, a ``refused`` record (decided anew on every invocation,
-        so a machine that can run it does)."""
-        key = run_key(self.comp, method, seq)
-        if self.bar.n >= self.bar.total:  # a search's runs are not known in advance
-            self.bar.total = self.bar.n + 1
-        done = self.results.runs.get(key)
-        retry = done is not None and (
-            done["status"] == REFUSED or (self.comp.retry_errors and done["status"] == "error")
-        )
-        if done is not None and not retry:
-            self.bar.update(1)
-            return done
-        refusal = method.refusal()
-        if refusal is None and time.monotonic() > self.deadline:
-            raise BudgetSpent
-        if refusal is not None:
-            record = self._record(method, seq, key, JobOutcome(REFUSED, None, 0.0, refusal))
-        else:
-            record = self._run_job(method, seq, key)
-        self.results.runs[key] = record
-        self.results.save()
-        self.bar.update(1)
-        tqdm.write(_one_line(record), file=sys.stderr)
-        return record
-
-    def _run_job(self, method: Method, seq: int, key: str) -> dict:
-        comp = self.comp
-        stem = f"{method.label.replace('@', '_at_').replace('=', '_').replace('+', 'p')}_{seq}"
-        metrics, log = comp.out / "jobs" / f"{stem}.jsonl", comp.out / "jobs" / f"{stem}.log"
-        argv = job_argv(comp, method, seq, metrics=metrics, job_id=f"compare-{key}")
-        name = f"{method.label} @ {seq:,}"
-        self.bar.set_postfix_str(name)
-        live = sys.stderr.isatty()  # a log file gets the bar's own, rarer lines
-        tick = lambda s: self.bar.set_postfix_str(f"{name}: {s:.0f} s", refresh=live)  # noqa: E731
-        outcome = run_job(
-            argv,
-            log_path=log,
-            metrics_path=metrics,
-            timeout_s=comp.timeout_s,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            on_tick=tick,
-        )
-        return self._record(
-            method, seq, key, outcome, log=str(log.relative_to(comp.out)), command=argv
-        )
-
-    def _record(
-        self,
-        method: Method,
-        seq: int,
-        key: str,
-        outcome: JobOutcome,
-        *,
-        log: str | None = None,
-        command: list[str] | None = None,
-    ) -> dict:
-        """The JSON record of one configuration: what ``outcome`` says, next to the estimate and
-        the traced figures (``log`` and ``command`` are ``None`` where no job ran)."""
-        comp = self.comp
-        measured = measured_figures(outcome.records, warmup_steps=comp.warmup_steps)
-        measured["peak_rss_bytes"] = outcome.peak_rss_bytes
-        cuda_peak = measured.get("mem_allocated_bytes")
-        if outcome.status == OK:  # a failed job's peak is that of its last moments, not a run's
-            cpu_peak = outcome.peak_rss_bytes
-            measured["peak_memory_bytes"] = cuda_peak if cuda_peak is not None else cpu_peak
-            measured["peak_memory_source"] = "allocated" if cuda_peak is not None else "process RSS"
-        predicted = predict(comp, method, seq)
-        alpha = measured.get("memo_alpha") if outcome.status == OK else predicted.get("alpha")
-        return {
-            "key": key,
-            "method": method.label,
-            "seq_length": seq,
-            "layout": dataclasses.asdict(comp.layouts[method.label]),
-            "status": outcome.status,
-            "exit_status": outcome.exit_status,
-            "message": outcome.message,
-            "requested_bytes": outcome.requested_bytes,
-            "wall_s": outcome.wall_s,
-            "measured": measured,
-            "predicted": predicted,
-            "deterministic": traced_figures(comp, method, seq, method.alpha or alpha),
-            "log": log,
-            "command": command,
-        }
-
-
-def _one_line(record: dict) -> str:
-    status = record["status"]
-    text = f"{record['method']} @ {record['seq_length']:,}: {status}"
-    if status == OK:
-        step = record["measured"]["step_time_s"]
-        text += f", {step:.3g} s/step" if step is not None else ""
-    elif record.get("message"):
-        text += f" ({record['message'][-160:]})"
-    return text
-
-
-def find_longest(comp: Comparison, runner: Runner, method: Method) -> dict:
-    """The longest length ``method`` trains at, by real runs over multiples of the granularity:
-    from the longest known to train, double until one fails (out of memory or past the time
-    limit), then halve the gap; a failure of another kind stops the search."""
-    unit = comp.granularity
-    lo, hi = _known_bounds(runner.results.current(), method.label)
-    if lo is None and hi is None:
-        seq = _round(comp.find_max_start or _predicted_longest(comp, method), unit)
-        lo, hi, stop = _probe(runner, method, seq, lo, hi)
-        if stop:
-            return {"longest": None, "bound": stop}
-    while True:
-        if lo is None:
-            seq = _round(hi // 2, unit)
-            if seq >= hi:
-                return {"longest": None, "bound": f"{hi:,} fails and nothing shorter to try"}
-        elif hi is None:
-            if lo >= comp.max_seq_length:
-                return {"longest": lo, "bound": "reached --max-seq-length"}
-            seq = min(_round(2 * lo, unit), comp.max_seq_length)
-        else:
-            if hi - lo <= unit:
-                return {"longest": lo, "bound": f"{hi:,} does not train"}
-            seq = max(_round((lo + hi) // 2, unit), lo + unit)
-        lo, hi, stop = _probe(runner, method, seq, lo, hi)
-        if stop:
-            return {"longest": lo, "bound": stop}
-
-
-def _probe(runner: Runner, method: Method, seq: int, lo, hi):
-    record = runner.run(method, seq)
-    if record["status"] == OK:
-        return seq, hi, None
-    if record["status"] in (OOM, TIMEOUT):
-        return lo, seq, None
-    return lo, hi, f"{seq:,} failed: {record['message']}"
-
-
-def _known_bounds(runs: list[dict], label: str) -> tuple[int | None, int | None]:
-    """(longest that trained, shortest above it that ran out of memory or time)."""
-    mine = [r for r in runs if r["method"] == label]
-    trained = [r["seq_length"] for r in mine if r["status"] == OK]
-    lo = max(trained, default=None)
-    failed = [
-        r["seq_length"]
-        for r in mine
-        if r["status"] in (OOM, TIMEOUT) and (lo is None or r["seq_length"] > lo)
-    ]
-    return lo, min(failed, default=None)
-
-
-def _round(seq: int, unit: int) -> int:
-    return max(unit, seq // unit * unit)
-
-
-def _predicted_longest(comp: Comparison, method: Method) -> int:
-    """The estimator's longest fitting multiple of the granularity (on CPU, where it models
-    another precision and memory than the run's: the granularity)."""
-    unit = comp.granularity
-    if not comp.cuda:
-        return unit
-
-    def fits(seq: int) -> bool:
-        try:
-            return _estimate(comp, method, seq).fits
-        except (EstimateError, UsageError):
-            return False
-
-    seq = unit
-    while fits(2 * seq) and 2 * seq <= comp.max_seq_length:
-        seq *= 2
-    return seq
-
-
-# --- calibration --------------------------------------------------------------------------
-
-
-def calibrate(comp: Comparison, results: Results) -> Calibration:
-    """Kernels timed alone, then efficiencies fitted to every trained run's measured step."""
-    kernels = comp.kernels or measure_kernels(comp.model, device="cpu")
-    base = kernel_calibration(kernels, device=comp.device.name, peak_tflops=comp.device.peak_tflops)
-    device = dataclasses.replace(comp.device, host_link_gbps=base.host_link_gbps)
-    prior = dataclasses.replace(
-        comp.efficiency, matmul=base.matmul_efficiency, attention=base.attention_efficiency
-    )
-    # a method the estimator does not model (megatron-offload) has no prediction to fit
-    runs = [
-        r
-        for r in results.current()
-        if r["status"] == OK and r["measured"]["step_time_s"] and r["predicted"]["step_time_s"]
-    ]
-    methods = {m.label: m for m in comp.methods}
-    if not runs:
-        return base
-    efficiency = prior
-    for _ in range(2):  # exposed copies depend on the layer time, hence on the efficiencies
-        samples = [_sample(comp, methods[r["method"]], r, device, efficiency) for r in runs]
-        fit = fit_efficiencies(samples, prior=prior)
-        efficiency = dataclasses.replace(prior, matmul=fit.matmul, attention=fit.attention)
-    calibration = fitted_calibration(fit, base=base, samples=samples)
-    for run in runs:
-        predicted = predict(
-            comp, methods[run["method"]], run["seq_length"], efficiency=efficiency, device=device
-        )
-        measured = run["measured"]["step_time_s"]
-        run["calibrated"] = {
-            "step_time_s": predicted["step_time_s"],
-            "mfu": predicted["mfu"],
-            "step_time_error": predicted["step_time_s"] / measured - 1,
-        }
-    return calibration
-
-
-def _sample(comp, method: Method, run: dict, device, efficiency) -> StepSample:
-    seq = run["seq_length"]
-    unit = dataclasses.replace(efficiency, matmul=1.0, attention=1.0)
-    half = dataclasses.replace(efficiency, matmul=0.5, attention=1.0)
-    at_one = _estimate(comp, method, seq, efficiency=unit, device=device)
-    at_half = _estimate(comp, method, seq, efficiency=half, device=device)
-    now = _estimate(comp, method, seq, efficiency=efficiency, device=device)
-    matmul_s = at_half.compute_s - at_one.compute_s
-    return StepSample(
-        label=f"{method.label}@{seq}",
-        measured_s=run["measured"]["step_time_s"],
-        matmul_s=matmul_s,
-        attention_s=at_one.compute_s - matmul_s,
-        other_s=now.step_time_s - now.compute_s,
-    )
-
-
-def format_calibration(calibration: Calibration) -> str:
-    lines = [
-        f"calibration ({calibration.source}) of {calibration.device}: matmul efficiency "
-        f"{calibration.matmul_efficiency:.3f}, attention efficiency "
-        f"{calibration.attention_efficiency:.3f} of {calibration.peak_tflops:.4g} TFLOP/s, host "
-        f"link {calibration.host_link_gbps:.1f} GB/s"
-    ]
-    fit = calibration.details.get("fit")
-    if fit:
-        within = "yes" if fit["max_abs_error"] <= 0.10 else "NO"
-        lines.append(
-            f"calibrated step-time error over {fit['runs']} runs: max "
-            f"{100 * fit['max_abs_error']:.1f}% (within 10%: {within})"
-        )
-    return "\n".join(lines)
-
-
 # --- entry point --------------------------------------------------------------------------
 
 
@@ -954,7 +448,7 @@ def compare(comp: Comparison) -> Results:
             comp.notes.append("--time-budget-s spent: the rest was not run (rerun to go on)")
             for method in comp.methods if comp.find_max else []:
                 if method.label not in results.searches:
-                    known, _ = _known_bounds(results.current(), method.label)
+                    known, _ = known_bounds(results.current(), method.label)
                     results.searches[method.label] = {"longest": known, "bound": "not finished"}
     if comp.calibrate_path is not None:
         calibration = calibrate(comp, results)

@@ -15,7 +15,17 @@ from memo_ext.errors import UsageError, out_of_memory
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 from tools import compare_methods as cm
-from tools.method_jobs import OK, OOM, TIMEOUT, Launch, _classify, measured_figures, parse_method
+from tools import comparison
+from tools.method_jobs import (
+    OK,
+    OOM,
+    ROOT,
+    TIMEOUT,
+    Launch,
+    _classify,
+    measured_figures,
+    parse_method,
+)
 
 
 @pytest.mark.parametrize(
@@ -115,8 +125,8 @@ def test_the_trainer_parses_each_job_as_the_comparison_meant_it(tmp_path):
     model, layout, method, batch and limit."""
     comp = _comparison(tmp_path)
     for method in comp.methods:
-        argv = cm.job_argv(comp, method, 256, metrics=tmp_path / "m.jsonl", job_id="x")
-        trainer_args = argv[argv.index(str(cm.ROOT / "pretrain_gpt_memo.py")) + 1 :]
+        argv = comparison.job_argv(comp, method, 256, metrics=tmp_path / "m.jsonl", job_id="x")
+        trainer_args = argv[argv.index(str(ROOT / "pretrain_gpt_memo.py")) + 1 :]
         run = parse_args(trainer_args, world_size=comp.launch.world_size)
         shape = run.shape
         for name in ("num_layers", "hidden_size", "num_query_groups", "swiglu", "normalization"):

@@ -9,13 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.hotspa_strategies import (
+from benchmarks.hotspa_strategies import check_summary, main
+from memo_ext.data.lengths import (
     BUILTIN_SPECS,
     COMMONCRAWL_SIGMA,
     SpecError,
-    check_summary,
     cut_to_context,
-    main,
     parse_named_spec,
     parse_spec,
     read_lengths_file,

@@ -26,6 +26,7 @@ from memo_ext.shapes import ModelShape
 from tests.launch import SMALL_GPT, cli
 from tests.unit.test_compare_methods import _comparison
 from tools import compare_methods as cm
+from tools import compare_runs
 from tools.compare_report import format_summary
 
 FINE = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj"]
@@ -301,7 +302,7 @@ def _no_job(*args, **kwargs):
 
 
 def test_a_refused_method_is_a_row_and_no_job_starts(tmp_path, bare_machine, monkeypatch):
-    monkeypatch.setattr(cm, "run_job", _no_job)
+    monkeypatch.setattr(compare_runs, "run_job", _no_job)
     comp, method = _offload_comparison(tmp_path)
     results = cm.Results(comp)
     with tqdm(total=2, disable=True) as bar:
@@ -326,7 +327,7 @@ def test_a_refused_method_is_a_row_and_no_job_starts(tmp_path, bare_machine, mon
 def test_a_refused_row_is_run_where_the_machine_can(tmp_path, bare_machine, monkeypatch):
     """A refusal is not cached as a result: resumed on a machine with CUDA and
     transformer-engine, the same configuration runs its job."""
-    monkeypatch.setattr(cm, "run_job", _no_job)
+    monkeypatch.setattr(compare_runs, "run_job", _no_job)
     comp, method = _offload_comparison(tmp_path)
     with tqdm(total=2, disable=True) as bar:
         assert cm.Runner(comp, cm.Results(comp), bar).run(method, 128)["status"] == mj.REFUSED
@@ -338,7 +339,7 @@ def test_a_refused_row_is_run_where_the_machine_can(tmp_path, bare_machine, monk
         records = [{"iteration": i, "loss": 5.0 - i, "step_time_s": 1.0} for i in (1, 2, 3)]
         return mj.JobOutcome(mj.OK, 0, 3.0, records=records, peak_rss_bytes=2**20)
 
-    monkeypatch.setattr(cm, "run_job", run_job)
+    monkeypatch.setattr(compare_runs, "run_job", run_job)
     with tqdm(total=2, disable=True) as bar:
         record = cm.Runner(comp, cm.Results(comp), bar).run(method, 128)
     assert record["status"] == mj.OK and record["measured"]["step_time_s"] == 1.0

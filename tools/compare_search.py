@@ -1,0 +1,90 @@
+"""The longest sequence a method trains at, found by real runs (:func:`find_longest`): doubling
+from the longest known to train, then bisecting between what trains and what runs out of
+memory or time."""
+
+from __future__ import annotations
+
+from memo_ext.errors import UsageError
+from memo_ext.estimate.cost_model import EstimateError
+from tools.compare_runs import Runner
+from tools.comparison import Comparison, estimate_configuration
+from tools.method_jobs import (
+    OK,
+    OOM,
+    TIMEOUT,
+    Method,
+)
+
+
+def find_longest(comp: Comparison, runner: Runner, method: Method) -> dict:
+    """The longest length ``method`` trains at, by real runs over multiples of the granularity:
+    from the longest known to train, double until one fails (out of memory or past the time
+    limit), then halve the gap; a failure of another kind stops the search."""
+    unit = comp.granularity
+    lo, hi = known_bounds(runner.results.current(), method.label)
+    if lo is None and hi is None:
+        seq = _round(comp.find_max_start or _predicted_longest(comp, method), unit)
+        lo, hi, stop = _probe(runner, method, seq, lo, hi)
+        if stop:
+            return {"longest": None, "bound": stop}
+    while True:
+        if lo is None:
+            seq = _round(hi // 2, unit)
+            if seq >= hi:
+                return {"longest": None, "bound": f"{hi:,} fails and nothing shorter to try"}
+        elif hi is None:
+            if lo >= comp.max_seq_length:
+                return {"longest": lo, "bound": "reached --max-seq-length"}
+            seq = min(_round(2 * lo, unit), comp.max_seq_length)
+        else:
+            if hi - lo <= unit:
+                return {"longest": lo, "bound": f"{hi:,} does not train"}
+            seq = max(_round((lo + hi) // 2, unit), lo + unit)
+        lo, hi, stop = _probe(runner, method, seq, lo, hi)
+        if stop:
+            return {"longest": lo, "bound": stop}
+
+
+def _probe(runner: Runner, method: Method, seq: int, lo, hi):
+    record = runner.run(method, seq)
+    if record["status"] == OK:
+        return seq, hi, None
+    if record["status"] in (OOM, TIMEOUT):
+        return lo, seq, None
+    return lo, hi, f"{seq:,} failed: {record['message']}"
+
+
+def known_bounds(runs: list[dict], label: str) -> tuple[int | None, int | None]:
+    """(longest that trained, shortest above it that ran out of memory or time)."""
+    mine = [r for r in runs if r["method"] == label]
+    trained = [r["seq_length"] for r in mine if r["status"] == OK]
+    lo = max(trained, default=None)
+    failed = [
+        r["seq_length"]
+        for r in mine
+        if r["status"] in (OOM, TIMEOUT) and (lo is None or r["seq_length"] > lo)
+    ]
+    return lo, min(failed, default=None)
+
+
+def _round(seq: int, unit: int) -> int:
+    return max(unit, seq // unit * unit)
+
+
+def _predicted_longest(comp: Comparison, method: Method) -> int:
+    """The estimator's longest fitting multiple of the granularity (on CPU, where it models
+    another precision and memory than the run's: the granularity)."""
+    unit = comp.granularity
+    if not comp.cuda:
+        return unit
+
+    def fits(seq: int) -> bool:
+        try:
+            return estimate_configuration(comp, method, seq).fits
+        except (EstimateError, UsageError):
+            return False
+
+    seq = unit
+    while fits(2 * seq) and 2 * seq <= comp.max_seq_length:
+        seq *= 2
+    return seq
