@@ -4,7 +4,7 @@ The flags are generated from the config dataclasses (``memo_ext.flags``), one ar
 section; flag names follow Megatron-LM wherever Megatron has the concept, so launch scripts carry
 over. :func:`parse_args` fills the defaults that depend on other flags (global batch, position
 table, DP size), then runs every check before any process group, model or dataset exists: the
-flags' (``RunConfig.check``), then the files they name (``memo_ext.data.inputs``). A bad value
+flags' (``RunConfig.check``), then the files they name (``memo_ext.data.input_files``). A bad value
 fails with one sentence (:class:`~memo_ext.errors.UsageError`).
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from memo_ext import config as c
 from memo_ext.config.train import parse_step_schedule
-from memo_ext.data.inputs import check_inputs
+from memo_ext.data.input_files import check_inputs
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, from_flags
 from memo_ext.megatron_lm.translate import translate

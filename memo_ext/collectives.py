@@ -61,3 +61,22 @@ def loss_pair(records: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
     for record in records:
         pair += record["lm loss"].detach().to(pair.device, torch.float64)
     return pair
+
+
+def world_loss_pair(records: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """:func:`loss_pair` summed over the world: the global batch's (loss sum, real tokens) on
+    every rank.
+
+    Only last-stage ranks hold records; every rank of the world joins one all-reduce of the
+    pair. TP replicas add identical pairs, which scales both terms alike, so their ratio (the
+    mean) and ratios of sums of pairs are unaffected.
+    """
+    pair = loss_pair(records)
+    if dist.is_initialized():
+        dist.all_reduce(pair)
+    return pair
+
+
+def mean_loss(pair: torch.Tensor) -> float:
+    """The mean loss of a (loss sum, real tokens) pair (0 tokens: the sum)."""
+    return (pair[0] / pair[1].clamp(min=1)).item()

@@ -69,7 +69,7 @@ def _group(function: str) -> str:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from memo_ext.megatron_lm.flags import DATA_FILE
+    from memo_ext.megatron_lm.flag_table import DATA_FILE
 
     path = Path(args.arguments_py)
     flags = extract_flags(path.read_text())
@@ -135,7 +135,7 @@ def _ours_note(flag, action: argparse.Action) -> str:
 def render_table() -> str:
     """docs/megatron_flags.md: every Megatron-LM flag, grouped as Megatron-LM groups them."""
     from memo_ext.arguments import build_parser
-    from memo_ext.megatron_lm.flags import megatron_flags, megatron_source
+    from memo_ext.megatron_lm.flag_table import megatron_flags, megatron_source
     from memo_ext.megatron_lm.handling import LATER_FLAGS, handling_of
 
     ours = build_parser()._option_string_actions

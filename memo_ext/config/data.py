@@ -1,7 +1,7 @@
 """The data section: where tokens come from and how they are read.
 
 Its checks read flags only; the files they name (datasets, tokenizer files) are checked by
-``memo_ext.data.inputs`` when the run is parsed.
+``memo_ext.data.input_files`` when the run is parsed.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DataConfig:
     --no-create-attention-mask-in-dataloader is therefore this trainer's behaviour."""
 
     def check(self) -> None:
-        """The flags alone; the files they name are checked by ``memo_ext.data.inputs``."""
+        """The flags alone; the files they name are checked by ``memo_ext.data.input_files``."""
         at_least(self.seq_length, 1, "--seq-length")
         at_least(self.num_workers, 0, "--num-workers")
         if self.data_cache_path:

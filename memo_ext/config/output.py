@@ -262,6 +262,6 @@ class PreflightConfig:
 
     def check(self) -> None:
         """Refuse a non-positive limit (the calibration file is read by
-        ``memo_ext.data.inputs.check_inputs``)."""
+        ``memo_ext.data.input_files.check_inputs``)."""
         if self.memory_limit_gb is not None and self.memory_limit_gb <= 0:
             raise UsageError(f"--memory-limit-gb must be positive, got {self.memory_limit_gb}")

@@ -75,7 +75,7 @@ class RunConfig:
     def check(self) -> None:
         """Every section's own checks, then each feature's rules against the rest of the run
         (``check_with``), then the rules of the run as a whole. Reads no file: the files the
-        flags name are checked by ``memo_ext.data.inputs``.
+        flags name are checked by ``memo_ext.data.input_files``.
 
         Raises:
             UsageError: the first problem, in one sentence that says what to change.

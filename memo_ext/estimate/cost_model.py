@@ -23,10 +23,9 @@ from memo_ext.hardware import DeviceSpec
 from memo_ext.memo.alpha import (
     HostMemoryError,
     LayerCost,
-    skeleton_layers,
-    slots_after_forward,
     solve_alpha,
 )
+from memo_ext.memo.modes import StageBytes, layer_mode
 from memo_ext.parallel import LayoutError, ParallelLayout
 from memo_ext.shapes import ModelShape, padded_vocab_size, train_flops
 
@@ -592,18 +591,19 @@ def _memo_stage(
             eff=ctx["eff"],
         )
     at = dict(tokens=tokens, chunk_tokens=chunk)
+    mode = layer_mode(chunk)
     zero = memo_at(model, layout, batch, alpha=0.0, **at)
     alpha, fits_host, notes = memo.alpha, True, []
-    # chunked: the last layers keep their whole storages on the device when the host budget
-    # cannot hold every layer's (``skeleton_layers``, as the runtime decides)
+    # the last layers may keep their whole storages on the device when the host budget cannot
+    # hold every layer's (the runtime's mode decides, chunked only)
     skeleton_bytes, budget = 0, host_budget
-    if chunk and offloaded:
+    if offloaded:
         full = zero.host_bytes
         try:
-            skeletons = skeleton_layers(
+            skeletons = mode.skeletons(
                 LayerCost(full_bytes=full, tokenwise_bytes=0),
                 budget_bytes=host_budget,
-                offloaded_layers=offloaded,
+                offloaded=offloaded,
                 in_flight=in_flight,
             )
         except HostMemoryError as err:
@@ -631,33 +631,23 @@ def _memo_stage(
             notes.append(str(err))
     m = memo_at(model, layout, batch, alpha=alpha, **at)
     host = resident * m.host_bytes - skeleton_bytes
-    kept = in_flight * keep * none.saved_bytes
     if chunk:
-        # a few chunks' copies in flight, whatever the layer count; one offloaded layer's
-        # forward + backward live set is traced whole (its restored data included); its
-        # backward also holds the next layer's prefetched whole storages (its α = 0 host set);
-        # a kept layer's backward is priced as an offloaded layer's (conservative)
         notes.append(f"MEMO by sub-sequence chunks of {chunk} local tokens")
-        stored = (
-            kept
-            + resident * m.backward.saved_bytes
-            + skeleton_bytes
-            + (m.slot_bytes if resident else 0)
+    stored, peak = mode.stage_bytes(
+        StageBytes(
+            keep=keep,
+            offloaded=offloaded,
+            in_flight=in_flight,
+            kept_saved_bytes=none.saved_bytes,
+            saved_bytes=m.backward.saved_bytes,
+            slot_bytes=m.slot_bytes,
+            whole_host_bytes=zero.host_bytes,
+            skeleton_bytes=skeleton_bytes,
+            layer_transient_bytes=layer_t,
+            live_bytes=m.live_bytes,
+            loss_transient_bytes=loss_t,
         )
-        prefetch = zero.host_bytes if offloaded else 0
-        restored = (in_flight - 1) * keep * none.saved_bytes + prefetch + skeleton_bytes
-        peak = max(stored + loss_t, stored + m.live_bytes, restored + m.live_bytes)
-    else:
-        # the kept layers take the ping-pong slots' place (``slots_after_forward``); while the
-        # offloaded layers run, two slots of copy sources may be in flight
-        slots = slots_after_forward(offloaded=resident, kept=keep)
-        stored = kept + resident * m.backward.saved_bytes + slots * m.slot_bytes
-        during = resident * m.backward.saved_bytes + min(2, resident) * m.slot_bytes
-        # backward of an offloaded layer: its restored set plus the next one's prefetched set
-        restored = (2 * none.saved_bytes if offloaded else 0) + (in_flight - 1) * keep * (
-            none.saved_bytes
-        )
-        peak = max(stored + loss_t, stored + layer_t, restored + layer_t, during + layer_t)
+    )
     time = _LayerTime()
     memo_time = _layer_time(
         m.backward, method="memo", copy_bytes=m.host_bytes, chunk_tokens=chunk, **ctx

@@ -1,4 +1,6 @@
-"""A step-wise global batch schedule for megatron-core's micro-batch calculator.
+"""megatron-core's global micro-batch calculator for a run: constant, ramped up, or a step-wise
+schedule (:func:`init_microbatches`), moved along as samples are consumed
+(:func:`update_batch_ramp`).
 
 megatron-core 0.16 knows a constant global batch and a linear ramp-up; Megatron-LM later added
 ``--step-batch-size-schedule "0:768 250B:1536 ..."`` (the batch jumps at token thresholds). This
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from megatron.core import num_microbatches_calculator as calculators
 
+from memo_ext.config import RunConfig
 from memo_ext.config.train import batch_at
 
 
@@ -47,3 +50,33 @@ class StepBatchSizeCalculator(calculators.NumMicroBatchesCalculator):
 def install_step_schedule(calculator: StepBatchSizeCalculator) -> None:
     """Make ``calculator`` megatron-core's global one (what its getter functions read)."""
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+
+
+def init_microbatches(run: RunConfig, *, rank: int, data_parallel_size: int) -> None:
+    """megatron-core's global calculator for ``run``: constant, ramped, or the step schedule."""
+    calculators.init_num_microbatches_calculator(
+        rank=rank,
+        rampup_batch_size=run.train.rampup_batch_size,
+        global_batch_size=run.train.global_batch_size,
+        micro_batch_size=run.train.micro_batch_size,
+        data_parallel_size=data_parallel_size,
+    )
+    if run.train.step_schedule is not None:
+        install_step_schedule(
+            StepBatchSizeCalculator(
+                run.train.step_schedule,
+                seq_length=run.data.seq_length,
+                micro_batch_size=run.train.micro_batch_size,
+                data_parallel_size=data_parallel_size,
+            )
+        )
+
+
+def update_batch_ramp(consumed_samples: int, num_microbatches: int) -> bool:
+    """Move megatron-core's calculator to the batch of ``consumed_samples`` (Megatron-LM's
+    order: unchecked, then checked); True when the micro-batches per step changed."""
+    calculators.update_num_microbatches(consumed_samples, consistency_check=False, verbose=True)
+    changed = calculators.get_num_microbatches() != num_microbatches
+    # every batch of the ramp splits into micro-batches × DP: RunConfig checked START and INCR
+    calculators.update_num_microbatches(consumed_samples, consistency_check=True)
+    return changed

@@ -29,7 +29,7 @@ import torch
 
 from memo_ext.config.common import installed
 from memo_ext.config.network import resolve_attention_backend
-from memo_ext.megatron_lm.flags import MegatronFlag
+from memo_ext.megatron_lm.flag_table import MegatronFlag
 
 Status = Literal["same", "mapped", "no effect", "refused"]
 Given = Mapping[str, list[str]]

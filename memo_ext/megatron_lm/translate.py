@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from memo_ext.errors import UsageError
-from memo_ext.megatron_lm.flags import MegatronFlag, megatron_flags
+from memo_ext.megatron_lm.flag_table import MegatronFlag, megatron_flags
 from memo_ext.megatron_lm.handling import (
     DEPENDENT_REFUSALS,
     LATER_FLAGS,

@@ -21,7 +21,6 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
-from memo_ext.mcore.chunked import ChunkedLayer, check_chunkable
 from memo_ext.mcore.compat import transformer_layer_arguments
 from memo_ext.memo.runtime import MemoRuntime
 
@@ -74,8 +73,7 @@ class MemoTransformerLayer(TransformerLayer):
             raise TypeError(
                 "MemoTransformerLayer needs a core attention from memo_core_attention()"
             )
-        if memo_runtime.chunk_tokens is not None:
-            check_chunkable(self)
+        memo_runtime.mode.check_layer(self)
 
     def forward(self, *args, **kwargs):
         kwargs = transformer_layer_arguments(args, kwargs)
@@ -84,10 +82,7 @@ class MemoTransformerLayer(TransformerLayer):
         if not self.memo_offloads:
             # a kept layer's activations take the place of the ping-pong slots
             self.memo_runtime.before_kept_layer(self.memo_index)
-            chunk = self.memo_runtime.chunk_tokens
-            if chunk is not None:
-                return ChunkedLayer(self, kwargs, chunk).forward(kwargs["hidden_states"])
-            return super().forward(**kwargs)
+            return self.memo_runtime.mode.kept_forward(self, kwargs)
         return self.memo_runtime.forward_layer(self, kwargs)
 
     def _training_forward(self, kwargs: dict[str, Any]) -> bool:

@@ -17,11 +17,12 @@ kept layers the device therefore holds two layers' sets when the forward ends, n
 layers plus two slots; the wait costs nothing when the copies kept pace with the compute (the
 α rule makes them).
 
-Chunked layers (``--memo-chunk-tokens``, :mod:`memo_ext.memo.chunked_activations`) copy in
-batches, one per chunk's phase and one for the layer's whole storages, instead of one per
-layer: at most :data:`COPIES_IN_FLIGHT` batches are in flight, the oldest waited for first.
-When the host budget cannot hold every chunked layer's whole storages, the stage's last
-offloaded layers keep theirs on the device (:attr:`MemoRuntime.skeletons`, fewest needed).
+A layer runs through the runtime's mode (``memo_ext.memo.modes``): whole, or by sub-sequence
+chunks (``--memo-chunk-tokens``, :mod:`memo_ext.memo.chunked_activations`), whose copies go out
+in batches, one per chunk's phase and one for the layer's whole storages, at most
+``Chunks.COPIES_IN_FLIGHT`` in flight. When the host budget cannot hold every chunked layer's
+whole storages, the stage's last offloaded layers keep theirs on the device
+(:attr:`MemoRuntime.skeletons`, fewest needed). The estimator prices a stage by the same mode.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,8 +50,9 @@ from memo_ext.memo.activations import (
     ZeroAttention,
     run_token_slice,
 )
-from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers, solve_alpha
+from memo_ext.memo.alpha import HostMemoryError, LayerCost, solve_alpha
 from memo_ext.memo.chunked_activations import ChunkedActivations
+from memo_ext.memo.modes import PROBE_TOKENS, Chunks, WholeLayers, layer_mode, stage_counts
 from memo_ext.memo.transfer import (
     Completion,
     HostPool,
@@ -62,10 +63,6 @@ from memo_ext.memo.transfer import (
 
 logger = logging.getLogger(__name__)
 
-PROBE_TOKENS = 1
-COPIES_IN_FLIGHT = 4
-"""Chunked layers: batches of device → host copies (one chunk's phase, or a layer's whole
-storages) in flight at once; issuing another first waits for the oldest."""
 # the bandwidth probe copies this much at most (enough to reach steady PCIe throughput)
 BANDWIDTH_PROBE_BYTES = 64 * 2**20
 
@@ -99,8 +96,8 @@ class MemoRuntime:
         if config.chunk_tokens == "auto":
             raise ValueError("--memo-chunk-tokens auto must be settled (resolve_run) first")
         self.config = config
-        self.chunk_tokens: int | None = config.chunk_tokens
-        """Local tokens per sub-sequence chunk; ``None``: layers run whole."""
+        self.mode = layer_mode(config.chunk_tokens)
+        """How layers run: whole, or by chunks of ``config.chunk_tokens`` local tokens."""
         self.skeletons = 0
         """Chunked: the stage's last offloaded layers that keep their whole storages on the
         device because the host budget holds only the others' (``skeleton_layers``)."""
@@ -113,7 +110,7 @@ class MemoRuntime:
         self.cost: LayerCost | None = None
         """What the first offloaded layer measured (bytes, and for ``auto`` the times)."""
         self._probes: dict[tuple, ProbeShapes] = {}
-        self._slots: list[_Slot | None] = [None, None]
+        self._slots: list[_Slot | None] = [None] * WholeLayers.COPY_SLOTS
         self._copies: deque[_Slot] = deque()
         """Chunked layers' copy batches in flight, oldest first."""
         self._forwards = 0
@@ -147,42 +144,22 @@ class MemoRuntime:
         groups = sp_groups(layer)
         if self.alpha is None:
             self._solve_alpha(layer, kwargs, groups)
-        n = x.size(0)
-        a = self.host_tokens(n)
-        if self.chunk_tokens is not None:
-            offloaded, _ = _stage_counts(layer)
-            skeleton = self.skeletons > 0 and layer.memo_index >= offloaded - self.skeletons
-            acts = self._chunked(layer, kwargs, host_tokens=a, skeleton_on_device=skeleton)
-            out = acts.run()
-            self._check_budget(layer, acts)
-            self._track(acts)
-            return out
-        if 0 < a < n and kwargs.get("packed_seq_params") is not None:
-            raise ValueError(
-                "MEMO with 0 < --memo-alpha < 1 does not support packed sequences yet; "
-                "use --memo-alpha 0 or 1"
-            )
-        probe = self.probe(layer, kwargs, groups) if 0 < a < n else None
-        acts = self._activations(layer, kwargs, host_tokens=a, groups=groups, probe=probe)
-        with acts.capturing():
-            out = layer.forward_plain(**kwargs)
-        self._check_budget(layer, acts)
-        self._offload(acts, acts.end_forward())
-        return out
+        a = self.host_tokens(x.size(0))
+        return self.mode.offloaded_forward(self, layer, kwargs, host_tokens=a, groups=groups)
 
-    def _chunked(self, layer, kwargs: dict[str, Any], **options) -> ChunkedActivations:
+    def chunked(self, layer, kwargs: dict[str, Any], **options) -> ChunkedActivations:
         """A chunked layer's saves, offloaded through :meth:`_copy_chunk`."""
         index = layer.memo_index
         return ChunkedActivations(
             layer,
             kwargs,
-            chunk_tokens=self.chunk_tokens,
+            chunk_tokens=self.mode.chunk_tokens,
             offload=lambda pairs, reuse: self._copy_chunk(index, pairs, reuse),
             **self._served(),
             **options,
         )
 
-    def _activations(self, layer, kwargs: dict[str, Any], **options) -> LayerActivations:
+    def activations(self, layer, kwargs: dict[str, Any], **options) -> LayerActivations:
         """A layer's saved tensors, served by this runtime's pool and transfer engine."""
         return LayerActivations(layer, kwargs, **self._served(), **options)
 
@@ -219,7 +196,7 @@ class MemoRuntime:
             self._probes[key] = ProbeShapes(tokens=PROBE_TOKENS, shapes=shapes)
         return self._probes[key]
 
-    def _offload(self, acts: LayerActivations, pairs: list[tuple[Tensor, Tensor]]) -> None:
+    def offload(self, acts: LayerActivations, pairs: list[tuple[Tensor, Tensor]]) -> None:
         """Issue the layer's device → host copies under the ping-pong rule."""
         slot_index = self._forwards % 2
         self._forwards += 1
@@ -233,12 +210,13 @@ class MemoRuntime:
         self.slot_bytes = max(self.slot_bytes, _storage_bytes(sources))
         self._drop_finished_slots()
         self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
-        self._track(acts)
+        self.track(acts)
 
     def _copy_chunk(self, layer_index: int, pairs, reuse) -> Completion:
         """Issue one batch of a chunked layer's copies, at most :data:`COPIES_IN_FLIGHT` in
-        flight: the oldest is waited for (its sources dropped) first."""
-        while len(self._copies) >= COPIES_IN_FLIGHT:
+        flight (``Chunks.COPIES_IN_FLIGHT``): the oldest is waited for (its sources dropped)
+        first."""
+        while len(self._copies) >= Chunks.COPIES_IN_FLIGHT:
             self.engine.wait(self._copies.popleft().completion)
         completion = self.engine.to_host(pairs, reuse=reuse)
         self._copies.append(_Slot(completion, [src for _, src in pairs], layer_index))
@@ -248,7 +226,7 @@ class MemoRuntime:
         self.stats.d2h_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
         return completion
 
-    def _track(self, acts: LayerActivations | ChunkedActivations) -> None:
+    def track(self, acts: LayerActivations | ChunkedActivations) -> None:
         """A layer's forward is done (its copies are issued): count it, release its host
         buffers with it, and link it to the layer before for prefetching."""
         self.stats.offloaded_layers += 1
@@ -338,39 +316,15 @@ class MemoRuntime:
     def _measured_forward(self, layer, kwargs: dict[str, Any], groups: int):
         """The layer's forward with every save measured (nothing offloaded); (its activations'
         record, seconds)."""
-        x = kwargs["hidden_states"]
-        n = x.size(0)
-        if self.chunk_tokens is not None:
-            acts = self._chunked(layer, kwargs, host_tokens=n, measure_only=True)
-            capturing, run = contextlib.nullcontext(), acts.run
-        else:
-            probe = self.probe(layer, kwargs, groups) if n > PROBE_TOKENS else None
-            acts = self._activations(
-                layer, kwargs, host_tokens=n, groups=groups, probe=probe, measure_only=True
-            )
-            capturing, run = acts.capturing(), lambda: layer.forward_plain(**kwargs)
-        _synchronize(x.device)
-        start = time.perf_counter()
-        with capturing:
-            run()
-        _synchronize(x.device)
-        forward_s = time.perf_counter() - start
-        if self.chunk_tokens is None:
-            acts.end_forward()
-        return acts, forward_s
+        return self.mode.measured_forward(self, layer, kwargs, groups=groups)
 
     def _skeleton_budget(self, layer) -> int:
         """Chunked: settle :attr:`skeletons` from :attr:`cost` and return the host budget the α
         rule sees, as if every layer's whole storages were on the host (the skeletons' bytes
         added back, since they stay on the device)."""
-        if self.chunk_tokens is None:
-            return self.budget_bytes
-        offloaded, in_flight = _stage_counts(layer)
-        self.skeletons = skeleton_layers(
-            self.cost,
-            budget_bytes=self.budget_bytes,
-            offloaded_layers=offloaded,
-            in_flight=in_flight,
+        offloaded, in_flight = stage_counts(layer)
+        self.skeletons = self.mode.skeletons(
+            self.cost, budget_bytes=self.budget_bytes, offloaded=offloaded, in_flight=in_flight
         )
         if self.skeletons:
             logger.info(
@@ -383,7 +337,7 @@ class MemoRuntime:
             )
         return self.budget_bytes + self.skeletons * in_flight * self.cost.full_bytes
 
-    def _check_budget(self, layer, acts: LayerActivations) -> None:
+    def check_budget(self, layer, acts: LayerActivations) -> None:
         """At the first offloaded layer: refuse to start what cannot fit the host budget."""
         if self._budget_checked:
             return
@@ -396,7 +350,7 @@ class MemoRuntime:
             )
             budget = self._skeleton_budget(layer)
         else:
-            budget = self.budget_bytes + self.skeletons * _stage_counts(layer)[1] * (
+            budget = self.budget_bytes + self.skeletons * stage_counts(layer)[1] * (
                 self.cost.full_bytes
             )
         # as if every layer's whole storages were on the host, against the budget the
@@ -443,8 +397,7 @@ class MemoRuntime:
             "memo_offloaded_layers": stats.offloaded_layers,
             "memo_host_pool_bytes": self.pool.allocated_bytes if self.pool else 0,
         }
-        if self.chunk_tokens is not None:
-            metrics["memo_device_skeletons"] = self.skeletons
+        metrics.update(self.mode.metrics(self))
         wait_s = self.engine.take_wait_s() if self.engine is not None else None
         if wait_s is not None:
             metrics["memo_copy_wait_s"] = wait_s
@@ -464,18 +417,9 @@ def _storage_bytes(tensors: list[Tensor]) -> int:
     return sum(storages.values())
 
 
-def _stage_counts(layer) -> tuple[int, int]:
-    """(the stage's offloaded layers, the micro-batches in flight: ``pp - pp_rank`` under
-    1F1B)."""
-    offloaded = max(0, layer.memo_stage_layers - layer.memo_runtime.config.kept_layers)
-    pp = layer.pg_collection.pp
-    in_flight = pp.size() - pp.rank() if pp is not None else 1
-    return offloaded, in_flight
-
-
 def _resident_layers(layer) -> int:
     """Offloaded layer activations this process may hold at once."""
-    offloaded, in_flight = _stage_counts(layer)
+    offloaded, in_flight = stage_counts(layer)
     return offloaded * in_flight
 
 

@@ -466,3 +466,13 @@ def _maybe_restore_rng(directory: Path) -> None:
         return
     state = torch.load(directory / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
     _set_rng_state(state)
+
+
+def schedule_policy(checkpoint) -> str:
+    """Whose LR schedule a resumed run follows when its checkpoint's differs
+    (``checkpoint``: the run's ``CheckpointConfig``)."""
+    if checkpoint.override_opt_param_scheduler:
+        return "flags"
+    if checkpoint.use_checkpoint_opt_param_scheduler:
+        return "checkpoint"
+    return "strict"

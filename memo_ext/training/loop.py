@@ -22,32 +22,31 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
     get_current_global_batch_size,
     get_num_microbatches,
-    init_num_microbatches_calculator,
     update_num_microbatches,
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from memo_ext.collectives import loss_pair
+from memo_ext.collectives import loss_pair, mean_loss, world_loss_pair
 from memo_ext.config import RunConfig
 from memo_ext.data.datasets import close_batch_iterator
 from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.estimate.preflight import check_preflight, planning_target
 from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, StepLoss
 from memo_ext.features import extensions_for
-from memo_ext.mcore.microbatches import StepBatchSizeCalculator, install_step_schedule
+from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.training.checkpointing import (
     TrainProgress,
     load_checkpoint,
     prepare_save_dir,
     save_checkpoint,
+    schedule_policy,
 )
 from memo_ext.training.control import StopConditions, check_finite, check_resumable, save_due
 from memo_ext.training.housekeeping import (
@@ -110,7 +109,7 @@ def train(run: RunConfig) -> TrainSummary:
                 device=ctx.device,
                 planned=any(extension.replaces_allocator for extension in extensions),
             )
-            _init_microbatches(run, ctx)
+            init_microbatches(run, rank=ctx.rank, data_parallel_size=ctx.dp_size)
             return _train(run, ctx, tokenizer, extensions)
     finally:
         lift_memory_limit()  # the clean-up below may need memory (an out-of-memory exit too)
@@ -136,26 +135,6 @@ def _maybe_preflight(run: RunConfig, extensions: list[Extension], target: Planni
             logger.info("preflight skipped: %s", reason)
             return
     check_preflight(run, target=target)
-
-
-def _init_microbatches(run: RunConfig, ctx: ParallelContext) -> None:
-    """megatron-core's global micro-batch calculator: constant, ramped, or the step schedule."""
-    init_num_microbatches_calculator(
-        rank=ctx.rank,
-        rampup_batch_size=run.train.rampup_batch_size,
-        global_batch_size=run.train.global_batch_size,
-        micro_batch_size=run.train.micro_batch_size,
-        data_parallel_size=ctx.dp_size,
-    )
-    if run.train.step_schedule is not None:
-        install_step_schedule(
-            StepBatchSizeCalculator(
-                run.train.step_schedule,
-                seq_length=run.data.seq_length,
-                micro_batch_size=run.train.micro_batch_size,
-                data_parallel_size=ctx.dp_size,
-            )
-        )
 
 
 @dataclass(frozen=True)
@@ -229,7 +208,7 @@ def _train(
         fp16=run.train.fp16,
         log_num_zeros_in_grad=run.logging.log_num_zeros_in_grad,
     )
-    schedule = _schedule_policy(run)
+    schedule = schedule_policy(run.checkpoint)
     scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train, schedule=schedule)
     finalizes = any(extension.finalizes_gradients for extension in extensions)
     _connect_schedule_hooks(config, model, optimizer, finalizes_gradients=finalizes)
@@ -277,15 +256,6 @@ def _train(
         close_batch_iterator(valid_batches)
 
 
-def _schedule_policy(run: RunConfig) -> str:
-    """Whose LR schedule a resumed run follows when its checkpoint's differs."""
-    if run.checkpoint.override_opt_param_scheduler:
-        return "flags"
-    if run.checkpoint.use_checkpoint_opt_param_scheduler:
-        return "checkpoint"
-    return "strict"
-
-
 def _connect_schedule_hooks(config, model, optimizer, *, finalizes_gradients: bool) -> None:
     """Tell megatron-core's schedules how to sync and finalize gradients (through the model's
     own ``TransformerConfig``, where megatron reads them); not to finalize them where an
@@ -298,23 +268,6 @@ def _connect_schedule_hooks(config, model, optimizer, *, finalizes_gradients: bo
         config.grad_sync_func = model.start_grad_sync
     if hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "scale_loss"):
         config.grad_scale_func = optimizer.optimizer.scale_loss
-
-
-def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """(loss sum, real tokens) of the global batch, visible on every rank.
-
-    Only last-stage ranks hold losses; every rank of the world joins one all-reduce of the
-    pair. TP replicas add identical pairs, which scales both terms alike, so their ratio (the
-    mean) and ratios of sums of pairs are unaffected.
-    """
-    pair = loss_pair(losses)
-    if dist.is_initialized():
-        dist.all_reduce(pair)
-    return pair
-
-
-def _mean(pair: torch.Tensor) -> float:
-    return (pair[0] / pair[1].clamp(min=1)).item()
 
 
 def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> StepLoss:
@@ -345,7 +298,7 @@ def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> 
         micro_batch_size=s.run.train.micro_batch_size,
         forward_only=forward_only,
     )
-    pair = _reduce_loss(losses if parallel_state.is_pipeline_last_stage() else [])
+    pair = world_loss_pair(losses if parallel_state.is_pipeline_last_stage() else [])
     # this DP rank's documents, shared by the model-parallel ranks of its replica
     shared_by = s.ctx.world_size // s.ctx.dp_size
     return StepLoss(pair=pair, document_lengths=lengths, flops_shared_by=shared_by)
@@ -359,7 +312,7 @@ def _train_one_step(s: _Session, *, global_batch: int) -> StepResult:
     for extension in s.extensions:
         extension.end_backward()
     maybe_empty_cache(s.run.cleanup, level=1)
-    loss = _mean(out.pair)
+    loss = mean_loss(out.pair)
     lr = lr_for_logging(s.optimizer.param_groups)  # the rate this step applies
     updated, grad_norm = s.optimizer.step()
     if updated:
@@ -388,7 +341,7 @@ def evaluate(s: _Session) -> dict[str, float]:
             pair += _forward_backward(s, s.valid_batches, forward_only=True).pair
             maybe_empty_cache(s.run.cleanup, level=1)
     s.model.train()
-    loss = _mean(pair)
+    loss = mean_loss(pair)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
 
@@ -410,7 +363,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
     num_microbatches = get_num_microbatches()
     try:
         for iteration in range(progress.iteration + 1, run.train.train_iters + 1):
-            ramped = _update_batch_ramp(progress.consumed_samples, num_microbatches)
+            ramped = update_batch_ramp(progress.consumed_samples, num_microbatches)
             if ramped and run.checkpoint.save and saved_at != progress.iteration:
                 # as Megatron-LM: a checkpoint of the steps so far whenever the batch grows
                 _save(s, progress)
@@ -467,16 +420,6 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
         housekeeping.close()
         reporter.close()
     return summary
-
-
-def _update_batch_ramp(consumed_samples: int, num_microbatches: int) -> bool:
-    """Move megatron-core's calculator to the batch of ``consumed_samples`` (Megatron-LM's
-    order: unchecked, then checked); True when the micro-batches per step changed."""
-    update_num_microbatches(consumed_samples, consistency_check=False, verbose=True)
-    changed = get_num_microbatches() != num_microbatches
-    # every batch of the ramp splits into micro-batches × DP: RunConfig checked START and INCR
-    update_num_microbatches(consumed_samples, consistency_check=True)
-    return changed
 
 
 def _save(s: _Session, progress: TrainProgress) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from memo_ext.arguments import build_parser, parse_args
 from memo_ext.errors import UsageError
-from memo_ext.megatron_lm.flags import DATA_FILE, megatron_flags, megatron_source
+from memo_ext.megatron_lm.flag_table import DATA_FILE, megatron_flags, megatron_source
 from memo_ext.megatron_lm.handling import HANDLING, LATER_FLAGS, handling_of
 from memo_ext.megatron_lm.translate import split_flags, translate
 from tests.launch import SMALL_GPT

@@ -236,7 +236,7 @@ def test_megatron_lm_spellings_are_ours():
     """The flags are Megatron-LM's (an explicit flag of its arguments.py, or generated from
     megatron-core's TransformerConfig fields), so a Megatron-LM script passes them unchanged."""
     from memo_ext.arguments import build_parser
-    from memo_ext.megatron_lm.flags import megatron_flags
+    from memo_ext.megatron_lm.flag_table import megatron_flags
     from memo_ext.megatron_lm.handling import HANDLING, LATER_FLAGS
 
     ours = build_parser()._option_string_actions
