@@ -67,9 +67,9 @@ def test_a_source_freed_under_its_copy_is_caught(tmp_path, monkeypatch):
 
     def drop_sources(self, acts, pairs):
         acts.offloaded = self.engine.to_host(pairs, reuse=[b.last_read for b in acts.host_buffers])
-        self._track(acts)
+        self.track(acts)
 
-    monkeypatch.setattr(runtime.MemoRuntime, "_offload", drop_sources)
+    monkeypatch.setattr(runtime.MemoRuntime, "offload", drop_sources)
     with pytest.raises(OrderError, match="freed .* while aten.copy_"), emulated_cuda() as cuda:
         _memo_training(cuda, tmp_path)
 
