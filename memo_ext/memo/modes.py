@@ -12,19 +12,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from memo_ext.mcore.chunked import ChunkedLayer, check_chunkable
 from memo_ext.memo.alpha import LayerCost, skeleton_layers, slots_after_forward
 
-if TYPE_CHECKING:
-    from memo_ext.memo.runtime import MemoRuntime
-
 PROBE_TOKENS = 1
 """Tokens a whole layer's forward runs on to learn the shapes it saves (α strictly between 0
 and 1, ``MemoRuntime.probe``)."""
+
+
+class MemoRuntime(Protocol):
+    """What a mode runs a layer with: the runtime's activations, copies and budget
+    (``memo_ext.memo.runtime.MemoRuntime``)."""
+
+    skeletons: int
+
+    def activations(self, layer, kwargs: dict[str, Any], **options): ...
+
+    def chunked(self, layer, kwargs: dict[str, Any], **options): ...
+
+    def probe(self, layer, kwargs: dict[str, Any], groups: int): ...
+
+    def offload(self, acts, pairs) -> None: ...
+
+    def check_budget(self, layer, acts) -> None: ...
+
+    def track(self, acts) -> None: ...
 
 
 @dataclass(frozen=True)
