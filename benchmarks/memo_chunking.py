@@ -29,6 +29,7 @@ import logging
 import time
 import warnings
 
+from memo_ext.flags import finite_float
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
 from memo_ext.memo.policy import memo_trace_options
@@ -250,7 +251,7 @@ def _parse_chunk(text: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="gpt-7b", choices=sorted(MODELS))
     parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
     parser.add_argument(
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--tensor-model-parallel-size", type=int, default=8)
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--memo-alpha", type=float, default=1.0)
+    parser.add_argument("--memo-alpha", type=finite_float, default=1.0)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--json", default=None, help="Write every figure here.")
     parser.add_argument("--plot", default=None, help="Write a PNG here (matplotlib).")

@@ -52,7 +52,7 @@ def best(model: str, gpus: int, method: str, efficiency: Efficiency):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--out", default="runs/estimate/paper_table.json")
     p.add_argument("--loss-chunks", type=int, default=1, help="1 = the trainer's loss.")
     args = p.parse_args(argv)

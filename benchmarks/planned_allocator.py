@@ -92,7 +92,7 @@ def run(alpha: str, workdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--alpha", nargs="+", default=["0", "0.5", "1"], help="MEMO α values.")
     parser.add_argument("--json", help="Write the rows here.")
     args = parser.parse_args(argv)

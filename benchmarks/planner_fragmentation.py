@@ -19,6 +19,7 @@ import json
 import logging
 import time
 
+from memo_ext.flags import finite_float
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
 from memo_ext.memo.policy import memo_trace_options
@@ -103,18 +104,18 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=[1 << 17, 1 << 18, 1 << 19, 1 << 20]
     )
     parser.add_argument("--tensor-model-parallel-size", type=int, default=8)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--time-limit", type=finite_float, default=30.0)
     parser.add_argument("--json", default="planner_fragmentation.json")
     parser.add_argument("--plot-dir", default=None, help="Write PNG pictures here (matplotlib).")
     parser.add_argument(
         "--memo-alpha",
-        type=float,
+        type=finite_float,
         nargs="*",
         default=[],
         help="Also trace the layers under MEMO at each of these alphas.",

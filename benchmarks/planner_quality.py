@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from memo_ext.flags import finite_float
 from memo_ext.planner.packable import packable_instance
 from memo_ext.planner.problem import find_conflicts, lower_bound
 from memo_ext.planner.solvers import SolveOptions, solve_dsa
@@ -73,11 +74,11 @@ def summarise(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--sizes", type=int, nargs="+", default=[60, 200, 400])
     parser.add_argument("--seeds", type=int, default=8, help="number of seeds per size")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--time-limit", type=finite_float, default=60.0)
     default = ["heuristic", "canonical", "cpsat", "highs"]
     if importlib.util.find_spec("gurobipy"):
         default.append("gurobi")

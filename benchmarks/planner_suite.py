@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from memo_ext.flags import finite_float
 from memo_ext.planner import PlannerConfig, load_trace, plan_trace
 
 
@@ -63,10 +64,10 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("paths", nargs="+", help="CSV files, or folders of them")
     parser.add_argument("--solver", default="cpsat")
-    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--time-limit", type=finite_float, default=60.0)
     parser.add_argument("--json", default="planner_suite.json")
     args = parser.parse_args()
     files = []

@@ -7,7 +7,8 @@ Every flag of the trainer and of the tools is a field of a dataclass, and only t
   (``--tensor-model-parallel-size``);
 - its help is the docstring under the field, its default the field's default, and a field with
   no default is a required flag;
-- its type sets how the text is read: ``int``, ``float``, ``str``, ``X | None``, ``Literal[...]``
+- its type sets how the text is read: ``int``, ``float`` (finite: ``nan`` and ``inf`` are
+  refused, :func:`finite_float`), ``str``, ``X | None``, ``Literal[...]``
   (the choices), ``list[X]`` (several values), ``bool`` (a switch: ``--x`` turns on a field that
   defaults off; a field that defaults on is turned off by ``--no-x``, or by the flag its metadata
   names, e.g. ``--disable-bias-linear``).
@@ -32,6 +33,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -117,6 +119,22 @@ def _default(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
+def finite_float(text: str) -> float:
+    """A float flag's value: any finite number (``nan``, ``inf`` are not one; ``x <= 0`` is
+    false for ``nan``, so every range check downstream would let it through).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def _value_options(cls: type, f: dataclasses.Field, name: str) -> dict:
     """argparse's type / choices / nargs / metavar for a non-switch field spelled ``name``."""
     hint, meta = _hint(cls, f), f.metadata
@@ -129,7 +147,8 @@ def _value_options(cls: type, f: dataclasses.Field, name: str) -> dict:
         hint = type(options["choices"][0])
     if "choices" in meta:
         options["choices"] = tuple(meta["choices"])
-    options["type"] = meta.get("parse", hint if hint in (int, float) else str)
+    reader = {int: int, float: finite_float}.get(hint, str)
+    options["type"] = meta.get("parse", reader)
     if "choices" not in options:
         options["metavar"] = meta.get("metavar", name.lstrip("-").replace("-", "_").upper())
     return options

@@ -59,7 +59,7 @@ from memo_ext.estimate.calibration import (  # noqa: E402
     measure_kernels,
 )
 from memo_ext.estimate.cost_model import Efficiency  # noqa: E402
-from memo_ext.flags import add_flags, cli_fields, overrides_from_flags  # noqa: E402
+from memo_ext.flags import add_flags, cli_fields, finite_float, overrides_from_flags  # noqa: E402
 from memo_ext.hardware import (  # noqa: E402
     DEVICES,
     GIB,
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         description=__doc__.split("\n")[0],
         epilog="Flags after -- are passed to every training job unchanged.",
+        allow_abbrev=False,
     )
     what = p.add_argument_group("what to compare")
     what.add_argument(
@@ -174,17 +175,17 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
     add_flags(group, ParallelLayout, section="layout")
     group.add_argument(
-        "--job-timeout-s", type=float, default=900, help="A job running longer is stopped."
+        "--job-timeout-s", type=finite_float, default=900, help="A job running longer is stopped."
     )
     group.add_argument(
         "--time-budget-s",
-        type=float,
+        type=finite_float,
         default=None,
         help="Start no job after this many seconds; report what finished (a rerun goes on).",
     )
     group.add_argument(
         "--memory-limit-gb",
-        type=float,
+        type=finite_float,
         default=None,
         help="The trainer's --memory-limit-gb for every job: out of memory past this many GiB "
         "(CUDA: device memory; CPU: growth of each process's data segment).",
@@ -201,7 +202,7 @@ def _add_device_flags(p: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--host-memory-gb",
-        type=float,
+        type=finite_float,
         default=None,
         help="Host memory per node for the predictions, GiB (default: available now).",
     )

@@ -13,15 +13,18 @@ import argparse
 import sys
 
 from memo_ext.errors import UsageError
+from memo_ext.flags import finite_float
 from memo_ext.training.metrics import CURVE_KEYS, curve_differences, read_metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compare_metrics", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="compare_metrics", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("reference", help="Metrics file of the reference run.")
     parser.add_argument("other", help="Metrics file of the run to check.")
     parser.add_argument(
-        "--rtol", type=float, default=1e-5, help="Relative tolerance (default 1e-5)."
+        "--rtol", type=finite_float, default=1e-5, help="Relative tolerance (default 1e-5)."
     )
     parser.add_argument(
         "--keys", nargs="+", default=list(CURVE_KEYS), help="Record keys to compare."

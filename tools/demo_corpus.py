@@ -18,7 +18,9 @@ from memo_ext.data.demo_corpus import build_demo_corpus
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="demo_corpus", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="demo_corpus", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--out-dir", default="data/demo", help="Where the corpus is written.")
     parser.add_argument("--max-files", type=int, default=None, help="Use only the first N files.")
     args = parser.parse_args(argv)

@@ -40,7 +40,7 @@ from memo_ext.estimate.search import (  # noqa: E402
     best_at_length,
     find_max_seq_length,
 )
-from memo_ext.flags import add_flags, cli_fields, overrides_from_flags  # noqa: E402
+from memo_ext.flags import add_flags, cli_fields, finite_float, overrides_from_flags  # noqa: E402
 from memo_ext.hardware import (  # noqa: E402
     DEVICES,
     GIB,
@@ -72,11 +72,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = _Parser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="gpt-7b", help=f"Preset: {', '.join(MODELS)}.")
     p.add_argument("--gpus", type=int, default=8, help="GPUs in the job.")
     p.add_argument("--gpu", default="a800-80g", help=f"Device preset: {', '.join(DEVICES)}.")
-    p.add_argument("--host-memory-gb", type=float, default=2048, help="Host memory per node, GiB.")
+    p.add_argument(
+        "--host-memory-gb", type=finite_float, default=2048, help="Host memory per node, GiB."
+    )
     p.add_argument("--method", choices=METHODS, default="memo", help="Memory method.")
     what = p.add_mutually_exclusive_group()
     add_flags(what, DataConfig, section="data", overrides=True, only=("seq_length",))

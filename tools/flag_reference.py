@@ -53,7 +53,9 @@ def readme_section(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flag_reference", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="flag_reference", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--update", action="store_true", help="Rewrite README.md's section.")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")

@@ -197,7 +197,9 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron_flags", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="megatron_flags", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     extract = commands.add_parser("extract", help="Rewrite the flag list from arguments.py.")
     extract.add_argument("arguments_py", help="Megatron-LM's megatron/training/arguments.py.")

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Activation memory and recompute FLOPs per method (fake tensors).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     for section, cls, only, optional in SECTIONS:
         add_flags(p, cls, section=section, only=only, overrides=optional)

@@ -24,7 +24,7 @@ import time
 
 from memo_ext.config import DataConfig, TrainConfig
 from memo_ext.errors import UsageError
-from memo_ext.flags import add_flags, flag_values, overrides_from_flags
+from memo_ext.flags import add_flags, finite_float, flag_values, overrides_from_flags
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
 from memo_ext.memo.policy import memo_trace_options
@@ -41,7 +41,9 @@ LAYOUT_FIELDS = ("tp", "sp", "cp")
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names for the model)."""
-    parser = argparse.ArgumentParser(prog="plan_memory", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="plan_memory", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     source = parser.add_argument_group("input (one of)")
     source.add_argument(
         "--trace",
@@ -51,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", choices=sorted(MODELS), help="Trace this model preset.")
     parser.add_argument("--out", required=True, help="Where to write the memo-plan/1 JSON.")
     parser.add_argument("--solver", default="cpsat", choices=sorted(SOLVERS))
-    parser.add_argument("--time-limit", type=float, default=60.0, help="Seconds (default 60).")
+    parser.add_argument(
+        "--time-limit", type=finite_float, default=60.0, help="Seconds (default 60)."
+    )
     parser.add_argument(
         "--alignment",
         type=int,
@@ -84,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(model, ModelShape, section="shape", overrides=True)
     model.add_argument(
         "--memo-alpha",
-        type=float,
+        type=finite_float,
         default=None,
         help="Trace the layers under MEMO with this alpha in [0, 1] (default: without MEMO).",
     )
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace) -> None:
     trace = load_trace(args.trace) if args.trace else _trace_model(args)
     if args.save_trace:
         save_trace(trace, args.save_trace)
-    alignment = args.alignment or (1 if args.trace else 512)
+    alignment = args.alignment if args.alignment is not None else (1 if args.trace else 512)
     # Keep a margin for building the problem, validating and writing the plan, so the whole
     # command ends within --time-limit.
     budget_s = max(0.9 * args.time_limit - (time.perf_counter() - t0), 0.5)

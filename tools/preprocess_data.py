@@ -24,7 +24,9 @@ from memo_ext.data.tokenizers import TOKENIZER_TYPES
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names)."""
-    parser = argparse.ArgumentParser(prog="preprocess_data", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="preprocess_data", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--input", required=True, help="JSON Lines file, one document per line.")
     parser.add_argument(
         "--output-prefix", required=True, help="Outputs are {prefix}_{key}_document.bin/.idx."

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from memo_ext.errors import UsageError
+from memo_ext.flags import finite_float
 from memo_ext.training.metrics import read_metrics
 
 
@@ -32,9 +33,11 @@ def summarize(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="summarize_metrics", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="summarize_metrics", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("metrics_file", type=Path)
-    parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS")
+    parser.add_argument("--require-loss-drop", type=finite_float, default=None, metavar="NATS")
     args = parser.parse_args(argv)
     try:
         records = read_metrics(args.metrics_file)

@@ -13,6 +13,7 @@ import torch
 
 from memo_ext.config.common import AUTO
 from memo_ext.errors import UsageError
+from memo_ext.flags import finite_float
 
 if TYPE_CHECKING:
     from memo_ext.config.run import RunConfig
@@ -28,13 +29,13 @@ def _value_or_auto(text: str, convert, *, auto, expected: str):
         return auto
     try:
         return convert(text)
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"must be {expected} or 'auto', got {text!r}") from None
 
 
 def parse_alpha(text: str) -> float | None:
     """``--memo-alpha``: a number, or ``auto`` (``None``: solved at the first layer)."""
-    return _value_or_auto(text, float, auto=None, expected="a number in [0, 1]")
+    return _value_or_auto(text, finite_float, auto=None, expected="a number in [0, 1]")
 
 
 def parse_chunk_tokens(text: str) -> int | str:

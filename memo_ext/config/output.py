@@ -65,7 +65,17 @@ class LoggingConfig:
             check_writable_directory(parent, flag=f"--metrics-file {self.metrics_file}: folder")
 
     def _check_wandb(self) -> None:
-        """W&B is on when --wandb-project is given and not empty (Megatron-LM's '' means off)."""
+        """W&B is on when --wandb-project is given and not empty (Megatron-LM's '' means off);
+        its other flags without --wandb-project would be ignored, so they are refused."""
+        if self.wandb_project is None:
+            given = {
+                "--wandb-exp-name": self.wandb_exp_name,
+                "--wandb-save-dir": self.wandb_save_dir,
+                "--wandb-entity": self.wandb_entity,
+            }
+            for flag, value in given.items():
+                if value:
+                    raise UsageError(f"{flag} applies only with --wandb-project; add it")
         if not self.wandb_project:
             return
         if not self.wandb_exp_name:

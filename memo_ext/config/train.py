@@ -373,6 +373,16 @@ class TrainConfig:
                 f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} >= 0, the length of its "
                 f"anneal to --min-lr (got {anneal})"
             )
+        else:
+            span = decay if decay is not None else length
+            if self.lr_warmup_fraction is not None:
+                warmup = self.lr_warmup_fraction * span
+            if anneal > span - warmup:
+                raise UsageError(
+                    f"--lr-wsd-decay-{unit} {anneal} is longer than the decay span after the "
+                    f"warm-up ({span - warmup:g} {unit}: --lr-decay-{unit}, else --train-{unit}, "
+                    f"less the warm-up); shorten the anneal or lengthen the decay"
+                )
 
     def _check_weight_decay_schedule(self) -> None:
         ends = (self.start_weight_decay, self.end_weight_decay)

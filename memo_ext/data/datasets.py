@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import multiprocessing
 import os
 import resource
@@ -313,6 +314,8 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None
             f"--data-path reads {numbers[0]} as a dataset prefix: weights and prefixes go in "
             f"pairs (0.7 a 0.3 b), or give prefixes only; got {len(data_path)} items."
         )
+    if weights is not None and not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"--data-path weights must be finite numbers, got {weights}.")
     if weights is not None and (min(weights) < 0 or sum(weights) <= 0):
         raise ValueError(
             f"--data-path weights must be non-negative with a positive sum, got {weights}."

@@ -122,6 +122,10 @@ def _ours(
         out.refusals.append(Refusal(f"{name} {values[0]}", reason))
         owners.update(dict.fromkeys(DEPENDENT_REFUSALS.get(name, ()), f"{name} {values[0]}"))
         return
+    if action.nargs is None and len(values) == 1 and values[0].startswith("-"):
+        # ``--lr -1e-3``: argparse reads a token starting with "-" as a flag unless it is glued
+        out.argv.append(f"{name}={values[0]}")
+        return
     out.argv += [name, *values]
 
 
