@@ -189,6 +189,8 @@ def read_calibration(path: str) -> Calibration:
     Raises:
         UsageError: for a missing, unreadable or malformed file, naming it.
     """
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the open
+        raise UsageError(f"--calibration {path} is not a regular file; give the JSON file")
     try:
         with open(path) as f:
             data = json.load(f)

@@ -23,7 +23,7 @@ This package imports nothing of the trainer above ``errors``, ``flags``, ``hardw
 ``parallel`` and ``shapes``.
 """
 
-from memo_ext.config.common import AUTO, check_writable_directory, installed
+from memo_ext.config.common import AUTO, check_regular_file, check_writable_directory, installed
 from memo_ext.config.data import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, DataConfig, check_split
 from memo_ext.config.hotspa import (
     RECOMPUTE_CHOICES,
@@ -90,6 +90,7 @@ __all__ = [
     "batch_at",
     "check_buckets",
     "check_split",
+    "check_regular_file",
     "check_writable_directory",
     "installed",
     "megatron_offload_missing",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 import sys
 
 from memo_ext.errors import UsageError
@@ -38,6 +39,22 @@ def check_writable_directory(path: str, *, flag: str) -> None:
         raise UsageError(f"{flag} {path} {where} a file, not a directory; give a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: {existing} is not writable by this user")
+
+
+def check_regular_file(path: str, *, flag: str) -> None:
+    """``path``, where it exists, is a regular file: opening a FIFO blocks until another
+    process opens its other end, and a device or socket is no file to read or append to.
+
+    Raises:
+        UsageError: naming the path and what it is.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing (a file to create) or unreadable: the caller's own checks say which
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise UsageError(f"{flag} {path} is {kind}, not a regular file; give a file")
 
 
 def installed(module: str) -> bool:

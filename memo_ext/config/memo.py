@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
-from memo_ext.config.common import AUTO
+from memo_ext.config.common import AUTO, check_writable_directory
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 
@@ -118,6 +118,8 @@ class MemoConfig:
             raise UsageError(f"--memo-host-memory-gb must be positive, got {self.host_memory_gb}")
         if self.keep_last_layers is not None and self.keep_last_layers < 0:
             raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
+        if self.plan_cache:
+            check_writable_directory(self.plan_cache, flag="--memo-plan-cache")
         if self.plan_time_limit <= 0:
             raise UsageError(f"--memo-plan-time-limit must be positive, got {self.plan_time_limit}")
         if isinstance(self.chunk_tokens, int) and self.chunk_tokens < 1:

@@ -8,7 +8,12 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from memo_ext.config.common import at_least, check_writable_directory, installed
+from memo_ext.config.common import (
+    at_least,
+    check_regular_file,
+    check_writable_directory,
+    installed,
+)
 from memo_ext.errors import UsageError
 from memo_ext.flags import flag_name
 from memo_ext.hardware import DEVICES
@@ -61,6 +66,7 @@ class LoggingConfig:
         if self.metrics_file:
             if os.path.isdir(self.metrics_file):
                 raise UsageError(f"--metrics-file {self.metrics_file} is a directory; give a file")
+            check_regular_file(self.metrics_file, flag="--metrics-file")
             parent = os.path.dirname(os.path.abspath(self.metrics_file))
             check_writable_directory(parent, flag=f"--metrics-file {self.metrics_file}: folder")
 
@@ -80,10 +86,10 @@ class LoggingConfig:
             return
         if not self.wandb_exp_name:
             raise UsageError("--wandb-project needs --wandb-exp-name NAME, the name of the run")
-        if not installed("wandb"):
-            raise UsageError("--wandb-project needs the wandb package: pip install wandb")
         if self.wandb_save_dir:
             check_writable_directory(self.wandb_save_dir, flag="--wandb-save-dir")
+        if not installed("wandb"):
+            raise UsageError("--wandb-project needs the wandb package: pip install wandb")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,9 @@ megatron reads it, and the RNG files are tensors read with ``weights_only=True``
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -33,6 +35,8 @@ import pickle
 import random
 import re
 import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +165,13 @@ def verify_checkpoint(directory: Path) -> dict:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{manifest_path} is not valid JSON ({err})") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(
+            f"{manifest_path} does not list the checkpoint's files (a JSON object with 'files' "
+            "is expected): the checkpoint is damaged"
+        )
     if manifest.get("format") != FORMAT:
         found = manifest.get("format")
         raise CheckpointError(f"{manifest_path} has format {found!r}, not {FORMAT}")
@@ -254,27 +263,62 @@ def _layout() -> dict:
     }
 
 
-def prepare_save_dir(save_dir: str) -> None:
-    """Create ``save_dir`` and write a file there now, so that a directory that cannot hold
-    checkpoints (read-only, on a full disk, not a directory) stops the run before training.
+LOCK = ".lock"
+"""The file in ``--save`` that the run writing there holds locked (``flock``) while it runs."""
+
+
+@contextlib.contextmanager
+def hold_save_dir(save_dir: str) -> Iterator[None]:
+    """Create ``save_dir``, check that it can hold checkpoints (a write now, so that a read-only
+    or full disk or a file stops the run before training), and hold it for this run: a second
+    run saving there at the same time would delete this one's staging folders; it is refused,
+    naming this process. The lock is the kernel's (``flock``): a killed run leaves none.
 
     Raises:
-        UsageError: naming the directory and the system's reason.
+        UsageError: naming the directory and the system's reason, or the run that holds it.
     """
-    error = None
+    error, lock = None, None
     if _rank() == 0:
-        probe = Path(save_dir) / ".write_test"
-        try:
-            probe.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"0")
-            probe.unlink()
-        except OSError as err:
-            error = f"--save {save_dir} cannot hold checkpoints: {_os_reason(err)}"
+        error, lock = _take_save_dir(Path(save_dir))
     box = [error]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     if box[0]:
+        if lock is not None:
+            lock.close()
         raise UsageError(box[0])
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()  # releases the flock
+
+
+def _take_save_dir(root: Path):
+    """(the reason ``root`` cannot be this run's --save, or None; the open, locked file)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write_test"
+        probe.write_bytes(b"0")
+        probe.unlink()
+        lock = open(root / LOCK, "a+")  # noqa: SIM115 - held open for the whole run
+    except OSError as err:
+        return f"--save {root} cannot hold checkpoints: {_os_reason(err)}", None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        return (
+            f"--save {root} is in use by another run ({holder}), which would delete this "
+            "run's staging folders or this run its; give another --save"
+        ), None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return None, lock
 
 
 def _os_reason(err: OSError) -> str:
@@ -292,12 +336,27 @@ def save_checkpoint(*, save_dir: str, progress: TrainProgress, model, optimizer,
     """
     try:
         return _save(save_dir, progress, model, optimizer, scheduler)
-    except OSError as err:
+    except (OSError, RuntimeError, CheckpointException) as err:
+        # torch.distributed.checkpoint reports its writers' OSErrors as "Worker failure: ..."
+        reason = _os_reason(err) if isinstance(err, OSError) else _wrapped_reason(err)
+        if reason is None:
+            raise
         previous = latest_iteration(Path(save_dir))
         kept = f"iteration {previous} is still the latest" if previous else "no earlier checkpoint"
         raise CheckpointError(
-            f"saving iteration {progress.iteration} to {save_dir} failed: {_os_reason(err)}; {kept}"
+            f"saving iteration {progress.iteration} to {save_dir} failed: {reason}; {kept}"
         ) from err
+
+
+def _wrapped_reason(err: Exception) -> str | None:
+    """The file-system reason inside an error torch's checkpoint writer raised, or ``None``
+    when it carries none (a bug, not a fault: raised as it is)."""
+    text = str(err)
+    match = re.search(r"\[Errno (\d+)\] ([^'\n]*)", text)
+    if match is None:
+        return None
+    number, strerror = int(match.group(1)), match.group(2).strip()
+    return _os_reason(OSError(number, strerror))
 
 
 def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -> Path:
@@ -331,7 +390,7 @@ def latest_iteration(load_dir: Path) -> int | None:
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
-    if not text.isdigit():
+    if not re.fullmatch(r"[0-9]+", text):  # str.isdigit() takes "²"
         raise CheckpointError(f"{tracker} should hold an iteration number, not {text!r}")
     return int(text)
 
@@ -464,7 +523,14 @@ def _maybe_restore_rng(directory: Path) -> None:
             _layout(),
         )
         return
-    state = torch.load(directory / "rng" / f"rank_{_rank():05d}.pt", weights_only=True)
+    path = directory / "rng" / f"rank_{_rank():05d}.pt"
+    try:
+        state = torch.load(path, weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError, OSError) as err:
+        raise CheckpointError(
+            f"{path} cannot be read ({type(err).__name__}: {str(err)[:120]}): the checkpoint is "
+            "damaged"
+        ) from None
     _set_rng_state(state)
 
 

@@ -14,6 +14,7 @@ Features plug in through their extensions (``memo_ext.extension``; the list is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -43,8 +44,8 @@ from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.training.checkpointing import (
     TrainProgress,
+    hold_save_dir,
     load_checkpoint,
-    prepare_save_dir,
     save_checkpoint,
     schedule_policy,
 )
@@ -97,7 +98,7 @@ def train(run: RunConfig) -> TrainSummary:
     _maybe_preflight(run, extensions, target)
     init_distributed(timeout_minutes=run.distributed.timeout_minutes)
     try:
-        with device_environment():
+        with device_environment(), contextlib.ExitStack() as held:
             ctx = init_model_parallel(
                 layout=run.layout,
                 seed=run.train.seed,
@@ -110,6 +111,8 @@ def train(run: RunConfig) -> TrainSummary:
                 planned=any(extension.replaces_allocator for extension in extensions),
             )
             init_microbatches(run, rank=ctx.rank, data_parallel_size=ctx.dp_size)
+            if run.checkpoint.save:  # held until the run ends: one run per --save at a time
+                held.enter_context(hold_save_dir(run.checkpoint.save))
             return _train(run, ctx, tokenizer, extensions)
     finally:
         lift_memory_limit()  # the clean-up below may need memory (an out-of-memory exit too)
@@ -212,8 +215,6 @@ def _train(
     scheduler = build_lr_scheduler(optimizer=optimizer, train=run.train, schedule=schedule)
     finalizes = any(extension.finalizes_gradients for extension in extensions)
     _connect_schedule_hooks(config, model, optimizer, finalizes_gradients=finalizes)
-    if run.checkpoint.save:
-        prepare_save_dir(run.checkpoint.save)
     progress = TrainProgress()
     if run.checkpoint.load:
         check_resumable(run)

@@ -228,3 +228,23 @@ def test_save_to_a_file_is_refused_before_training(tmp_path):
     target.write_text("")
     message = train_fails([*MODEL, *ITERS, "--save", str(target / "ckpt")], status=2)
     assert "is a file, not a directory" in message
+
+
+def test_malformed_manifests_trackers_and_rng_files_are_named(saved_checkpoint, tmp_path):
+    """Each damage ends in one sentence naming the file, exit 1, no traceback."""
+    directory = saved_checkpoint / "iter_0000002"
+    manifest = directory / "manifest.json"
+    good = manifest.read_text()
+    for damaged in ('{"format": "memo-checkpoint/1"}', "[1, 2]"):  # no files / not an object
+        manifest.write_text(damaged)
+        message = load_fails(saved_checkpoint, tmp_path)
+        assert f"{manifest} does not list the checkpoint's files" in message
+    manifest.write_text(good)
+    rng = directory / "rng" / "rank_00000.pt"
+    rng.write_bytes(b"")
+    _refresh_manifest(directory)  # the checksums alone would name it: the reader must too
+    assert f"{rng} cannot be read" in load_fails(saved_checkpoint, tmp_path)
+    tracker = saved_checkpoint / "latest_checkpointed_iteration.txt"
+    tracker.write_text("²\n")  # a digit to str.isdigit(), not to int()
+    message = train_fails([*MODEL, "--train-iters", "2", "--load", str(saved_checkpoint)], status=1)
+    assert "should hold an iteration number, not '²'" in message

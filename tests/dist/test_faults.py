@@ -136,3 +136,75 @@ def test_the_launcher_names_a_killed_rank(tmp_path):
     run = _launch([], nproc=1, script=script)
     assert run.returncode == 128 + 9, run.stderr[-2000:]
     assert run.stderr.strip().splitlines()[-1].endswith("killed by SIGKILL")
+
+
+def test_a_second_run_saving_into_the_same_folder_is_refused(tmp_path):
+    """Two runs with one --save would delete each other's staging folders: while one holds the
+    folder (here: this test process), a run saving there stops before training, naming the
+    holder; once it is released, the run trains and saves."""
+    from memo_ext.training.checkpointing import hold_save_dir
+    from tests.launch import train_fails
+
+    save = tmp_path / "ckpt"
+    args = [*MODEL, "--mock-data", "--save", str(save), "--save-interval", "1"]
+    with hold_save_dir(str(save)):
+        line = train_fails(args, status=2)
+    assert f"--save {save} is in use by another run (pid {os.getpid()} on " in line
+    assert not (save / "iter_0000001").exists()
+    result = run_job(args, nproc=2)
+    assert result.status == 0, result.describe()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_the_save_folder_is_held_until_the_run_ends(tmp_path):
+    """A run's hold ends with it: the same process (a test worker runs many jobs) can take the
+    folder right after."""
+    from memo_ext.training.checkpointing import hold_save_dir
+
+    save = tmp_path / "ckpt"
+    result = run_job([*MODEL, "--mock-data", "--save", str(save)], nproc=1)
+    assert result.status == 0, result.describe()
+    with hold_save_dir(str(save)):
+        pass
+
+
+def _path_flags() -> list[str]:
+    """Every flag of the trainer that names a file or folder, found by its field's name."""
+    from memo_ext.arguments import SECTIONS
+    from memo_ext.flags import cli_fields, flag_name
+
+    found = []
+    for _, cls, _ in SECTIONS:
+        for f in cli_fields(cls):
+            named = f.name.endswith(("_file", "_dir", "_path", "_cache", "_model"))
+            if (named or f.name in ("save", "load", "calibration")) and f.name != "data_path":
+                # data_path: dataset prefixes (prefix.bin, prefix.idx), checked as files
+                found.append(flag_name(f, prefix=getattr(cls, "FLAG_PREFIX", None)))
+    return found
+
+
+def test_the_path_flags_are_found():
+    flags = _path_flags()
+    assert {"--metrics-file", "--calibration", "--save", "--load", "--tokenizer-model"} <= set(
+        flags
+    )
+    assert len(flags) >= 10, flags
+
+
+@pytest.mark.parametrize("flag", _path_flags())
+def test_a_fifo_for_any_path_flag_is_refused_without_hanging(tmp_path, flag):
+    """Opening a FIFO blocks until something opens its other end: each path flag must refuse
+    one, in one sentence, exit 2, well within the job's 60 s."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    extra = {
+        "--tokenizer-model": ["--tokenizer-type", "HuggingFaceTokenizer"],
+        "--vocab-file": ["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", str(fifo)],
+        "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(fifo)],
+        "--wandb-save-dir": ["--wandb-project", "p", "--wandb-exp-name", "e"],
+        "--memo-plan-cache": ["--memo", "--memo-allocator", "plan", "--memo-keep-last-layers", "0"],
+    }.get(flag, [])
+    result = run_job([*MODEL, "--mock-data", flag, str(fifo), *extra], nproc=1, timeout_s=60)
+    assert result.status == 2, result.describe()
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert str(fifo) in result.stderr.strip().splitlines()[-1]
