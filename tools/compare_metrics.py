@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.rtol < 0:
             raise UsageError(f"--rtol must be >= 0, got {args.rtol}")
         reference, other = read_metrics(args.reference), read_metrics(args.other)
+        unknown = [key for key in args.keys if all(key not in r for r in reference)]
+        if unknown:
+            raise UsageError(
+                f"--keys {' '.join(unknown)}: no record of {args.reference} has "
+                f"{'it' if len(unknown) == 1 else 'them'}"
+            )
     except UsageError as err:
         print(f"compare_metrics: error: {err}", file=sys.stderr)
         return 2

@@ -135,8 +135,9 @@ def _trace_model(args: argparse.Namespace):
     layout = ParallelLayout(
         **flag_values(ParallelLayout, args, section="layout", only=LAYOUT_FIELDS)
     )
-    config = traced_transformer_config(shape, layout=layout)
     seq_length = _seq_length(args)
+    layout.check_fits(shape, seq_length)  # before megatron-core's own asserts
+    config = traced_transformer_config(shape, layout=layout)
     micro_batch_size = getattr(args, "train.micro_batch_size") or 1
     logger.info("tracing %s (%d layers) at %d tokens", args.model, shape.num_layers, seq_length)
     options = {}

@@ -16,10 +16,13 @@ suffix. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from memo_ext.config import check_writable_directory
 from memo_ext.data.datasets import preprocess_jsonl
 from memo_ext.data.tokenizers import TOKENIZER_TYPES
+from memo_ext.errors import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,12 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; returns the process exit status (0 on success, 1 on bad input)."""
+    """Run the tool; returns the process exit status (0 on success, 2 on bad input, as every
+    entry point of this project)."""
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.chunk_size < 1:
         print("preprocess_data: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
-        return 1
+        return 2
     try:
+        parent = os.path.dirname(os.path.abspath(args.output_prefix))
+        check_writable_directory(parent, flag=f"--output-prefix {args.output_prefix}: folder")
         summary = preprocess_jsonl(
             input_path=args.input,
             output_prefix=args.output_prefix,
@@ -77,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             chunk_size=args.chunk_size,
             show_progress=not args.no_progress,
         )
-    except (FileNotFoundError, ValueError) as err:
+    except (UsageError, FileNotFoundError, ValueError) as err:
         print(f"preprocess_data: error: {err}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as err:  # the output folder vanished or filled up while writing
+        print(f"preprocess_data: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
     for prefix in summary.prefixes.values():
         print(f"wrote {prefix}.bin / .idx")
     print(

@@ -368,6 +368,12 @@ def check_indexed_dataset(prefix: str) -> int:
             f"{prefix}.bin holds {actual} bytes but its index lists {expected} (a truncated "
             "copy?); copy it again or make it again with tools/preprocess_data.py"
         )
+    if actual > expected:
+        raise ValueError(
+            f"{prefix}.bin holds {actual} bytes but its index lists {expected}: the .bin and "
+            ".idx are not one pair (another corpus's index?); make both again with "
+            "tools/preprocess_data.py"
+        )
     return len(dataset.document_indices) - 1
 
 

@@ -201,10 +201,16 @@ def read_metrics(path: str | Path) -> list[dict]:
             ``iteration``.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{path} is not a regular file; give the metrics file a run wrote")
     if not path.is_file():
         raise UsageError(f"{path} does not exist; did the run start?")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a metrics file (not text: JSON Lines expected)") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

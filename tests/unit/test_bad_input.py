@@ -164,6 +164,10 @@ def test_truncated_bin_and_garbage_idx_are_named(small_corpus, tmp_path):
     Path(copy + ".bin").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(UsageError, match=r"c\.bin holds \d+ bytes but its index lists"):
         parse_args(_data_args(copy, "--split", "1,0,0"), world_size=1)
+    # another corpus's longer .bin beside this index: what a mixed-up copy leaves
+    Path(copy + ".bin").write_bytes(blob + blob[:10])
+    with pytest.raises(UsageError, match=r"c\.bin holds \d+ bytes .* are not one pair"):
+        parse_args(_data_args(copy, "--split", "1,0,0"), world_size=1)
     Path(copy + ".bin").write_bytes(blob)
     Path(copy + ".idx").write_bytes(b"not an index at all")
     with pytest.raises(UsageError, match=r"c\.idx is not a readable megatron-core index"):
@@ -286,3 +290,13 @@ def test_snapshot_pickles_cannot_run_code(tmp_path):
     result = _tool("tools.plan_memory", "--trace", str(path), "--out", str(tmp_path / "p.json"))
     assert result.returncode == 2 and "could run code" in result.stderr
     assert not marker.exists()
+
+
+def test_plan_memory_names_a_layout_the_model_cannot_take(tmp_path, capsys):
+    """Checked before megatron-core's TransformerConfig asserts it with a traceback."""
+    from tools import plan_memory
+
+    argv = ["--model", "gpt-7b", "--tensor-model-parallel-size", "3", "--seq-length", "1024"]
+    assert plan_memory.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "attention heads (32) not divisible by TP (3)" in err and "Traceback" not in err

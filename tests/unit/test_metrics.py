@@ -107,3 +107,26 @@ def test_packed_document_flops_match_flop_counter(megatron_cpu):
         forward_flops(shape, seq_length=n, sequences=1, causal_fraction=1.0) for n in lengths
     )
     assert counter.get_total_flops() == expected
+
+
+def test_metrics_readers_name_files_that_are_no_metrics(tmp_path, capsys):
+    """A binary file, a FIFO, an unknown --keys: one sentence, exit 2, no traceback."""
+    import os
+
+    from memo_ext.errors import UsageError
+    from memo_ext.training.metrics import read_metrics
+    from tools import compare_metrics
+
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(UsageError, match="is not a metrics file"):
+        read_metrics(binary)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match="is not a regular file"):
+        read_metrics(fifo)
+    good = tmp_path / "m.jsonl"
+    good.write_text('{"iteration": 1, "loss": 2.0, "grad_norm": 1.0}\n')
+    assert compare_metrics.main([str(good), str(good), "--keys", "loss", "nonexistent"]) == 2
+    assert "--keys nonexistent: no record of" in capsys.readouterr().err
+    assert compare_metrics.main([str(good), str(good), "--keys", "loss"]) == 0

@@ -90,7 +90,7 @@ def test_subprocess_run_prints_summary(tmp_path):
 
 
 def test_missing_input_file(tmp_path, capsys):
-    assert _run(tmp_path / "nope.jsonl", tmp_path / "out") == 1
+    assert _run(tmp_path / "nope.jsonl", tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert "nope.jsonl does not exist" in err and err.count("\n") == 1
 
@@ -98,7 +98,7 @@ def test_missing_input_file(tmp_path, capsys):
 def test_bad_json_line_names_its_line_number(tmp_path, capsys):
     source = tmp_path / "in.jsonl"
     source.write_text('{"text": "ok"}\n\n{"text": broken}\n')
-    assert _run(source, tmp_path / "out") == 1
+    assert _run(source, tmp_path / "out") == 2
     assert "Line 3 of the input is not valid JSON" in capsys.readouterr().err
     # No partial outputs are left behind.
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
@@ -108,11 +108,20 @@ def test_bad_json_line_names_its_line_number(tmp_path, capsys):
 def test_bad_json_line_in_a_worker(tmp_path, capsys):
     lines = [json.dumps({"text": str(i)}) for i in range(20)] + ["[1, 2]"]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    assert _run(tmp_path / "in.jsonl", tmp_path / "out", "--workers", "2") == 1
+    assert _run(tmp_path / "in.jsonl", tmp_path / "out", "--workers", "2") == 2
     assert "Line 21 of the input is a JSON list, not an object" in capsys.readouterr().err
 
 
 def test_missing_key(tmp_path, capsys):
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"body": "b"}])
-    assert _run(source, tmp_path / "out") == 1
+    assert _run(source, tmp_path / "out") == 2
     assert "Line 2 of the input has no key 'text' (keys: body)" in capsys.readouterr().err
+
+
+def test_an_output_prefix_under_a_file_is_one_sentence(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "hello"}\n')
+    (tmp_path / "afile").write_text("")
+    assert _run(source, tmp_path / "afile" / "out") == 2
+    err = capsys.readouterr().err
+    assert "afile is a file, not a directory" in err and err.count("\n") == 1
