@@ -89,6 +89,51 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _model_identity(model: torch.nn.Module) -> dict:
+    """What a checkpoint's weights are the weights of, beyond their shapes: written to its
+    manifest and compared on load, so that weights that happen to fit another model (a padded
+    vocabulary, a norm without its bias) are not loaded into it."""
+    gpt = model
+    while not hasattr(gpt, "position_embedding_type") and hasattr(gpt, "module"):
+        gpt = gpt.module
+    c = gpt.config
+    return {
+        "num_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "ffn_hidden_size": c.ffn_hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_query_groups": c.num_query_groups,
+        "kv_channels": c.kv_channels,
+        "normalization": c.normalization,
+        "layernorm_zero_centered_gamma": bool(c.layernorm_zero_centered_gamma),
+        "activation": getattr(c.activation_func, "__name__", str(c.activation_func)),
+        "gated_linear_unit": bool(c.gated_linear_unit),
+        "add_bias_linear": bool(c.add_bias_linear),
+        "position_embedding_type": gpt.position_embedding_type,
+        "padded_vocab_size": gpt.vocab_size,
+        "tied_embeddings": bool(gpt.share_embeddings_and_output_weights),
+    }
+
+
+def _check_model_identity(directory: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint of another model, naming each difference (a checkpoint written
+    before its manifest recorded the model is not checked)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    saved, here = manifest.get("model"), _model_identity(model)
+    if not isinstance(saved, dict):
+        return
+    differences = [
+        f"{key} {saved[key]} there, {here[key]} here"
+        for key in here
+        if key in saved and saved[key] != here[key]
+    ]
+    if differences:
+        raise UsageError(
+            f"the checkpoint in {directory} holds another model: {'; '.join(differences)}; "
+            "load it with the model flags it was trained with"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # RNG states (per process, tensors only)
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +418,12 @@ def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -
     torch.save(_rng_state(), rng_path)
     _barrier()
     if _rank() == 0:
-        _write_manifest(staging, {"iteration": progress.iteration, "layout": _layout()})
+        meta = {
+            "iteration": progress.iteration,
+            "layout": _layout(),
+            "model": _model_identity(model),
+        }
+        _write_manifest(staging, meta)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         tracker_tmp = root / (TRACKER + ".tmp")
@@ -452,6 +502,7 @@ def load_checkpoint(
         except CheckpointError as err:
             error = str(err)
     _broadcast_error(error)
+    _check_model_identity(directory, model)
     template = _sharded_state(model, optimizer, scheduler, TrainProgress(), is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, str(directory))

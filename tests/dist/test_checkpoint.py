@@ -248,3 +248,23 @@ def test_malformed_manifests_trackers_and_rng_files_are_named(saved_checkpoint, 
     tracker.write_text("²\n")  # a digit to str.isdigit(), not to int()
     message = train_fails([*MODEL, "--train-iters", "2", "--load", str(saved_checkpoint)], status=1)
     assert "should hold an iteration number, not '²'" in message
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(saved_checkpoint, tmp_path):
+    """Weights that would load into another model (a padded vocabulary of another size, a
+    LayerNorm's weights without their biases) are refused, each difference named."""
+    args = [*MODEL, "--train-iters", "2", "--load", str(saved_checkpoint)]
+    other_vocab = [*args, "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+    message = train_fails(other_vocab, status=2)
+    assert f"the checkpoint in {saved_checkpoint / 'iter_0000002'} holds another model" in message
+    assert "padded_vocab_size 384 there, 512 here" in message
+    layer_norm = tmp_path / "layernorm"
+    with_norm = [a if a != "RMSNorm" else "LayerNorm" for a in MODEL]
+    run_pretrain(
+        [*with_norm, "--train-iters", "2", "--save", str(layer_norm)],
+        nproc=1,
+        workdir=tmp_path,
+        name="layernorm",
+    )
+    message = train_fails([*MODEL, "--train-iters", "2", "--load", str(layer_norm)], status=2)
+    assert "normalization LayerNorm there, RMSNorm here" in message
