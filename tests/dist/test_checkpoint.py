@@ -220,7 +220,8 @@ def test_load_and_train_iters_that_cannot_resume_are_refused(saved_checkpoint):
     assert "is at iteration 2, past --train-iters 1" in past
     other = [a if a != "36" else "48" for a in MODEL]  # another hidden size
     shape = train_fails([*other, "--train-iters", "2", "--load", str(saved_checkpoint)], status=2)
-    assert "does not fit this model" in shape
+    # named by the checkpoint's model record (before it, by torch_dist's shape mismatch)
+    assert "holds another model: hidden_size 36 there, 48 here" in shape
 
 
 def test_save_to_a_file_is_refused_before_training(tmp_path):
