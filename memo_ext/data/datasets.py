@@ -353,9 +353,17 @@ def check_indexed_dataset(prefix: str) -> int:
         ValueError: naming the file and what is wrong with it.
     """
     check_data_files([prefix])
+    if os.path.getsize(prefix + ".bin") == 0:
+        raise ValueError(
+            f"{prefix}.bin is empty (no tokens); make it again with tools/preprocess_data.py"
+        )
+    dataset = IndexedDataset.__new__(IndexedDataset)
     try:
-        dataset = IndexedDataset(prefix)
+        dataset.__init__(prefix)
     except Exception as err:  # noqa: BLE001 - megatron's reader fails in many ways on bad bytes
+        # its __del__ deletes what a failed __init__ never set, and says so on stderr
+        dataset.__dict__.setdefault("bin_reader", None)
+        dataset.__dict__.setdefault("index", None)
         raise ValueError(
             f"{prefix}.idx is not a readable megatron-core index ({type(err).__name__}: "
             f"{str(err)[:200]}); make it again with tools/preprocess_data.py"

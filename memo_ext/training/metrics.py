@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from memo_ext.allocator.cuda import cuda_allocator_installed
-from memo_ext.errors import UsageError
+from memo_ext.errors import ReportedError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,37 @@ class MetricsWriter:
             raise UsageError(f"--metrics-file {path}: cannot write it ({err})") from None
 
     def write(self, record: dict) -> None:
+        """Append ``record``. A folder removed during the run is made again (with a warning:
+        the records before are gone with it); any other failure ends the run in one sentence.
+
+        Raises:
+            ReportedError: the file cannot be written (a full disk, a read-only folder).
+        """
         if self.path is None:
             return
+        line = json.dumps(record) + "\n"
+        try:
+            self._append(line)
+        except FileNotFoundError:
+            logger.warning(
+                "--metrics-file %s: its folder was removed during the run; made again from "
+                "iteration %s (the records before are gone)",
+                self.path,
+                record.get("iteration"),
+            )
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._append(line)
+            except OSError as err:
+                raise ReportedError(
+                    f"--metrics-file {self.path}: cannot write it ({err})"
+                ) from None
+        except OSError as err:
+            raise ReportedError(f"--metrics-file {self.path}: cannot write it ({err})") from None
+
+    def _append(self, line: str) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line)
             f.flush()
             os.fsync(f.fileno())
 

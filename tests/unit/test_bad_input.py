@@ -300,3 +300,31 @@ def test_plan_memory_names_a_layout_the_model_cannot_take(tmp_path, capsys):
     assert plan_memory.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert "attention heads (32) not divisible by TP (3)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["empty-bin", "text-idx", "idx-short-by-9", "idx-cut-to-12"])
+def test_damaged_data_files_are_one_sentence_and_nothing_after(
+    small_corpus, tmp_path, monkeypatch, damage
+):
+    """megatron-core's IndexedDataset.__del__ deletes what a failed __init__ never set: after
+    the sentence, an "Exception ignored ... no attribute 'index'" would follow."""
+    import gc
+    import sys
+
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"c{suffix}").write_bytes(Path(small_corpus + suffix).read_bytes())
+    idx = tmp_path / "c.idx"
+    if damage == "empty-bin":
+        (tmp_path / "c.bin").write_bytes(b"")
+    elif damage == "text-idx":
+        idx.write_text("hello\n")
+    else:
+        blob = idx.read_bytes()
+        idx.write_bytes(blob[:-9] if damage == "idx-short-by-9" else blob[:12])
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    expected = r"c\.bin is empty" if damage == "empty-bin" else r"c\.idx is not a readable"
+    with pytest.raises(UsageError, match=expected):
+        parse_args(_data_args(str(tmp_path / "c"), "--split", "1,0,0"), world_size=1)
+    gc.collect()
+    assert unraisable == []

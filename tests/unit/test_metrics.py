@@ -130,3 +130,30 @@ def test_metrics_readers_name_files_that_are_no_metrics(tmp_path, capsys):
     assert compare_metrics.main([str(good), str(good), "--keys", "loss", "nonexistent"]) == 2
     assert "--keys nonexistent: no record of" in capsys.readouterr().err
     assert compare_metrics.main([str(good), str(good), "--keys", "loss"]) == 0
+
+
+def test_a_metrics_folder_removed_during_the_run_is_made_again(tmp_path, caplog):
+    import shutil
+
+    from memo_ext.training.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    writer = MetricsWriter(str(path))
+    writer.write({"iteration": 1, "loss": 2.0})
+    shutil.rmtree(tmp_path / "run")
+    with caplog.at_level("WARNING"):
+        writer.write({"iteration": 2, "loss": 1.5})
+    assert "its folder was removed during the run" in caplog.text
+    assert [r["iteration"] for r in read_metrics(path)] == [2]
+
+
+def test_a_metrics_file_that_cannot_be_written_ends_the_run_in_one_sentence(tmp_path):
+    from memo_ext.errors import ReportedError
+    from memo_ext.training.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(str(path))
+    path.unlink()
+    path.mkdir()  # the path is now a folder: open("a") fails with IsADirectoryError
+    with pytest.raises(ReportedError, match=f"--metrics-file {path}: cannot write it"):
+        writer.write({"iteration": 1, "loss": 2.0})
