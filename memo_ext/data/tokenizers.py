@@ -193,7 +193,13 @@ class HuggingFaceTokenizer(_LocalTokenizer):
                 f"--tokenizer-model {path}: no tokenizer.json there; give a local tokenizer.json "
                 "file or a directory holding one (nothing is downloaded)"
             )
-        self._tok = Tokenizer.from_file(str(file))
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own kinds
+            raise ValueError(
+                f"HuggingFaceTokenizer: {file} is not a tokenizer.json the tokenizers library "
+                f"reads ({_first_line(err)})"
+            ) from None
         self._eod = _find_eod(self._tok.get_vocab(with_added_tokens=True), source=str(file))
 
     def tokenize(self, text: str) -> list[int]:
@@ -229,7 +235,13 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not Path(path).is_file():
                 raise ValueError(f"GPT2BPETokenizer: {flag} {path} is not a file")
-        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        try:
+            self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own kinds
+            raise ValueError(
+                f"GPT2BPETokenizer: {vocab_file} and {merge_file} are not a GPT-2 vocab.json and "
+                f"merges.txt ({_first_line(err)})"
+            ) from None
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         self._eod = _find_eod(self._tok.get_vocab(with_added_tokens=True), source=vocab_file)
@@ -243,6 +255,10 @@ def _find_eod(vocab: dict[str, int], *, source: str) -> int:
         f"{source} has no end-of-text token (looked for {', '.join(EOD_TOKEN_NAMES)}); "
         "add one to the tokenizer"
     )
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def build_tokenizer(

@@ -328,3 +328,26 @@ def test_damaged_data_files_are_one_sentence_and_nothing_after(
         parse_args(_data_args(str(tmp_path / "c"), "--split", "1,0,0"), world_size=1)
     gc.collect()
     assert unraisable == []
+
+
+@pytest.mark.parametrize("damage", ["truncated-tokenizer-json", "garbage-vocab", "garbage-merges"])
+def test_malformed_tokenizer_files_are_one_sentence(tmp_path, damage):
+    """The tokenizers library's own exceptions (a parse error, a panic) become one sentence
+    naming the files, exit 2."""
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": {')
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text('{"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}')
+    merges.write_text("#version: 0.2\na b\n")
+    if damage == "garbage-vocab":
+        vocab.write_text("garbage, not JSON")
+    if damage == "garbage-merges":
+        merges.write_text("#version: 0.2\nonly-one-token-on-this-line\n")
+    flags = (
+        ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+        if damage == "truncated-tokenizer-json"
+        else ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+    )
+    named = "tokenizer.json is not a tokenizer.json" if "json" in damage else "are not a GPT-2"
+    with pytest.raises(UsageError, match=named):
+        parse_args([*BASE, *flags], world_size=1)
