@@ -60,7 +60,9 @@ def _train_reporting_oom(argv: list[str] | None):
     run = parse_args(argv)
     try:
         return train(run)
-    except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+    except ReportedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - an allocation failure, however a library wraps it
         oom = out_of_memory(err, capped=run.preflight.memory_limit_gb is not None)
         if oom is None:
             raise

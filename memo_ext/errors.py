@@ -44,16 +44,31 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 # bytes"; its CUDA allocator: "CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has ..."
 _CPU_REQUEST = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 _CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+# numpy: "Unable to allocate 391. KiB for an array with shape (100000,) and data type int32"
+_NUMPY_REQUEST = re.compile(r"Unable to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB) for an array")
 
 
 def out_of_memory(error: BaseException, *, capped: bool = False) -> OutOfMemory | None:
     """The :class:`OutOfMemory` an exception stands for (torch's CPU or CUDA allocator failing, a
     Python ``MemoryError``), or ``None`` for any other exception. ``capped``: the process runs
     under a memory limit, where oneDNN's "could not create a primitive" is its allocation
-    failing too (its scratch memory); without a limit that error has other causes."""
+    failing too (its scratch memory); without a limit that error has other causes. A library
+    that wraps the failure in an error of its own (megatron-core's dataset builder: "failed to
+    build") keeps it as the cause: the chain is searched."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = _out_of_memory(error, capped=capped)
+        if found is not None:
+            return found
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _out_of_memory(error: BaseException, *, capped: bool) -> OutOfMemory | None:
     text = str(error)
     cpu = _CPU_REQUEST.search(text)
-    cuda = _CUDA_REQUEST.search(text)
+    cuda = _CUDA_REQUEST.search(text) or _NUMPY_REQUEST.search(text)
     is_oom = (
         isinstance(error, MemoryError)
         or type(error).__name__ == "OutOfMemoryError"  # torch.OutOfMemoryError, without torch
