@@ -115,13 +115,13 @@ def _model_identity(model: torch.nn.Module) -> dict:
     }
 
 
-def _check_model_identity(directory: Path, model: torch.nn.Module) -> None:
-    """Refuse a checkpoint of another model, naming each difference (a checkpoint written
-    before its manifest recorded the model is not checked)."""
+def _check_model_identity(directory: Path, model: torch.nn.Module) -> bool:
+    """Refuse a checkpoint of another model, naming each difference; True when the checkpoint
+    records its model (one written before the manifest did is not checked: False)."""
     manifest = json.loads((directory / MANIFEST).read_text())
     saved, here = manifest.get("model"), _model_identity(model)
     if not isinstance(saved, dict):
-        return
+        return False
     differences = [
         f"{key} {saved[key]} there, {here[key]} here"
         for key in here
@@ -132,6 +132,7 @@ def _check_model_identity(directory: Path, model: torch.nn.Module) -> None:
             f"the checkpoint in {directory} holds another model: {'; '.join(differences)}; "
             "load it with the model flags it was trained with"
         )
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,13 +503,18 @@ def load_checkpoint(
         except CheckpointError as err:
             error = str(err)
     _broadcast_error(error)
-    _check_model_identity(directory, model)
+    same_model = _check_model_identity(directory, model)
     template = _sharded_state(model, optimizer, scheduler, TrainProgress(), is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, str(directory))
         _unwrap(model).load_state_dict(loaded["model"])
     except (RuntimeError, ValueError, KeyError, CheckpointingException, CheckpointException) as err:
         first = _first_line(err)
+        if same_model:  # the model it records is this one: what does not load is damaged
+            raise CheckpointError(
+                f"the checkpoint in {directory} cannot be read although it holds this model: "
+                f"{first[:300]}; it is damaged (use an earlier iteration)"
+            ) from None
         raise UsageError(
             f"the checkpoint in {directory} does not fit this model (another shape or "
             f"architecture?): {first[:300]}"

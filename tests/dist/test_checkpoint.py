@@ -269,3 +269,16 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(saved_checkpoint, tmp_
     )
     message = train_fails([*MODEL, "--train-iters", "2", "--load", str(layer_norm)], status=2)
     assert "normalization LayerNorm there, RMSNorm here" in message
+
+
+def test_a_damaged_common_file_of_this_model_is_named_damaged(saved_checkpoint, tmp_path):
+    """The checkpoint records this run's model, so a file that does not load is damaged (exit
+    1), not another model's (exit 2)."""
+    directory = saved_checkpoint / "iter_0000002"
+    common = directory / "common.pt"
+    blob = bytearray(common.read_bytes())
+    blob[len(blob) // 2 :] = bytes(len(blob) - len(blob) // 2)  # its second half zeroed
+    common.write_bytes(bytes(blob))
+    _refresh_manifest(directory)  # re-checksummed: only the reader can tell
+    message = load_fails(saved_checkpoint, tmp_path)
+    assert "cannot be read although it holds this model" in message and "damaged" in message
