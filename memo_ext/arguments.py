@@ -51,8 +51,9 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
 """(RunConfig field, its dataclass, argument group), in the order ``--help`` lists them."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one-sentence :class:`UsageError` (no usage dump)."""
+class OneSentenceParser(argparse.ArgumentParser):
+    """argparse, with its errors as one-sentence :class:`UsageError` (no usage dump); the
+    trainer's parser and the tools'."""
 
     def error(self, message: str):
         raise UsageError(f"{message} (see --help)")
@@ -60,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The full flag set of ``pretrain_gpt_memo.py``."""
-    parser = _Parser(
+    parser = OneSentenceParser(
         description="GPT pretraining on megatron-core with MEMO and HotSPa.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
@@ -141,3 +142,35 @@ def _with_derived_defaults(sections: dict) -> dict:
         seq = sections["data"].seq_length
         sections["model"] = dataclasses.replace(model, max_position_embeddings=seq)
     return sections
+
+
+def parse_tool_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, tool: str
+) -> argparse.Namespace:
+    """``parser``'s arguments from a command line that may also carry the trainer's flags: a
+    tool that reads the model from flags takes the training command as it is, and says which
+    of the trainer's flags it ignores. Flags that are neither the tool's nor the trainer's are
+    an error (argparse's, through ``parser``).
+    """
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    trainer = build_parser()._option_string_actions
+    ignored, unknown, i = [], [], 0
+    while i < len(extra):
+        name, eq, _ = extra[i].partition("=")
+        action = trainer.get(name)
+        if action is None or not name.startswith("--"):
+            unknown.append(extra[i])
+            i += 1
+            continue
+        ignored.append(name)
+        i += 1
+        if not eq and action.nargs != 0:  # its values follow it
+            while i < len(extra) and not extra[i].startswith("--"):
+                i += 1
+                if action.nargs is None:
+                    break
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if ignored:
+        logger.warning("%s: ignoring the trainer's %s", tool, ", ".join(dict.fromkeys(ignored)))
+    return args

@@ -30,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # megatron-core warns at import about optional kernels this tool does not run
 warnings.filterwarnings("ignore")
 
+from memo_ext.arguments import parse_tool_args  # noqa: E402
 from memo_ext.config import DataConfig, MemoConfig, ModelConfig, TrainConfig  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.estimate.calibration import apply_calibration  # noqa: E402
@@ -225,7 +226,7 @@ def json_record(est: Estimate, *, searched: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
-    args = build_parser().parse_args(argv)
+    args = parse_tool_args(build_parser(), argv, tool="estimate")
     seq_length = getattr(args, "data.seq_length")
     try:
         model, device, batch, space, efficiency = _inputs(args)

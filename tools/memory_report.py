@@ -35,6 +35,7 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass
 
+from memo_ext.arguments import OneSentenceParser, parse_tool_args
 from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import LayerFigures, trace_layer
@@ -68,7 +69,7 @@ class MethodFigures:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneSentenceParser(
         description="Activation memory and recompute FLOPs per method (fake tensors).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
@@ -207,17 +208,17 @@ def format_table(figures: dict[str, MethodFigures]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    setup = Setup.from_args(args)
     try:
+        args = parse_tool_args(parser, argv, tool="memory_report")
+        setup = Setup.from_args(args)
         setup.check()
+        if setup.layout.cp > 1:
+            # SDPAttention's CP path builds torch's CausalBias, a tensor subclass FakeTensorMode
+            # cannot wrap; trace the same tokens per rank with TP / SP instead
+            raise UsageError("--context-parallel-size > 1 cannot be traced on fake tensors yet")
     except UsageError as err:
         print(f"memory_report: error: {err}", file=sys.stderr)
         return 2
-    if setup.layout.cp > 1:
-        # SDPAttention's CP path builds torch's CausalBias, a tensor subclass FakeTensorMode
-        # cannot wrap; trace the same tokens per rank with TP / SP instead
-        parser.error("--context-parallel-size > 1 cannot be traced on fake tensors yet")
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

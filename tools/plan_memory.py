@@ -22,6 +22,7 @@ import logging
 import sys
 import time
 
+from memo_ext.arguments import OneSentenceParser, parse_tool_args
 from memo_ext.config import DataConfig, TrainConfig
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, finite_float, flag_values, overrides_from_flags
@@ -41,7 +42,7 @@ LAYOUT_FIELDS = ("tp", "sp", "cp")
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names for the model)."""
-    parser = argparse.ArgumentParser(
+    parser = OneSentenceParser(
         prog="plan_memory", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     source = parser.add_argument_group("input (one of)")
@@ -219,8 +220,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_tool_args(build_parser(), argv, tool="plan_memory")
         run(args)
     except (UsageError, OSError) as err:
         print(f"plan_memory: error: {err}", file=sys.stderr)
