@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 
+from memo_ext.arguments import OneSentenceParser
 from memo_ext.config import check_writable_directory
 from memo_ext.data.datasets import preprocess_jsonl
 from memo_ext.data.tokenizers import TOKENIZER_TYPES
@@ -27,7 +28,7 @@ from memo_ext.errors import UsageError
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names)."""
-    parser = argparse.ArgumentParser(
+    parser = OneSentenceParser(
         prog="preprocess_data", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("--input", required=True, help="JSON Lines file, one document per line.")
@@ -62,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; returns the process exit status (0 on success, 2 on bad input, as every
     entry point of this project)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        if os.path.exists(args.input) and not os.path.isfile(args.input):
+            raise UsageError(f"--input {args.input} is not a regular file; give the .jsonl file")
+    except UsageError as err:
+        print(f"preprocess_data: error: {err}", file=sys.stderr)
+        return 2
     if args.workers < 1 or args.chunk_size < 1:
         print("preprocess_data: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
         return 2

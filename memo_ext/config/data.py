@@ -91,6 +91,7 @@ class DataConfig:
         """The flags alone; the files they name are checked by ``memo_ext.data.input_files``."""
         at_least(self.seq_length, 1, "--seq-length")
         at_least(self.num_workers, 0, "--num-workers")
+        at_least(self.vocab_size, 1, "--vocab-size")
         if self.data_cache_path:
             check_writable_directory(self.data_cache_path, flag="--data-cache-path")
         if self.mock_data == bool(self.data_path):

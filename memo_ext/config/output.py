@@ -243,6 +243,11 @@ class CheckpointConfig:
         if self.save_interval and not self.save:
             raise UsageError("--save-interval needs --save DIR")
         same = self.save and os.path.abspath(self.load or "") == os.path.abspath(self.save)
+        if self.load and os.path.exists(self.load) and not os.path.isdir(self.load):
+            raise UsageError(
+                f"--load {self.load} is a file, not a directory; give the folder of checkpoints "
+                "(the one that holds latest_checkpointed_iteration.txt)"
+            )
         if self.load and not os.path.isdir(self.load) and not same:
             # --load DIR --save DIR on a first run (Megatron-LM scripts' pattern) starts fresh
             raise UsageError(f"--load directory {self.load} does not exist")

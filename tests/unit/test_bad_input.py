@@ -38,6 +38,10 @@ BASE = SMALL_GPT
     ("extra", "message"),
     [
         (["--global-batch-size", "0"], "--global-batch-size must be at least 1"),
+        (
+            ["--tokenizer-type", "NullTokenizer", "--vocab-size", "0"],
+            "--vocab-size must be at least 1",
+        ),
         (["--global-batch-size", "-4"], "--global-batch-size must be at least 1"),
         (["--lr-decay-iters", "-1"], "must be larger than --lr-warmup-iters 0"),
         (["--lr-warmup-iters", "5", "--lr-decay-iters", "3"], "--lr-decay-iters 3 must be larger"),
@@ -351,3 +355,9 @@ def test_malformed_tokenizer_files_are_one_sentence(tmp_path, damage):
     named = "tokenizer.json is not a tokenizer.json" if "json" in damage else "are not a GPT-2"
     with pytest.raises(UsageError, match=named):
         parse_args([*BASE, *flags], world_size=1)
+
+
+def test_load_pointed_at_a_file_says_so(tmp_path):
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    with pytest.raises(UsageError, match="model.pt is a file, not a directory; give the folder"):
+        parse_args([*BASE, "--load", str(tmp_path / "model.pt")], world_size=1)

@@ -125,3 +125,21 @@ def test_an_output_prefix_under_a_file_is_one_sentence(tmp_path, capsys):
     assert _run(source, tmp_path / "afile" / "out") == 2
     err = capsys.readouterr().err
     assert "afile is a file, not a directory" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("bad", ["workers-two", "fifo-input"])
+def test_argument_errors_are_one_sentence_without_a_usage_dump(tmp_path, capsys, bad):
+    import os
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "hello"}\n')
+    if bad == "fifo-input":
+        source = tmp_path / "pipe"
+        os.mkfifo(source)  # reading it would wait for a writer forever
+        extra = []
+    else:
+        extra = ["--workers", "two"]
+    assert _run(source, tmp_path / "out", *extra) == 2
+    err = capsys.readouterr().err
+    assert "usage:" not in err and err.count("\n") == 1
+    assert ("not a regular file" if bad == "fifo-input" else "invalid int value: 'two'") in err
