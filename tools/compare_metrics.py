@@ -9,16 +9,16 @@ difference, 2 on bad input. The distributed parity tests compare their runs with
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 from memo_ext.training.metrics import CURVE_KEYS, curve_differences, read_metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneSentenceParser(
         prog="compare_metrics", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("reference", help="Metrics file of the reference run.")
@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keys", nargs="+", default=list(CURVE_KEYS), help="Record keys to compare."
     )
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if args.rtol < 0:
             raise UsageError(f"--rtol must be >= 0, got {args.rtol}")
         reference, other = read_metrics(args.reference), read_metrics(args.other)

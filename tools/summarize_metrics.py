@@ -8,11 +8,11 @@ Prints the first and last logged loss, the median throughput and step time; with
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
+from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 from memo_ext.training.metrics import read_metrics
@@ -33,13 +33,13 @@ def summarize(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneSentenceParser(
         prog="summarize_metrics", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("metrics_file", type=Path)
     parser.add_argument("--require-loss-drop", type=finite_float, default=None, metavar="NATS")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         records = read_metrics(args.metrics_file)
         missing = {"loss", "step_time_s", "tokens_per_s"} - set(records[0])
         if missing:

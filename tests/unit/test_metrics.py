@@ -157,3 +157,19 @@ def test_a_metrics_file_that_cannot_be_written_ends_the_run_in_one_sentence(tmp_
     path.mkdir()  # the path is now a folder: open("a") fails with IsADirectoryError
     with pytest.raises(ReportedError, match=f"--metrics-file {path}: cannot write it"):
         writer.write({"iteration": 1, "loss": 2.0})
+
+
+@pytest.mark.parametrize(
+    "tool, argv, message",
+    [
+        ("compare_metrics", ["only-one-file"], "the following arguments are required: other"),
+        ("compare_metrics", ["a", "b", "--rtol", "nan"], "--rtol: must be a finite number"),
+        ("summarize_metrics", ["m.jsonl", "--require-loss-drop", "inf"], "must be a finite"),
+    ],
+)
+def test_metrics_tools_report_argument_errors_in_one_sentence(tool, argv, message, capsys):
+    import importlib
+
+    assert importlib.import_module(f"tools.{tool}").main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" not in err and err.count("\n") == 1
