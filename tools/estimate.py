@@ -87,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--granularity", type=int, default=DEFAULT_GRANULARITY, help="Search step / (2·CP), tokens."
     )
-    p.add_argument("--json", action="store_true", help="End with one JSON line.")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="Print one JSON object alone on stdout (the table goes to stderr).",
+    )
     p.add_argument(
         "--calibration",
         metavar="FILE",
@@ -226,9 +230,9 @@ def json_record(est: Estimate, *, searched: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
-    args = parse_tool_args(build_parser(), argv, tool="estimate")
-    seq_length = getattr(args, "data.seq_length")
     try:
+        args = parse_tool_args(build_parser(), argv, tool="estimate")
+        seq_length = getattr(args, "data.seq_length")
         model, device, batch, space, efficiency = _inputs(args)
         common = dict(
             model=model,
@@ -248,17 +252,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"estimate: error: {err}", file=sys.stderr)
         return 2
     searched = seq_length is None
+    # with --json, stdout holds the JSON alone (for jq and the like); the table goes to stderr
+    text = sys.stderr if args.json else sys.stdout
     if est is None:
         print(
             f"no layout of {args.gpus} × {device.name} fits {model.name} with --method "
-            f"{args.method} even at {2 * args.granularity} tokens"
+            f"{args.method} even at {2 * args.granularity} tokens",
+            file=text,
         )
         if args.json:
             print(json.dumps({"method": args.method, "max_seq_length": None, "fits": False}))
         return 0
     if searched:
-        print(f"longest sequence that fits: {est.seq_length:,} tokens")
-    print(format_estimate(est))
+        print(f"longest sequence that fits: {est.seq_length:,} tokens", file=text)
+    print(format_estimate(est), file=text)
     if args.json:
         print(json.dumps(json_record(est, searched=searched)))
     return 0

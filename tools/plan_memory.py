@@ -23,7 +23,7 @@ import sys
 import time
 
 from memo_ext.arguments import OneSentenceParser, parse_tool_args
-from memo_ext.config import DataConfig, TrainConfig
+from memo_ext.config import DataConfig, TrainConfig, installed
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, finite_float, flag_values, overrides_from_flags
 from memo_ext.mcore.specs import build_layer_spec
@@ -116,6 +116,8 @@ def _seq_length(args: argparse.Namespace) -> int | None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.plot and not installed("matplotlib"):  # before minutes of planning, not after
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or the plots extra)")
     if (args.trace is None) == (args.model is None):
         raise UsageError("give exactly one of --trace FILE or --model NAME")
     if args.model is not None and not _seq_length(args):

@@ -44,3 +44,28 @@ def test_the_tools_report_it_as_exit_2_without_a_usage_dump(tmp_path, capsys):
     assert plan_memory.main(["--out", str(tmp_path / "p.json"), "--bogus"]) == 2
     err = capsys.readouterr().err
     assert "usage:" not in err and err.count("\n") == 2
+
+
+def test_estimate_json_is_alone_on_stdout(capsys):
+    import json
+
+    from tools import estimate
+
+    argv = ["--model", "gpt-7b", "--gpus", "8", "--seq-length", "8192", "--method", "full"]
+    assert estimate.main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out)  # the whole of stdout is one JSON object
+    assert record["seq_length"] == 8192
+    assert "MFU" in err  # the table, on stderr
+    assert estimate.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("MFU")  # without --json
+
+
+def test_plan_memory_checks_its_plot_dependency_before_planning(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed, as far as Python knows
+    argv = ["--model", "gpt-7b", "--seq-length", "1024", "--out", str(tmp_path / "p.json")]
+    assert plan_memory.main([*argv, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()  # stopped before planning
