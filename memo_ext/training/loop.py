@@ -227,7 +227,7 @@ def _train(
         )
     train_batches, valid_batches = build_batches(run, ctx, tokenizer, progress, extensions)
     try:
-        # a model of another layout (HotSPa's buckets) keeps no optimizer state of its own
+        # a model of another layout (an extension's own) keeps no optimizer state of its own
         others = lambda **kw: build_model(**kw, distributed_optimizer=False)  # noqa: E731
         built = Built(
             run=run, ctx=ctx, model=model, optimizer=optimizer, config=config, build_model=others
