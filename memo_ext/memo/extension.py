@@ -15,8 +15,13 @@ import os
 
 from memo_ext.allocator.core import AllocatorCore
 from memo_ext.config import AUTO, RunConfig
-from memo_ext.estimate.cost_model import Batch, auto_chunk_tokens
-from memo_ext.extension import Built, Extension, MetricSource, ResolveContext
+from memo_ext.estimate.cost_model import (
+    AUTO_CHUNK_MIN_TOKENS,
+    AUTO_CHUNK_SLOWDOWN,
+    Batch,
+    auto_chunk_tokens,
+)
+from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, ResolveContext
 from memo_ext.memo.planned_memory import (
     PlannedMemory,
     format_plan_metrics,
@@ -62,7 +67,7 @@ class Memo(Extension):
             eff=target.efficiency,
         )
         if os.environ.get("RANK", "0") == "0":
-            logger.info("MEMO chunks: %d local tokens (auto, for %s)", chunk, target.planned.name)
+            logger.info(_chunk_decision(run, chunk, target))
         return dataclasses.replace(run, memo=dataclasses.replace(run.memo, chunk_tokens=chunk))
 
     def setup(self) -> None:
@@ -114,3 +119,23 @@ class Memo(Extension):
         """The planned allocator's bytes (torch's CUDA statistics are the caching allocator's,
         absent once it is replaced)."""
         return self.planned.memory() if self.planned is not None else None
+
+
+def _chunk_decision(run: RunConfig, chunk: int, target: PlanningTarget) -> str:
+    """What ``--memo-chunk-tokens auto`` decided and why, in one line."""
+    layout = run.layout
+    local = run.data.seq_length // layout.cp // (layout.tp if layout.sp else 1)
+    device = target.planned.name
+    if target.device is None:
+        device += " (no GPU here: the preset auto plans for; --preflight-device names another)"
+    if chunk >= local:
+        return (
+            f"MEMO chunks: none — the whole {local} local tokens per layer pass (auto: no chunk "
+            f"from {AUTO_CHUNK_MIN_TOKENS} tokens keeps a layer's matrix products and "
+            f"collectives within {AUTO_CHUNK_SLOWDOWN:.0%} of the whole sequence's time on "
+            f"{device})"
+        )
+    return (
+        f"MEMO chunks: {chunk} of {local} local tokens (auto: the smallest within "
+        f"{AUTO_CHUNK_SLOWDOWN:.0%} of the whole sequence's time on {device})"
+    )
