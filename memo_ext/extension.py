@@ -20,6 +20,7 @@ Every hook does nothing by default, so an extension overrides only what it needs
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -95,7 +96,7 @@ class StepLoss:
     """Processes that share those documents' FLOPs."""
 
 
-class Extension:
+class Extension(abc.ABC):
     """A feature of the trainer. Subclass it, override the hooks the feature needs, and add the
     class to ``memo_ext.features.FEATURES`` (or call ``memo_ext.features.register``).
 
@@ -115,15 +116,16 @@ class Extension:
     """Reduces gradients itself: megatron-core's schedules must not finalize them."""
 
     @classmethod
+    @abc.abstractmethod
     def enabled(cls, run: RunConfig) -> bool:
-        """Whether ``run`` turns the feature on."""
-        raise NotImplementedError
+        """Whether ``run`` turns the feature on (every feature says)."""
 
     def __init__(self, run: RunConfig):
         self.run = run
 
     def setup(self) -> None:
         """Before the run's first tensor (and before it is resolved)."""
+        return None  # an optional hook: nothing by default
 
     def resolve(self, run: RunConfig, context: ResolveContext) -> RunConfig:
         """``run`` with this feature's open choices settled (every rank gets the same)."""
@@ -140,6 +142,7 @@ class Extension:
 
     def attach(self, built: Built) -> None:
         """The model and optimizer exist; keep what the feature needs of them."""
+        return None  # an optional hook: nothing by default
 
     def batches(
         self, run: RunConfig, documents: Any, *, rank: int, consumed_documents: int
@@ -154,6 +157,7 @@ class Extension:
 
     def begin_step(self, iteration: int) -> None:
         """Before the step's forward passes."""
+        return None  # an optional hook: nothing by default
 
     def forward_backward(self, batches: Iterator, forward_step: Callable) -> StepLoss | None:
         """Run a training step's passes in place of megatron-core's schedule, or ``None`` to
@@ -162,6 +166,7 @@ class Extension:
 
     def end_backward(self) -> None:
         """After the step's last backward, before the optimizer."""
+        return None  # an optional hook: nothing by default
 
     def memory(self) -> tuple[int, int] | None:
         """(allocated, reserved) device bytes of the step when the feature serves them."""
@@ -169,3 +174,4 @@ class Extension:
 
     def close(self) -> None:
         """The run ends (also on failure)."""
+        return None  # an optional hook: nothing by default

@@ -10,6 +10,7 @@ here; :func:`layer_mode` picks the mode of a chunk size.
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,28 +83,29 @@ class StageBytes:
         return self.in_flight * self.keep * self.kept_saved_bytes
 
 
-class LayerMode:
+class LayerMode(abc.ABC):
     """How MEMO runs an offloaded layer (see the module docstring)."""
 
     chunk_tokens: int | None = None
 
     def check_layer(self, layer) -> None:
         """Refuse a layer this mode cannot run."""
+        return None  # an optional hook: nothing by default
 
+    @abc.abstractmethod
     def kept_forward(self, layer, kwargs: dict[str, Any]):
         """A kept layer's forward (its activations stay on the device)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def offloaded_forward(
         self, runtime: MemoRuntime, layer, kwargs: dict[str, Any], *, host_tokens: int, groups: int
     ):
         """An offloaded layer's forward, its copies issued; what the layer returns."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def measured_forward(self, runtime: MemoRuntime, layer, kwargs: dict[str, Any], *, groups: int):
         """The layer's forward with every save measured, nothing offloaded: (its activations,
         seconds)."""
-        raise NotImplementedError
 
     def skeletons(
         self, cost: LayerCost, *, budget_bytes: int, offloaded: int, in_flight: int
@@ -116,9 +118,9 @@ class LayerMode:
         """The mode's own per-step figures."""
         return {}
 
+    @abc.abstractmethod
     def stage_bytes(self, b: StageBytes) -> tuple[int, int]:
         """(device bytes the stage holds when its forward ends, its activation peak)."""
-        raise NotImplementedError
 
 
 class WholeLayers(LayerMode):

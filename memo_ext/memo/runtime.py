@@ -439,11 +439,6 @@ def _shape_of(rope) -> tuple | None:
     return tuple(rope.shape)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextlib.contextmanager
 def _preserved_rng():
     """Run a pass that must not move any random stream (CPU, CUDA, megatron's tracker)."""

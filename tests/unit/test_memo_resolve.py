@@ -34,3 +34,31 @@ def test_a_given_device_is_named_without_the_preset_hint(caplog):
     _resolved("--seq-length", "256", "--preflight-device", "a800-80g", caplog=caplog)
     line = next(r.getMessage() for r in caplog.records if "MEMO chunks" in r.getMessage())
     assert "on a800-80g)" in line and "no GPU here" not in line
+
+
+def test_the_planned_allocator_refuses_expandable_segments_on_cuda(monkeypatch):
+    """The CUDA-only branch of MEMO's rules, on a process that reports CUDA."""
+    import pytest
+    import torch
+
+    from memo_ext.config import MemoConfig
+    from memo_ext.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(UsageError, match="expandable_segments cannot apply; unset it"):
+        MemoConfig._check_planned_allocator(variable_seq_lengths=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    MemoConfig._check_planned_allocator(variable_seq_lengths=False)
+
+
+def test_a_feature_must_say_when_it_is_on():
+    import pytest
+
+    from memo_ext.extension import Extension
+
+    class Unfinished(Extension):
+        name = "unfinished"
+
+    with pytest.raises(TypeError, match="enabled"):
+        Unfinished(run=None)
