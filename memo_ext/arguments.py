@@ -102,7 +102,7 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     sections["layout"] = sections["layout"].with_world(world_size)
     run = c.RunConfig(**_with_derived_defaults(sections), world_size=world_size)
     run.check()
-    check_inputs(run)
+    run = check_inputs(run)
     if run.train.use_distributed_optimizer and not torch.cuda.is_available():
         # a memory saving of CUDA's optimizer: the same updates without it
         logger.info(

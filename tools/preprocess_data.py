@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from memo_ext.arguments import OneSentenceParser
-from memo_ext.config import check_writable_directory
-from memo_ext.data.datasets import preprocess_jsonl
-from memo_ext.data.tokenizers import TOKENIZER_TYPES
+from memo_ext.config import TOKENIZER_TYPES, check_writable_directory
 from memo_ext.errors import UsageError
+
+if TYPE_CHECKING:
+    from memo_ext.data.datasets import PreprocessSummary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--append-eod", action="store_true", help="End every document with the eod id."
     )
     parser.add_argument(
-        "--workers", type=int, default=1, help="Tokenizer processes (default: 1, in-process)."
+        "--workers",
+        type=int,
+        default=1,
+        help="Forked tokenizer processes (default: 1, tokenizes in this process).",
     )
     parser.add_argument(
-        "--chunk-size", type=int, default=64, help="Lines handed to a worker at a time."
+        "--chunk-size", type=int, default=256, help="Lines handed to a worker at a time."
     )
     parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
     return parser
@@ -73,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1 or args.chunk_size < 1:
         print("preprocess_data: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
         return 2
+    # megatron-core's dataset writer, imported once the flags are good (--help answers at once)
+    from memo_ext.data.datasets import preprocess_jsonl
+
     try:
         parent = os.path.dirname(os.path.abspath(args.output_prefix))
         check_writable_directory(parent, flag=f"--output-prefix {args.output_prefix}: folder")
@@ -100,9 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {prefix}.bin / .idx")
     print(
         f"{summary.documents} documents, {summary.tokens} tokens "
-        f"({summary.empty_documents} empty texts skipped) in {summary.seconds:.1f} s"
+        f"({summary.empty_documents} empty texts skipped{_tokenless(summary)}) "
+        f"in {summary.seconds:.1f} s"
     )
     return 0
+
+
+def _tokenless(summary: PreprocessSummary) -> str:
+    if not summary.tokenless_texts:
+        return ""
+    return f", {summary.tokenless_texts} of them texts that gave the tokenizer no token"
 
 
 if __name__ == "__main__":

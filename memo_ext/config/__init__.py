@@ -24,7 +24,13 @@ This package imports nothing of the trainer above ``errors``, ``flags``, ``hardw
 """
 
 from memo_ext.config.common import AUTO, check_regular_file, check_writable_directory, installed
-from memo_ext.config.data import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, DataConfig, check_split
+from memo_ext.config.data import (
+    BYTE_VOCAB_SIZE,
+    DEFAULT_SPLIT,
+    TOKENIZER_TYPES,
+    DataConfig,
+    check_split,
+)
 from memo_ext.config.hotspa import (
     RECOMPUTE_CHOICES,
     HotSPaConfig,
@@ -68,6 +74,7 @@ __all__ = [
     "AUTO",
     "BYTE_VOCAB_SIZE",
     "DEFAULT_HOST_SHARE",
+    "DEFAULT_SPLIT",
     "MIN_OFFLOADED_TENSOR_SIZE",
     "OFFLOAD_MODULES",
     "RECOMPUTE_CHOICES",

@@ -26,6 +26,10 @@ BYTE_VOCAB_SIZE = 257
 """ByteTokenizer's ids: 256 bytes and the end-of-document token."""
 
 
+DEFAULT_SPLIT = "969,30,1"
+"""Megatron-LM's train,valid,test proportions, what an unset --split starts from."""
+
+
 def check_split(split: str) -> None:
     """Check a ``--split`` string such as ``"969,30,1"`` (at most three non-negative weights).
 
@@ -54,8 +58,10 @@ class DataConfig:
     """Tokens per sample."""
     data_path: tuple[str, ...] = ()
     """Dataset prefixes, optionally weighted (0.7 a 0.3 b), as in Megatron-LM."""
-    split: str = "969,30,1"
-    """Train,valid,test proportions."""
+    split: str | None = None
+    """Train,valid,test proportions. Unset: 969,30,1, except that a part a small corpus would
+    leave without a document is dropped (the test part, then the validation part unless
+    --eval-interval reads it), and the log says so."""
     mock_data: bool = False
     """Synthetic tokens."""
     variable_seq_lengths: bool = False
@@ -87,6 +93,11 @@ class DataConfig:
     results are the same, and the mask costs s² bytes per sample (1 TiB at 1M tokens); Megatron-LM's
     --no-create-attention-mask-in-dataloader is therefore this trainer's behaviour."""
 
+    @property
+    def split_or_default(self) -> str:
+        """--split as given, else the default before it is fitted to a corpus."""
+        return DEFAULT_SPLIT if self.split is None else self.split
+
     def check(self) -> None:
         """The flags alone; the files they name are checked by ``memo_ext.data.input_files``."""
         at_least(self.seq_length, 1, "--seq-length")
@@ -107,7 +118,8 @@ class DataConfig:
                 f"says {self.vocab_size}; drop --vocab-size"
             )
         try:
-            check_split(self.split)
+            if self.split is not None:
+                check_split(self.split)
         except ValueError as err:
             raise UsageError(str(err)) from None
 

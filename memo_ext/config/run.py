@@ -98,7 +98,7 @@ class RunConfig:
         self.memo.check()
         self.memo.check_with(self)
         self.evaluation.check()
-        self.evaluation.check_split(split=self.data.split, mock_data=self.data.mock_data)
+        self.evaluation.check_split(split=self.data.split_or_default, mock_data=self.data.mock_data)
         self.checkpoint.check()
         self.preflight.check()
         self.data.check_with(self)

@@ -3,7 +3,7 @@
 Three stages, each usable on its own:
 
 1. ``preprocess_jsonl`` tokenizes a JSON Lines corpus into megatron-core ``IndexedDataset`` files
-   (``{prefix}_{key}_document.bin`` / ``.idx``), optionally on a pool of spawned workers. The
+   (``{prefix}_{key}_document.bin`` / ``.idx``), optionally on a pool of forked workers. The
    ``tools/preprocess_data.py`` command line and the demo corpus both call it.
 2. ``build_gpt_datasets`` turns ``--data-path`` / ``--split`` / ``--mock-data`` into train, valid
    and test ``GPTDataset`` s with megatron-core's ``BlendedMegatronDatasetBuilder``.
@@ -20,6 +20,8 @@ assignment to ranks changes. This is the order of Megatron-LM's ``MegatronPretra
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import math
@@ -31,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +50,7 @@ from tqdm import tqdm
 
 from memo_ext.config.data import check_split
 from memo_ext.data.tokenizers import build_tokenizer
+from memo_ext.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,9 @@ class PreprocessSummary:
     """Output data prefix per JSON key, ready for ``--data-path``."""
     empty_documents: int = 0
     """(line, key) pairs whose text had no tokens; they are not written."""
+    tokenless_texts: int = 0
+    """Of ``empty_documents``: texts with more than white space that the tokenizer turned into
+    no tokens (a vocabulary that does not cover them)."""
 
 
 def document_prefix(output_prefix: str, json_key: str) -> str:
@@ -76,16 +83,28 @@ def document_prefix(output_prefix: str, json_key: str) -> str:
     return f"{output_prefix}_{json_key}_document"
 
 
-# Per-process encoder state; set by ``_init_encoder`` in the main process or in each pool worker.
-_ENCODER: dict = {}
+@dataclass(frozen=True)
+class _Encoder:
+    """What tokenizes a JSON line: built once, in the main process, before any worker forks."""
+
+    tokenizer: MegatronTokenizerBase
+    json_keys: tuple[str, ...]
+    append_eod: bool
+    dtype: type
+    """The output's id type: workers send back 2 bytes per id for a small vocabulary, not 8."""
 
 
-def _init_encoder(tokenizer_args: dict, json_keys: tuple[str, ...], append_eod: bool) -> None:
-    _ENCODER.update(
-        tokenizer=build_tokenizer(**tokenizer_args),
-        json_keys=json_keys,
-        append_eod=append_eod,
-    )
+class _EncodedLine(NamedTuple):
+    nbytes: int
+    """The line's size in bytes (for the progress bar)."""
+    ids: dict[str, np.ndarray] | None
+    """Token ids per JSON key; ``None`` for a blank line."""
+    tokenless_texts: int
+    """Texts of this line with more than white space that gave no tokens."""
+
+
+# The encoder of a running ``_encoding``; forked workers inherit it with the loaded tokenizer.
+_ENCODER: _Encoder | None = None
 
 
 def _parse_line(line_no: int, raw: bytes) -> dict:
@@ -100,20 +119,15 @@ def _parse_line(line_no: int, raw: bytes) -> dict:
     return record
 
 
-def _encode_line(item: tuple[int, bytes]) -> tuple[int, dict[str, np.ndarray] | None]:
-    """Tokenize the configured keys of one JSON line.
-
-    Returns:
-        The line's size in bytes (for the progress bar) and the ids per key, or ``None`` for a
-        blank line.
-    """
+def _encode_line(item: tuple[int, bytes]) -> _EncodedLine:
+    """Tokenize the configured keys of one JSON line with ``_ENCODER``."""
     line_no, raw = item
     if not raw.strip():
-        return len(raw), None
+        return _EncodedLine(len(raw), None, 0)
     record = _parse_line(line_no, raw)
-    tokenizer = _ENCODER["tokenizer"]
-    encoded = {}
-    for key in _ENCODER["json_keys"]:
+    tokenizer = _ENCODER.tokenizer
+    encoded, tokenless = {}, 0
+    for key in _ENCODER.json_keys:
         if key not in record:
             raise ValueError(
                 f"Line {line_no} of the input has no key {key!r} (keys: {', '.join(record)}); "
@@ -123,16 +137,23 @@ def _encode_line(item: tuple[int, bytes]) -> tuple[int, dict[str, np.ndarray] | 
         if not isinstance(text, str):
             raise ValueError(f"Line {line_no}: value of {key!r} must be a string.")
         ids = tokenizer.tokenize(text)
-        if ids and _ENCODER["append_eod"]:
+        tokenless += not ids and bool(text.strip())
+        if ids and _ENCODER.append_eod:
             ids.append(tokenizer.eod)
-        encoded[key] = np.asarray(ids, dtype=np.int64)
-    return len(raw), encoded
+        encoded[key] = np.asarray(ids, dtype=_ENCODER.dtype)
+    return _EncodedLine(len(raw), encoded, tokenless)
 
 
-def _read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """Yield (1-based line number, raw line) for every line, blank ones included."""
+def _encode_batch(batch: list[tuple[int, bytes]]) -> list[_EncodedLine]:
+    return [_encode_line(item) for item in batch]
+
+
+def _read_batches(path: Path, *, lines_per_batch: int) -> Iterator[list[tuple[int, bytes]]]:
+    """Yield lists of (1-based line number, raw line), blank lines included."""
     with open(path, "rb") as handle:
-        yield from enumerate(handle, start=1)
+        numbered = enumerate(handle, start=1)
+        while batch := list(itertools.islice(numbered, lines_per_batch)):
+            yield batch
 
 
 class _AtomicIndexedWriter:
@@ -162,17 +183,31 @@ class _AtomicIndexedWriter:
         os.replace(self._tmp_idx, f"{self.prefix}.idx")
 
 
-def _encoded_lines(
-    lines: Iterable[tuple[int, bytes]], *, workers: int, chunk_size: int, init_args: tuple
-) -> Iterator[tuple[int, dict[str, np.ndarray] | None]]:
-    """Encode lines in input order, in-process or on a pool of ``workers`` spawned processes."""
-    if workers <= 1:
-        _init_encoder(*init_args)
-        yield from map(_encode_line, lines)
-        return
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_encoder, initargs=init_args) as pool:
-        yield from pool.imap(_encode_line, lines, chunksize=chunk_size)
+@contextlib.contextmanager
+def _encoding(
+    encoder: _Encoder, batches: Iterable[list[tuple[int, bytes]]], *, workers: int
+) -> Iterator[Iterator[list[_EncodedLine]]]:
+    """The encoded batches of lines, in input order: tokenized here, or on ``workers`` forked
+    processes that are up when this context is entered.
+
+    A worker takes a whole batch and returns it whole, so the progress bar advances by the
+    bytes of a batch at once; advanced by one line when a batch arrives, its first rate would
+    be one line's bytes over a whole batch's time (an ETA a hundred times too long).
+
+    Forked, not spawned: a spawned worker imports torch and megatron-core again and loads the
+    tokenizer again, seconds each before its first line (a small corpus took three times as
+    long on two workers as on one); a forked one starts in milliseconds with all of it in memory.
+    """
+    global _ENCODER
+    _ENCODER = encoder
+    try:
+        if workers <= 1:
+            yield map(_encode_batch, batches)
+        else:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                yield pool.imap(_encode_batch, batches)
+    finally:
+        _ENCODER = None
 
 
 def preprocess_jsonl(
@@ -187,7 +222,7 @@ def preprocess_jsonl(
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     workers: int = 1,
-    chunk_size: int = 64,
+    chunk_size: int = 256,
     show_progress: bool = True,
 ) -> PreprocessSummary:
     """Tokenize a JSON Lines file into one megatron-core indexed dataset per JSON key.
@@ -204,8 +239,8 @@ def preprocess_jsonl(
         merge_file: ``--merge-file`` (``GPT2BPETokenizer`` only).
         json_keys: The keys to tokenize, one output dataset each.
         append_eod: Append the end-of-document id to every non-empty document.
-        workers: Number of spawned tokenizer processes (1 tokenizes in this process).
-        chunk_size: Lines sent to a worker at a time.
+        workers: Number of forked tokenizer processes (1 tokenizes in this process).
+        chunk_size: Lines sent to a worker at a time (and between updates of the progress bar).
         show_progress: Show a tqdm progress bar over input bytes.
 
     Returns:
@@ -213,6 +248,7 @@ def preprocess_jsonl(
 
     Raises:
         FileNotFoundError: The input file does not exist.
+        UsageError: No text under ``json_keys``, or a tokenizer that gave no token for any of it.
         ValueError: A line is not a JSON object, lacks a key, or has text the tokenizer rejects.
     """
     start = time.perf_counter()
@@ -221,50 +257,37 @@ def preprocess_jsonl(
         raise FileNotFoundError(
             f"Input file {input_path} does not exist; pass --input an existing .jsonl file."
         )
-    json_keys = tuple(json_keys)
-    tokenizer_args = dict(
+    tokenizer = build_tokenizer(
         tokenizer_type=tokenizer_type,
         vocab_size=vocab_size,
         tokenizer_model=tokenizer_model,
         vocab_file=vocab_file,
         merge_file=merge_file,
     )
-    tokenizer = build_tokenizer(**tokenizer_args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    encoder = _Encoder(tokenizer, tuple(json_keys), append_eod, dtype)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     writers = {
         key: _AtomicIndexedWriter(document_prefix(output_prefix, key), dtype) for key in json_keys
     }
     summary = PreprocessSummary(documents=0, tokens=0, seconds=0.0)
-    encoded_lines = _encoded_lines(
-        _read_lines(input_path),
-        workers=workers,
-        chunk_size=chunk_size,
-        init_args=(tokenizer_args, json_keys, append_eod),
-    )
-    progress = tqdm(
-        total=input_path.stat().st_size,
-        unit="B",
-        unit_scale=True,
-        disable=not show_progress,
-        desc=f"tokenizing {input_path.name}",
-    )
+    batches = _read_batches(input_path, lines_per_batch=chunk_size)
     try:
-        for nbytes, encoded in encoded_lines:
-            if encoded is not None:
-                _write_document(writers, encoded, summary)
-            progress.update(nbytes)
+        # the bar starts once the workers are up: their start-up stays out of its rate and ETA
+        with (
+            _encoding(encoder, batches, workers=workers) as encoded_batches,
+            _progress_bar(input_path, show=show_progress) as progress,
+        ):
+            for batch in encoded_batches:
+                for line in batch:
+                    _write_document(writers, line, summary)
+                progress.update(sum(line.nbytes for line in batch))
         if summary.tokens == 0:
-            raise ValueError(
-                f"{input_path} holds no document with text under --json-keys "
-                f"{', '.join(json_keys)}; nothing to write"
-            )
+            raise UsageError(_nothing_to_write(summary, input_path, encoder))
     except BaseException:
         for writer in writers.values():
             writer.abort()
         raise
-    finally:
-        progress.close()
     for writer in writers.values():
         writer.close()
     summary.prefixes = {key: writer.prefix for key, writer in writers.items()}
@@ -272,18 +295,45 @@ def preprocess_jsonl(
     return summary
 
 
+def _progress_bar(input_path: Path, *, show: bool) -> tqdm:
+    return tqdm(
+        total=input_path.stat().st_size,
+        unit="B",
+        unit_scale=True,
+        disable=not show,
+        desc=f"tokenizing {input_path.name}",
+    )
+
+
 def _write_document(
-    writers: dict[str, _AtomicIndexedWriter],
-    encoded: dict[str, np.ndarray],
-    summary: PreprocessSummary,
+    writers: dict[str, _AtomicIndexedWriter], line: _EncodedLine, summary: PreprocessSummary
 ) -> None:
+    if line.ids is None:  # a blank line
+        return
     summary.documents += 1
-    for key, ids in encoded.items():
+    summary.tokenless_texts += line.tokenless_texts
+    for key, ids in line.ids.items():
         if ids.size == 0:
             summary.empty_documents += 1
             continue
         writers[key].add(ids)
         summary.tokens += int(ids.size)
+
+
+def _nothing_to_write(summary: PreprocessSummary, input_path: Path, encoder: _Encoder) -> str:
+    """Why a run wrote no token: no text under the keys, or a tokenizer that drops all of it."""
+    keys = " ".join(encoder.json_keys)
+    if summary.tokenless_texts:
+        return (
+            f"{encoder.tokenizer.description} produced no tokens for any of the "
+            f"{summary.tokenless_texts} texts under --json-keys {keys} in {input_path}: its "
+            "vocabulary does not cover them and has no unknown token; give the tokenizer made "
+            "for this corpus"
+        )
+    return (
+        f"{input_path} holds no document with text under --json-keys {keys}; nothing to write, "
+        "so give --json-keys the key that holds the text"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +435,22 @@ def check_indexed_dataset(prefix: str) -> int:
     return len(dataset.document_indices) - 1
 
 
+SPLIT_PARTS = ("train", "validation", "test")
+"""The parts of ``--split``, in its order."""
+
+
+def _documents_per_part(split: str, documents: int) -> list[int | None]:
+    """How many of ``documents`` each part of ``split`` gets (megatron-core's rounding); ``None``
+    for a part of weight 0."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [
+        None
+        if bounds is None
+        else int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+        for bounds in matrix
+    ]
+
+
 def check_split_documents(prefix: str, split: str, *, documents: int) -> None:
     """Every part of ``--split`` with a weight must get at least one document of ``prefix``:
     megatron-core loops forever on an empty part.
@@ -392,16 +458,36 @@ def check_split_documents(prefix: str, split: str, *, documents: int) -> None:
     Raises:
         ValueError: naming the part and the counts.
     """
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for name, bounds in zip(("train", "validation", "test"), matrix):
-        if bounds is None:
-            continue
-        count = int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
-        if count < 1:
+    for name, count in zip(SPLIT_PARTS, _documents_per_part(split, documents)):
+        if count is not None and count < 1:
             raise ValueError(
                 f"--split {split} gives the {name} part 0 of the {documents} documents in "
                 f"{prefix}; give that part weight 0 (or more weight), or use more documents"
             )
+
+
+def fit_split(split: str, documents: Sequence[int], *, keep_validation: bool) -> str:
+    """``split`` with the parts that a dataset of ``documents`` would leave without a document
+    set to weight 0: the test part, then the validation part unless ``keep_validation``.
+
+    Args:
+        split: The default ``--split``, such as ``"969,30,1"``.
+        documents: The document count of every dataset of the blend.
+        keep_validation: Evaluation reads the validation part: it is never dropped (a part
+            still empty is then refused by :func:`check_split_documents`).
+
+    Returns:
+        The split, part for part as ``split`` except the dropped parts, which read ``0``.
+    """
+    weights = [part.strip() for part in split.split(",")]
+    droppable = (2,) if keep_validation else (2, 1)
+    for part in droppable:
+        if part >= len(weights):
+            continue
+        counts = [_documents_per_part(",".join(weights), n)[part] for n in documents]
+        if any(count is not None and count < 1 for count in counts):
+            weights[part] = "0"
+    return ",".join(weights)
 
 
 def _check_blend_cache(*, prefixes: list[str], cache_dir: str | None) -> None:
@@ -488,8 +574,25 @@ def build_gpt_datasets(
     builder = BlendedMegatronDatasetBuilder(
         dataset_cls, list(num_samples), is_built_on_rank, config
     )
-    train, valid, test = builder.build()
+    with _quiet_uncached_mock(mock and cache_dir is None):
+        train, valid, test = builder.build()
     return train, valid, test
+
+
+@contextlib.contextmanager
+def _quiet_uncached_mock(quiet: bool) -> Iterator[None]:
+    """Without --data-cache-path, megatron-core warns per mock split that it cannot save the
+    split's indexes: mock data has nothing worth caching, so the warnings say nothing."""
+    if not quiet:
+        yield
+        return
+    mcore_logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    level = mcore_logger.level
+    mcore_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        mcore_logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from memo_ext.config.data import BYTE_VOCAB_SIZE, TOKENIZER_TYPES, DataConfig
 from memo_ext.errors import UsageError
 
 
-
 class _LocalTokenizer(MegatronTokenizerBase):
     """Shared plumbing for tokenizers that live entirely in this file."""
 
@@ -36,6 +35,12 @@ class _LocalTokenizer(MegatronTokenizerBase):
     def apply_chat_template(self, *args, **kwargs):
         """Chat templates are not supported by pretraining tokenizers."""
         raise NotImplementedError(f"{type(self).__name__} has no chat template.")
+
+    @property
+    def description(self) -> str:
+        """The tokenizer as its flags name it, for messages: ``--tokenizer-type NAME`` and the
+        files or sizes it was built from."""
+        return f"--tokenizer-type {type(self).__name__}"
 
     @property
     def unique_identifiers(self) -> OrderedDict:
@@ -169,6 +174,10 @@ class NullTokenizer(_LocalTokenizer):
         """End-of-document id: the flag's ``--vocab-size``."""
         return self._vocab_size_without_eod
 
+    @property
+    def description(self) -> str:
+        return f"{super().description} --vocab-size {self._vocab_size_without_eod}"
+
 
 # End-of-text tokens of common tokenizers, tried in order when a tokenizer names none itself.
 EOD_TOKEN_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -201,6 +210,7 @@ class HuggingFaceTokenizer(_LocalTokenizer):
                 f"reads ({_first_line(err)})"
             ) from None
         self._eod = _find_eod(self._tok.get_vocab(with_added_tokens=True), source=str(file))
+        self._files = f"--tokenizer-model {path}"
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -224,6 +234,10 @@ class HuggingFaceTokenizer(_LocalTokenizer):
     def pad(self) -> int:
         return -1
 
+    @property
+    def description(self) -> str:
+        return f"{super().description} {self._files}"
+
 
 class GPT2BPETokenizer(HuggingFaceTokenizer):
     """GPT-2 byte-level BPE from local ``vocab.json`` and ``merges.txt`` files."""
@@ -245,6 +259,7 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         self._eod = _find_eod(self._tok.get_vocab(with_added_tokens=True), source=vocab_file)
+        self._files = f"--vocab-file {vocab_file} --merge-file {merge_file}"
 
 
 def _find_eod(vocab: dict[str, int], *, source: str) -> int:

@@ -133,11 +133,6 @@ VALUE_REASONS: dict[str, str] = {
 }
 """Why a Megatron-LM value of one of our flags, outside our choices, is refused."""
 
-DEPENDENT_REFUSALS: dict[str, tuple[str, ...]] = {
-    "--tokenizer-type": ("--tokenizer-model", "--vocab-file", "--merge-file"),
-}
-"""When this flag's value is refused, these flags of the same command line belong to it."""
-
 GROUP_REASONS: dict[str, str] = {
     "moe": "mixture-of-experts models are not supported here (dense GPT only)",
     "mla": "multi-latent attention is not supported here",

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from memo_ext.errors import UsageError
 from memo_ext.megatron_lm.flag_table import MegatronFlag, megatron_flags
 from memo_ext.megatron_lm.handling import (
-    DEPENDENT_REFUSALS,
     LATER_FLAGS,
     VALUE_MAPS,
     VALUE_REASONS,
@@ -84,15 +83,13 @@ def translate(argv: list[str], *, ours: Mapping[str, argparse.Action]) -> Transl
     leading, groups = split_flags(argv)
     given = {name: values for name, values in groups}
     out = Translation(argv=list(leading))
-    owners: dict[str, str] = {}  # flag → the refused value it belongs to
     for name, values in groups:
         if name in ours:
-            _ours(out, name, values, ours[name], given, owners)
+            _ours(out, name, values, ours[name], given)
         elif (flag := lookup(name)) is not None:
             _megatron(out, flag, name, values, given, ours)
         else:  # neither ours nor Megatron-LM's: argparse reports it
             out.argv += [name, *values]
-    out.refusals += [Refusal(n, f"belongs to {owners[n]}") for n in given if n in owners]
     return out
 
 
@@ -102,7 +99,6 @@ def _ours(
     values: list[str],
     action: argparse.Action,
     given: Mapping[str, list[str]],
-    owners: dict[str, str],
 ) -> None:
     flag = lookup(name)
     megatron_choices = flag.choices if flag is not None and isinstance(flag.choices, tuple) else ()
@@ -119,8 +115,9 @@ def _ours(
         and values[0] in megatron_choices
     ):
         reason = VALUE_REASONS.get(name, "not implemented here")
+        # one line for the value: a flag that goes with it (--tokenizer-model with a refused
+        # --tokenizer-type) is ours and is not refused, so it gets no line of its own
         out.refusals.append(Refusal(f"{name} {values[0]}", reason))
-        owners.update(dict.fromkeys(DEPENDENT_REFUSALS.get(name, ()), f"{name} {values[0]}"))
         return
     if action.nargs is None and len(values) == 1 and values[0].startswith("-"):
         # ``--lr -1e-3``: argparse reads a token starting with "-" as a flag unless it is glued

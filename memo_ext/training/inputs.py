@@ -35,7 +35,7 @@ def build_batches(
     valid_samples = evals * run.evaluation.eval_iters * gbs
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path=run.data.data_path or None,
-        split=run.data.split,
+        split=run.data.split_or_default,
         mock=run.data.mock_data,
         seq_length=run.data.seq_length,
         seed=run.train.seed,

@@ -135,8 +135,7 @@ SCRIPTS = {
             "--moe-aux-loss-coeff",
             "--moe-grouped-gemm",
             "--moe-token-dispatcher-type",
-            "--tokenizer-type",
-            "--tokenizer-model",
+            "--tokenizer-type",  # its --tokenizer-model is ours: left, and unread by ByteTokenizer
             "--expert-model-parallel-size",
             "--no-load-optim",
             "--no-load-rng",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from memo_ext.arguments import parse_args
-from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.config import DEFAULT_SPLIT
+from memo_ext.data.datasets import fit_split, preprocess_jsonl
 from memo_ext.errors import UsageError
 from memo_ext.planner import (
     Alloc,
@@ -153,11 +155,35 @@ def _data_args(prefix: str, *extra: str) -> list[str]:
 
 
 def test_an_empty_split_part_is_refused_not_looped_on(small_corpus):
-    # the default 969,30,1 gives the validation part documents [round(9.69), round(9.99)) of 10:
-    # none, which megatron-core's GPTDataset loops on forever
+    # 969,30,1 gives the validation part documents [round(9.69), round(9.99)) of 10: none,
+    # which megatron-core's GPTDataset loops on forever
     with pytest.raises(UsageError, match="gives the validation part 0 of the 10 documents"):
-        parse_args(_data_args(small_corpus), world_size=1)
-    parse_args(_data_args(small_corpus, "--split", "8,2,0"), world_size=1)
+        parse_args(_data_args(small_corpus, "--split", "969,30,1"), world_size=1)
+    assert parse_args(_data_args(small_corpus, "--split", "8,2,0"), world_size=1).data.split == (
+        "8,2,0"
+    )
+
+
+def test_the_default_split_drops_the_parts_a_small_corpus_cannot_fill(small_corpus, caplog):
+    with caplog.at_level(logging.INFO, logger="memo_ext.data.input_files"):
+        run = parse_args(_data_args(small_corpus), world_size=1)
+    assert run.data.split == "969,0,0"  # 10 documents: none for the test or validation part
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "--split 969,0,0: the default 969,30,1 gives the validation and test part no document "
+        "of the 10 in the smallest dataset; pass --split to choose"
+    )
+    # evaluation reads the validation part: the default keeps it, and the corpus is refused
+    with pytest.raises(UsageError, match="--split 969,30,0 gives the validation part 0 of the"):
+        parse_args(_data_args(small_corpus, "--eval-interval", "5"), world_size=1)
+
+
+def test_the_default_split_is_kept_where_every_part_gets_documents():
+    # the parts' counts as megatron-core rounds them: 1,000 documents fill 969,30,1
+    assert fit_split(DEFAULT_SPLIT, [1000], keep_validation=False) == "969,30,1"
+    assert fit_split(DEFAULT_SPLIT, [1000, 168], keep_validation=False) == "969,30,0"
+    assert fit_split(DEFAULT_SPLIT, [168], keep_validation=True) == "969,30,0"
+    assert fit_split("98,2,0", [20], keep_validation=False) == "98,0,0"
 
 
 def test_truncated_bin_and_garbage_idx_are_named(small_corpus, tmp_path):

@@ -31,7 +31,11 @@ REQUIRED = cli(
 def test_defaults_come_from_the_dataclasses():
     run = parse_args(REQUIRED, world_size=1)
     given = {("data", "mock_data"), ("train", "train_iters")}
-    derived = given | {("train", "global_batch_size"), ("model", "max_position_embeddings")}
+    derived = given | {
+        ("train", "global_batch_size"),
+        ("model", "max_position_embeddings"),
+        ("data", "split"),  # the default, settled by parse_args
+    }
     for section, cls, _ in SECTIONS:
         value = getattr(run, section)
         for f in cli_fields(cls):

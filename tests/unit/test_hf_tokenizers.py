@@ -64,21 +64,54 @@ def test_missing_files_are_named(tmp_path):
         )
 
 
-def test_preprocess_with_tokenizer_json(bpe_dir, tmp_path):
+@pytest.mark.parametrize("tokenizer_type", ["HuggingFaceTokenizer", "GPT2BPETokenizer"])
+def test_preprocess_with_tokenizer_files(bpe_dir, tmp_path, tokenizer_type):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS if t))
+    files = {
+        "HuggingFaceTokenizer": {"tokenizer_model": str(bpe_dir / "tokenizer.json")},
+        "GPT2BPETokenizer": {
+            "vocab_file": str(bpe_dir / "vocab.json"),
+            "merge_file": str(bpe_dir / "merges.txt"),
+        },
+    }[tokenizer_type]
     summary = preprocess_jsonl(
         input_path=corpus,
         output_prefix=str(tmp_path / "out"),
-        tokenizer_type="HuggingFaceTokenizer",
-        tokenizer_model=str(bpe_dir / "tokenizer.json"),
+        tokenizer_type=tokenizer_type,
         append_eod=True,
         show_progress=False,
+        **files,
     )
-    tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(bpe_dir))
+    tok = build_tokenizer(tokenizer_type=tokenizer_type, **files)
     dataset = IndexedDataset(summary.prefixes["text"])
     for i, text in enumerate(t for t in TEXTS if t):
         assert np.array_equal(dataset[i], np.array(tok.tokenize(text) + [tok.eod]))
+
+
+def test_a_tokenizer_that_gives_no_token_is_named_not_the_text(tmp_path, capsys):
+    from tools.preprocess_data import main
+
+    # a BPE without byte fallback or unknown token drops every character outside its vocabulary
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=50, special_tokens=["</s>"])
+    tok.train_from_iterator(["aaa bbb"] * 10, trainer=trainer)
+    model = tmp_path / "tokenizer.json"
+    tok.save(str(model))
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(model)]
+    corpus = tmp_path / "c.jsonl"
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "o"), "--no-progress", *flags]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["xyz", "", "hello world"]))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no document" not in err
+    assert f"{' '.join(flags)} produced no tokens for any of the 2 texts" in err
+    # no text at all is the other case, named as such
+    corpus.write_text(json.dumps({"text": ""}) + "\n")
+    assert main(argv) == 2
+    assert "holds no document with text under --json-keys text" in capsys.readouterr().err
+    assert not list(tmp_path.glob("o_*"))  # nothing half-written is left
 
 
 def test_trainer_flags_check_the_tokenizer(bpe_dir):

@@ -131,7 +131,7 @@ def test_refused_flags_are_named_together_with_their_reasons():
     with pytest.raises(UsageError) as err:
         parse_args(argv, world_size=1)
     message = str(err.value)
-    assert message.startswith("6 Megatron-LM flags cannot run here; drop them:")
+    assert message.startswith("5 Megatron-LM flags cannot run here; drop them:")
     lines = message.splitlines()[1:]
     assert [line.split(":")[0].strip() for line in lines] == [
         "--num-experts",
@@ -139,10 +139,20 @@ def test_refused_flags_are_named_together_with_their_reasons():
         "--fp8-format",
         "--ckpt-format zarr",
         "--tokenizer-type Llama2Tokenizer",
-        "--tokenizer-model",
     ]
     assert "mixture-of-experts" in lines[0] and "torch_dist" in lines[3]
-    assert "belongs to --tokenizer-type Llama2Tokenizer" in lines[5]
+
+
+@pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer"])
+def test_a_refused_tokenizer_type_is_one_line_that_names_the_supported_ones(tokenizer_type):
+    """--tokenizer-model is ours (HuggingFaceTokenizer reads it): only the type is refused."""
+    argv = [*SMALL_GPT, "--tokenizer-type", tokenizer_type, "--tokenizer-model", "/x/tok.model"]
+    with pytest.raises(UsageError) as err:
+        parse_args(argv, world_size=1)
+    head, line = str(err.value).splitlines()
+    assert head == "1 Megatron-LM flag cannot run here; drop it:"
+    assert line.startswith(f"  --tokenizer-type {tokenizer_type}: ")
+    assert "ByteTokenizer, NullTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer" in line
 
 
 def test_other_spellings_of_our_flags_are_ours(tmp_path):

@@ -4,13 +4,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from memo_ext.data.tokenizers import ByteTokenizer
+from memo_ext.data import datasets
+from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer
 from tools.preprocess_data import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +76,64 @@ def test_workers_give_identical_files(tmp_path):
         one = (tmp_path / f"one_text_document{suffix}").read_bytes()
         two = (tmp_path / f"two_text_document{suffix}").read_bytes()
         assert one == two
+
+
+def test_workers_tokenize_with_the_tokenizer_loaded_here(tmp_path, monkeypatch):
+    """Workers are forked with this process's modules and tokenizer: none imports torch and
+    megatron-core or loads the tokenizer again (seconds each, longer than a small corpus takes)."""
+    monkeypatch.setattr(NullTokenizer, "tokenize", lambda self, text: [os.getpid()])
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "not ids"}] * 40)
+    summary = preprocess_jsonl(
+        input_path=source,
+        output_prefix=str(tmp_path / "w"),
+        tokenizer_type="NullTokenizer",
+        vocab_size=2**23,  # above any process id
+        workers=2,
+        chunk_size=4,
+        show_progress=False,
+    )
+    pids = {document[0] for document in _read_documents(summary.prefixes["text"])}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+
+
+class _RecordedBar(datasets.tqdm):
+    """The progress bar, recording (elapsed s, ETA s) whenever it is drawn with a rate."""
+
+    drawn: list[tuple[float, float]] = []
+
+    def display(self, *args, **kwargs):
+        shown = self.format_dict
+        rate = shown["rate"] or (shown["n"] / shown["elapsed"] if shown["elapsed"] else 0)
+        if rate and shown["n"] < shown["total"]:
+            self.drawn.append((shown["elapsed"], (shown["total"] - shown["n"]) / rate))
+        return super().display(*args, **kwargs)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_eta_is_a_fair_guess_from_the_first_draw(tmp_path, monkeypatch, capsys, workers):
+    """Lines of 10 ms in batches of 12 (0.12 s, above tqdm's 0.1 s between draws): an ETA drawn
+    when the first batch arrives, from one line's bytes (or after the workers' start-up, from
+    one line), would be ten to thousands of times the whole run."""
+
+    def slow_bytes(self, text):
+        time.sleep(0.01)
+        return list(text.encode())
+
+    monkeypatch.setattr(ByteTokenizer, "tokenize", slow_bytes)
+    monkeypatch.setattr(datasets, "tqdm", _RecordedBar)
+    monkeypatch.setattr(_RecordedBar, "drawn", [])
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "x" * 100}] * 120)
+    summary = preprocess_jsonl(
+        input_path=source,
+        output_prefix=str(tmp_path / "e"),
+        tokenizer_type="ByteTokenizer",
+        workers=workers,
+        chunk_size=12,
+    )
+    assert _RecordedBar.drawn, "the bar was never drawn with a rate"
+    for elapsed, eta in _RecordedBar.drawn:
+        # the run's lines sleep; with other work on the machine a batch may come late, hence x3
+        assert elapsed + eta < 3 * summary.seconds + 1.0, _RecordedBar.drawn
 
 
 @pytest.mark.slow
