@@ -1,8 +1,9 @@
 """GPT pretraining on megatron-core with MEMO and HotSPa.
 
-Launch with torchrun and Megatron-style flags, for example on 2 CPU processes::
+Launch with torchrun (here through ``memo_ext.launch``, which ends a failed run with its one
+sentence) and Megatron-style flags, for example on 2 CPU processes::
 
-    torchrun --nproc-per-node 2 pretrain_gpt_memo.py \
+    python -m memo_ext.launch --nproc-per-node 2 pretrain_gpt_memo.py \
         --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \
         --micro-batch-size 4 --global-batch-size 16 --train-iters 100 --lr 1e-3 \
         --tensor-model-parallel-size 2 --sequence-parallel --mock-data \
@@ -18,18 +19,9 @@ import logging
 import os
 import sys
 import time
-import warnings
 
-# megatron-core announces at import that optional fused kernels (apex / TE) are absent; the
-# local paths it falls back to are the ones this project uses on CPU
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
-warnings.filterwarnings("ignore", message=r".*tp_group is None, using default tp group")
-# the estimator's traced configs (HotSPa auto, preflight) trip a cosmetic megatron deprecation
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-
-from memo_ext.arguments import parse_args  # noqa: E402
-from memo_ext.errors import ReportedError, out_of_memory  # noqa: E402
-from memo_ext.training.loop import train  # noqa: E402
+from memo_ext.arguments import parse_args
+from memo_ext.errors import REPORTS_ERRORS, ReportedError, UsageError, out_of_memory
 
 
 def _configure_logging() -> None:
@@ -54,10 +46,28 @@ def _tell_torchrun(message: str) -> None:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
+def _print_once(err: ReportedError) -> None:
+    """Bad input is the same on every rank (the same flags and files): rank 0 says it. Other
+    failures can be one rank's own (its memory, its disk): each rank that fails says so. Under
+    ``python -m memo_ext.launch`` the launcher says it, once."""
+    if os.environ.get(REPORTS_ERRORS):  # memo_ext.launch prints the error file's sentence
+        return
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if isinstance(err, UsageError):
+        if rank == 0:
+            print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
+        return
+    where = f" (rank {rank})" if world > 1 else ""
+    print(f"pretrain_gpt_memo.py: error{where}: {err}", file=sys.stderr)
+
+
 def _train_reporting_oom(argv: list[str] | None):
     """Train; an allocator's out-of-memory error becomes :class:`OutOfMemory` (one sentence with
     the bytes asked for, exit status 3): too big for this machine is a result, not a bug."""
     run = parse_args(argv)
+    # imported once the flags are good: --help and a wrong flag answer without megatron-core
+    from memo_ext.training.loop import train
+
     try:
         return train(run)
     except ReportedError:
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = _train_reporting_oom(argv)
     except ReportedError as err:  # bad input (2), out of memory (3), a failure it explains (1)
-        print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
+        _print_once(err)
         _tell_torchrun(str(err))
         return err.exit_status
     if int(os.environ.get("RANK", "0")) == 0 and summary.losses:

@@ -1,22 +1,42 @@
 """Long-context GPT pretraining on megatron-core with MEMO and HotSPa.
 
-Entry points: ``pretrain_gpt_memo.py`` (training, Megatron-LM's flags) and the command-line tools
-in ``tools/`` (``preprocess_data``, ``plan_memory``, ``estimate``, ``memory_report``,
-``compare_metrics``, ``summarize_metrics``, ``flag_reference``, ``demo_corpus``).
+Entry points: ``pretrain_gpt_memo.py`` (training, Megatron-LM's flags), ``memo_ext.launch``
+(torchrun, ending a failed run with its one sentence) and the command-line tools in ``tools/``.
 
 Layers, lowest first; a module imports only from lower layers (``tests/unit/test_layering.py``):
 
     errors                              the error types entry points report in one sentence
-    shapes, parallel, hardware, flags   one model shape, one parallel layout, one device table,
-                                        flags generated from dataclasses
+    shapes, parallel, hardware, flags,  one model shape, one parallel layout, one device table,
+    collectives, extension              flags generated from dataclasses, the world's loss,
+                                        the interface a feature implements
+    config                              every setting of a run, as frozen dataclasses
     mcore, data                         megatron-core internals (specs, attention, compat,
                                         tracing, groups); tokenizers, datasets, packed documents
-    config                              every setting of a run, as frozen dataclasses
-    planner, offload, allocator         the memory planner; MEMO's activation manager; the
-                                        run-time side of a plan
+    planner, allocator                  the memory planner; the run-time side of a plan
+    memo                                MEMO's activation manager and its layer modes
     estimate                            memory / time / MFU at any scale, the preflight
-    hotspa                              length buckets in their own parallel layouts
-    arguments, training                 flags → a checked run; the training loop
+    hotspa, megatron_lm, memo.extension length buckets in their own layouts; Megatron-LM's flags;
+                                        MEMO's connection to the trainer
+    features                            the features the trainer runs (one list)
+    arguments, training, launch         flags → a checked run; the training loop; the launcher
+
+Importing the package filters what megatron-core and torch announce that no user can act on
+(below); the modules that import megatron-core are imported only when work starts, so
+``--help`` and a wrong flag answer without them.
 """
 
+import warnings as _warnings
+
 __version__ = "0.1.0"
+
+# What megatron-core and torch say that no user of this package can act on, filtered once for
+# the trainer and every tool: that the optional fused kernels (Apex, Transformer Engine) are
+# absent (the local paths it falls back to are the ones used on CPU), a default it takes, a
+# deprecation it trips in its own code, and the torch collectives it still calls by old names.
+for _message in (
+    r".*(Apex|Transformer Engine).* not installed",
+    r".*tp_group is None, using default tp group",
+    r"full scope is deprecated",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+):
+    _warnings.filterwarnings("ignore", message=_message)

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import re
 
+REPORTS_ERRORS = "MEMO_EXT_LAUNCH_REPORTS_ERRORS"
+"""Set by ``memo_ext.launch`` for its workers: a worker's one-sentence error goes to its error
+file only, and the launcher prints it once."""
+
 
 class ReportedError(Exception):
     """A failure the user can act on (a corrupt checkpoint, a diverged run): exit status 1."""

@@ -11,6 +11,7 @@ for a killed rank, as a shell would)::
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -18,6 +19,8 @@ import tempfile
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun_main
+
+from memo_ext.errors import REPORTS_ERRORS
 
 
 def exit_status(exitcode: int) -> int:
@@ -34,10 +37,14 @@ def _reported(failure) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torchrun logs each worker it stops and each failure with its own timestamps; the one line
+    # this prints at the end says which rank failed and why
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="memo_launch_") as scratch:
         # where torchrun copies the failed worker's error file (else it logs an error that it
         # has none); each worker gets its own file from torchrun either way
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(scratch, "error.json"))
+        os.environ[REPORTS_ERRORS] = "1"  # the workers leave their sentence to this line
         try:
             torchrun_main(argv)
         except ChildFailedError as err:

@@ -16,7 +16,6 @@ from memo_ext.estimate.calibration import (
     KernelRates,
 )
 from memo_ext.estimate.cost_model import Batch, Efficiency, EstimateError, estimate
-from memo_ext.estimate.measure import trace_layer
 from memo_ext.flags import cli_fields, flag_name
 from memo_ext.hardware import (
     DeviceSpec,
@@ -194,6 +193,8 @@ def traced_figures(comp: Comparison, method: Method, seq: int, alpha: float | No
         fp32=comp.fp32,
         keep_last_layers=comp.keep_last_layers,
     )
+    from memo_ext.estimate.measure import trace_layer  # megatron-core: not for --help
+
     kw = dict(tp=layout.tp, sp=layout.sp, tokens=seq, micro_batch_size=comp.micro_batch_size)
     layers = {m: trace_layer(comp.model, method=m, fp32=comp.fp32, **kw) for m in {"none", key}}
     figures = dataclasses.asdict(method_figures(setup, layers)[key])

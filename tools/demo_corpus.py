@@ -14,8 +14,6 @@ import logging
 import sys
 from pathlib import Path
 
-from memo_ext.data.demo_corpus import build_demo_corpus
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -25,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-files", type=int, default=None, help="Use only the first N files.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from memo_ext.data.demo_corpus import build_demo_corpus  # megatron-core: not for --help
+
     print(build_demo_corpus(out_dir=Path(args.out_dir), max_files=args.max_files))
     return 0
 

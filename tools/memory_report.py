@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from memo_ext.arguments import OneSentenceParser, parse_tool_args
 from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.errors import UsageError
-from memo_ext.estimate.measure import LayerFigures, trace_layer
+from memo_ext.estimate.fits import LayerFigures
 from memo_ext.flags import add_flags, flag_values
 from memo_ext.memo.alpha import slots_after_forward
 from memo_ext.parallel import ParallelLayout
@@ -140,6 +140,8 @@ class Setup:
 
 def trace_methods(setup: Setup) -> dict[str, LayerFigures]:
     """One layer of each method on fake tensors (``memo_ext.estimate.measure``)."""
+    from memo_ext.estimate.measure import trace_layer  # megatron-core: not for --help
+
     return {
         method: trace_layer(
             setup.shape,

@@ -26,12 +26,8 @@ from memo_ext.arguments import OneSentenceParser, parse_tool_args
 from memo_ext.config import DataConfig, TrainConfig, installed
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, finite_float, flag_values, overrides_from_flags
-from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.mcore.transformer_config import traced_transformer_config
-from memo_ext.memo.policy import memo_trace_options
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner import PlannerConfig, load_trace, plan_trace, save_plan, save_trace
-from memo_ext.planner.capture import trace_transformer_layer
 from memo_ext.planner.solvers import SOLVERS
 from memo_ext.shapes import MODELS, ModelShape, model_shape
 
@@ -133,6 +129,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _trace_model(args: argparse.Namespace):
+    # the tracer builds megatron-core layers: imported here, so --help answers at once
+    from memo_ext.mcore.specs import build_layer_spec
+    from memo_ext.mcore.transformer_config import traced_transformer_config
+    from memo_ext.memo.policy import memo_trace_options
+    from memo_ext.planner.capture import trace_transformer_layer
+
     shape = model_shape(args.model, **overrides_from_flags(ModelShape, args, section="shape"))
     shape.check()
     layout = ParallelLayout(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from memo_ext.config.common import (
@@ -26,7 +27,8 @@ class LoggingConfig:
     log_interval: int = 10
     """Log every this many steps (and the first and last)."""
     metrics_file: str | None = None
-    """JSON Lines metrics, one object per logged step (rank 0)."""
+    """JSON Lines metrics, one object per logged step (rank 0); every setting of the run, resolved,
+    goes beside it at start (metrics.jsonl: metrics.config.json)."""
     device_peak_tflops: float | None = None
     """Device dense peak for MFU; looked up from the CUDA device's name when unset."""
     tensorboard_dir: str | None = None
@@ -49,6 +51,11 @@ class LoggingConfig:
     """Where W&B keeps its local files (default: --save/wandb, else ./wandb)."""
     wandb_entity: str | None = None
     """W&B team or user the run belongs to (default: the login's)."""
+
+    @property
+    def settings_file(self) -> Path | None:
+        """Where the run's settings are written: beside the metrics file."""
+        return Path(self.metrics_file).with_suffix(".config.json") if self.metrics_file else None
 
     def check(self) -> None:
         at_least(self.log_interval, 1, "--log-interval")

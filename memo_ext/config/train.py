@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
 from memo_ext.config.common import at_least
 from memo_ext.errors import UsageError
@@ -77,6 +76,9 @@ def sample_based_steps(
     if rampup_batch_size is None:
         steps = train_samples // global_batch_size
         return steps, steps * global_batch_size
+    # megatron-core's own ramp, imported here: parsing flags imports no megatron-core
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
     start, increment, ramp_samples = rampup_batch_size
     ramp = RampupBatchsizeNumMicroBatchesCalculator(
         global_batch_size=global_batch_size,

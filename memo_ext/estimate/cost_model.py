@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
 from memo_ext.errors import UsageError
-from memo_ext.estimate.measure import LayerFigures, chunked_live_fit, layer_fit, transient_fit
+from memo_ext.estimate.fits import LayerFigures
 from memo_ext.hardware import DeviceSpec
 from memo_ext.memo.alpha import (
     HostMemoryError,
@@ -185,6 +185,8 @@ def layer_figures(
     model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, method: str
 ) -> LayerFigures:
     """Measured figures of one layer at ``tokens`` tokens per sequence on this process."""
+    from memo_ext.estimate.measure import layer_fit  # the tracer: megatron-core, when first used
+
     fit = layer_fit(
         model, tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size, method=method
     )
@@ -239,6 +241,8 @@ def memo_at(
     mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
     live = 0
     if chunk_tokens:
+        from memo_ext.estimate.measure import chunked_live_fit
+
         kw = dict(tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size)
         lives = [
             chunked_live_fit(model, alpha=a, chunk_tokens=chunk_tokens, **kw).at(tokens)
@@ -708,6 +712,8 @@ def estimate(
     stage_layers = model.num_layers // layout.pp
     in_flight = min(layout.pp, batch.num_microbatches)
     none = layer_figures(model, layout, batch, tokens=tokens, method="none")
+    from memo_ext.estimate.measure import transient_fit
+
     transient = transient_fit(
         model, tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size
     )

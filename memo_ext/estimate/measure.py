@@ -17,8 +17,8 @@ bias object that our CPU CP path builds cannot be faked. That matches ring atten
 path: each rank saves its own q, k, v, output and log-sum-exp); the attention FLOPs are then
 scaled by ``cp`` (each local query attends to ``cp`` times more keys, load-balanced).
 
-Every figure is linear in the tokens except attention FLOPs, which are quadratic; ``LayerFit``
-traces two lengths and scales, which is exact (``tests/unit/test_estimate.py`` checks a third).
+The figures of one trace and the fits that scale two traces to any length are in
+``memo_ext.estimate.fits``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import functools
 import logging
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
 
 import torch
 from megatron.core import tensor_parallel
@@ -40,6 +39,14 @@ from megatron.core.transformer.transformer_block import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo_ext.config import MemoConfig
+from memo_ext.estimate.fits import (
+    LayerFigures,
+    LayerFit,
+    LiveFit,
+    TransientFit,
+    parse_method,
+    reference_tokens,
+)
 from memo_ext.mcore.flop_count import flop_counter_mode
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.tracing import (
@@ -62,48 +69,7 @@ from memo_ext.shapes import ModelShape, padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("none", "full", "selective", "memo-0", "memo-1")
-"""Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α).
-``memo-A@C`` is MEMO at α ``A`` by sub-sequence chunks of ``C`` local tokens."""
-
-
-def parse_method(method: str) -> tuple[float | None, int | None]:
-    """``(α, chunk tokens)`` of a traced method name (``None``: not MEMO / not chunked)."""
-    if not method.startswith("memo-"):
-        if method not in METHODS:
-            raise ValueError(
-                f"method must be one of {METHODS} or memo-ALPHA[@CHUNK], got {method!r}"
-            )
-        return None, None
-    alpha, _, chunk = method.removeprefix("memo-").partition("@")
-    return float(alpha), int(chunk) if chunk else None
-
-
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
-
-
-@dataclass(frozen=True)
-class LayerFigures:
-    """One layer, one micro-batch, one process, at one token count."""
-
-    saved_bytes: int
-    """Device bytes held for the layer after its forward (MEMO: what stays on the device)."""
-    input_bytes: int
-    """Bytes of the layer input ``[s/cp (/tp under SP), b, h]`` (what full recompute keeps)."""
-    host_bytes: int
-    """Bytes MEMO copies to host memory for the layer."""
-    slot_bytes: int
-    """MEMO: device bytes one ping-pong slot pins (storages of the copy sources)."""
-    forward_matmul_flops: int
-    """Forward FLOPs outside attention."""
-    forward_attention_flops: int
-    """Forward attention FLOPs as counted (full ``s × s`` products, no causal skip)."""
-    backward_matmul_flops: int
-    """Backward FLOPs outside attention, recomputation included."""
-    backward_attention_flops: int
-    """Backward attention FLOPs (full products), recomputation included."""
-    param_count: int = 0
-    """Parameters of the layer on this process."""
 
 
 def method_overrides(method: str) -> dict:
@@ -181,7 +147,7 @@ def trace_layer(
         tp: tensor-parallel size; ``sp`` shards the layer input over it.
         tokens: tokens of one sequence on this process (``s / cp``).
         micro_batch_size: sequences per micro-batch.
-        method: one of :data:`METHODS`.
+        method: one of :data:`~memo_ext.estimate.fits.METHODS`.
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """
     alpha, chunk = parse_method(method)
@@ -304,81 +270,6 @@ def loss_max_live_bytes(
     return _max_live(trace)
 
 
-@dataclass(frozen=True)
-class LayerFit:
-    """A layer's figures at any token count, from traces at ``t1`` and ``t2 = 2·t1`` tokens.
-
-    Bytes and non-attention FLOPs are affine in the tokens, attention FLOPs quadratic; the fit
-    is exact for both (two points fix an affine function; attention is checked to be t²).
-    """
-
-    t1: int
-    low: LayerFigures
-    high: LayerFigures
-
-    def at(self, tokens: int) -> LayerFigures:
-        """Figures at ``tokens`` tokens per sequence on this process."""
-        values = {}
-        for f in fields(LayerFigures):
-            a, b = getattr(self.low, f.name), getattr(self.high, f.name)
-            if "attention" in f.name:
-                values[f.name] = round(a * (tokens / self.t1) ** 2)
-            elif f.name == "param_count":
-                values[f.name] = a
-            else:
-                slope = (b - a) / self.t1
-                values[f.name] = round(a + slope * (tokens - self.t1))
-        return LayerFigures(**values)
-
-
-def reference_tokens(*, tp: int, sp: bool, chunk_tokens: int | None = None) -> int:
-    """A small token count every layout divides (SP needs a multiple of TP); chunked, at least
-    four whole chunks of ``chunk_tokens`` local tokens (the figures are affine in the tokens
-    from there on, at whole chunks)."""
-    groups = tp if sp else 1
-    return max(2048, 4 * (chunk_tokens or 0)) * groups
-
-
-@functools.lru_cache(maxsize=512)
-def layer_fit(
-    model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, method: str
-) -> LayerFit:
-    """Traces ``method`` at two lengths and returns the exact scaling rule."""
-    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=parse_method(method)[1])
-    kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method)
-    return LayerFit(
-        t1=t1,
-        low=trace_layer(model, tokens=t1, **kw),
-        high=trace_layer(model, tokens=2 * t1, **kw),
-    )
-
-
-@dataclass(frozen=True)
-class TransientFit:
-    """Bytes per token live on top of the stored activations at the two peaks of an iteration.
-
-    Both are linear in the tokens (every live tensor is), so one trace at the reference length
-    gives the slope.
-    """
-
-    layer_per_token: float
-    """One layer's forward + backward peak minus its saved set (``max_live - saved_bytes``)."""
-    loss_per_token: float
-    """The output end's peak (norm, output layer, loss and their backward)."""
-
-
-@functools.lru_cache(maxsize=256)
-def transient_fit(model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int) -> TransientFit:
-    """Traces the layer and the output end at the reference length."""
-    t = reference_tokens(tp=tp, sp=sp)
-    kw = dict(tp=tp, sp=sp, tokens=t, micro_batch_size=micro_batch_size)
-    layer = trace_layer(model, method="none", **kw)
-    return TransientFit(
-        layer_per_token=(layer_max_live_bytes(model, **kw) - layer.saved_bytes) / t,
-        loss_per_token=loss_max_live_bytes(model, **kw) / t,
-    )
-
-
 @functools.lru_cache(maxsize=256)
 def chunked_layer_max_live_bytes(
     model: ModelShape,
@@ -404,16 +295,30 @@ def chunked_layer_max_live_bytes(
     return _max_live(trace)
 
 
-@dataclass(frozen=True)
-class LiveFit:
-    """An affine fit of a peak in the tokens, from traces at ``t1`` and ``2·t1`` tokens."""
+@functools.lru_cache(maxsize=512)
+def layer_fit(
+    model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, method: str
+) -> LayerFit:
+    """Traces ``method`` at two lengths and returns the exact scaling rule."""
+    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=parse_method(method)[1])
+    kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method)
+    return LayerFit(
+        t1=t1,
+        low=trace_layer(model, tokens=t1, **kw),
+        high=trace_layer(model, tokens=2 * t1, **kw),
+    )
 
-    t1: int
-    low: int
-    high: int
 
-    def at(self, tokens: int) -> int:
-        return round(self.low + (self.high - self.low) / self.t1 * (tokens - self.t1))
+@functools.lru_cache(maxsize=256)
+def transient_fit(model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int) -> TransientFit:
+    """Traces the layer and the output end at the reference length."""
+    t = reference_tokens(tp=tp, sp=sp)
+    kw = dict(tp=tp, sp=sp, tokens=t, micro_batch_size=micro_batch_size)
+    layer = trace_layer(model, method="none", **kw)
+    return TransientFit(
+        layer_per_token=(layer_max_live_bytes(model, **kw) - layer.saved_bytes) / t,
+        loss_per_token=loss_max_live_bytes(model, **kw) / t,
+    )
 
 
 @functools.lru_cache(maxsize=256)

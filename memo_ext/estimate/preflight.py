@@ -32,6 +32,8 @@ from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
+_NO_GPU = "preflight skipped: no known GPU here (--preflight-device checks against a preset)"
+
 AUTO_DEVICE = "h100-80g"
 """The device ``auto`` choices (HotSPa's layouts, MEMO's chunk) plan for on a machine without a
 GPU and without ``--preflight-device``."""
@@ -89,13 +91,13 @@ def preflight(
     """
     if target is not None:
         if target.device is None:
-            return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
+            return Report(checked=False, fits=True, message=_NO_GPU)
         device = target.planned
         efficiency = replace(target.efficiency, loss_chunks=run.model.loss_chunks)
     else:
         device = device or cuda_device()
         if device is None:
-            return Report(checked=False, fits=True, message="preflight skipped: no known GPU")
+            return Report(checked=False, fits=True, message=_NO_GPU)
         efficiency = efficiency or Efficiency(loss_chunks=run.model.loss_chunks)
         device, efficiency = as_configured(run, device, efficiency)
     layout = run.layout
@@ -148,7 +150,7 @@ def check_preflight(run: RunConfig, **kwargs) -> Report:
     report = preflight(run, **kwargs)
     if not report.fits:
         raise PreflightError(report.message + " (--skip-preflight runs it anyway)")
-    logger.info("preflight: %s", report.message)
+    logger.info(report.message if not report.checked else f"preflight: {report.message}")
     return report
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,7 +152,9 @@ def cpu_compat() -> Iterator[None]:
     for owner, name, value in replacements:
         setattr(owner, name, value)
     try:
-        with CpuDeviceRedirect():
+        with CpuDeviceRedirect(), warnings.catch_warnings():
+            # advice for CUDA's connection queues: there are none on the CPU
+            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
             yield
     finally:
         for owner, name, value in originals:

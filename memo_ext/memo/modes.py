@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 import torch
 
-from memo_ext.mcore.chunked import ChunkedLayer, check_chunkable
 from memo_ext.memo.alpha import LayerCost, skeleton_layers, slots_after_forward
 
 PROBE_TOKENS = 1
@@ -190,10 +189,16 @@ class Chunks(LayerMode):
     def __init__(self, chunk_tokens: int):
         self.chunk_tokens = chunk_tokens
 
+    # megatron-core's layers, imported by the runtime's calls only: the estimator reads these
+    # modes' sizes without megatron-core (the tools' --help imports none)
     def check_layer(self, layer) -> None:
+        from memo_ext.mcore.chunked import check_chunkable
+
         check_chunkable(layer)
 
     def kept_forward(self, layer, kwargs):
+        from memo_ext.mcore.chunked import ChunkedLayer
+
         return ChunkedLayer(layer, kwargs, self.chunk_tokens).forward(kwargs["hidden_states"])
 
     def offloaded_forward(self, runtime, layer, kwargs, *, host_tokens, groups):

@@ -74,8 +74,9 @@ from memo_ext.training.report import (
     is_logged,
     log_setup,
     weight_statistics,
+    write_settings,
 )
-from memo_ext.training.resolve import describe_run, resolve_run
+from memo_ext.training.resolve import resolve_run
 from memo_ext.training.step import build_forward_step
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def train(run: RunConfig) -> TrainSummary:
     target = planning_target(run)
     run = resolve_run(run, tokenizer=tokenizer, extensions=extensions, target=target)
     if _is_logging_process():
-        logger.info("run configuration:\n%s", describe_run(run))
+        write_settings(run)
     _maybe_preflight(run, extensions, target)
     init_distributed(timeout_minutes=run.distributed.timeout_minutes)
     try:

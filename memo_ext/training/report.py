@@ -5,7 +5,9 @@ line, and what a finished run hands back to its launcher (:class:`TrainSummary`)
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +58,20 @@ def is_logged(iteration: int, run: RunConfig) -> bool:
     """First step (the starting loss), every ``log_interval`` steps, and the last step."""
     last = run.train.train_iters
     return iteration in (1, last) or iteration % run.logging.log_interval == 0
+
+
+def write_settings(run: RunConfig) -> None:
+    """Every setting of the run to the file beside the metrics file (one console line: the
+    setup line after it describes the model and layout)."""
+    path = run.logging.settings_file
+    if path is None:
+        logger.info("settings: not recorded (--metrics-file records them beside its metrics)")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(json.dumps(dataclasses.asdict(run), indent=1, default=str) + "\n")
+    os.replace(staging, path)
+    logger.info("settings: %s", path)
 
 
 def log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> None:

@@ -10,8 +10,7 @@
   MEMO's ``--memo-chunk-tokens auto``, for the one device the run plans for
   (``memo_ext.estimate.preflight.planning_target``).
 
-It returns a new :class:`~memo_ext.config.RunConfig` (``dataclasses.replace``);
-:func:`describe_run` is what the trainer logs of it at start.
+It returns a new :class:`~memo_ext.config.RunConfig` (``dataclasses.replace``).
 """
 
 from __future__ import annotations
@@ -53,24 +52,3 @@ def resolve_run(
         divisible_by=math.lcm(run.model.make_vocab_size_divisible_by, *tp_sizes),
     )
     return dataclasses.replace(run, model=dataclasses.replace(run.model, padded_vocab_size=padded))
-
-
-def describe_run(run: RunConfig) -> str:
-    """Every setting of ``run``, a line per section (what the trainer logs at start)."""
-    lines = []
-    for section in dataclasses.fields(run):
-        value = getattr(run, section.name)
-        if not dataclasses.is_dataclass(value):
-            lines.append(f"{section.name}: {value}")
-            continue
-        items = ", ".join(
-            f"{f.name}={_brief(getattr(value, f.name))}" for f in dataclasses.fields(value)
-        )
-        lines.append(f"{section.name}: {items}")
-    return "\n".join(lines)
-
-
-def _brief(value) -> str:
-    if isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
-        return ";".join(getattr(v, "name", str(v)) for v in value)
-    return str(value)

@@ -36,3 +36,10 @@ def test_demo_script_trains_and_checks_its_metrics(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 3]  # --log-interval 10: first and last
     assert "3 iterations | loss" in done.stdout  # the summary line of the check
+    # every setting in a file beside the metrics, one line on the console
+    settings = json.loads((out / "metrics.config.json").read_text())
+    assert settings["data"]["seq_length"] == 256 and settings["layout"]["dp"] == 2
+    assert done.stderr.count(str(out / "metrics.config.json")) == 1
+    # nothing a user cannot act on: no library's warnings, no per-split dataset notices
+    console = done.stdout + done.stderr
+    assert "Warning" not in console and "warnings.warn" not in console, console[-3000:]

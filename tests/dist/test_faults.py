@@ -126,6 +126,8 @@ def test_the_launcher_ends_with_the_workers_sentence_and_status():
     assert last.startswith("pretrain_gpt_memo.py: rank "), last
     assert "failed: MEMO needs at least" in last
     assert "ChildFailedError" not in run.stderr
+    # said once: not by each rank, not again in torchrun's own log lines
+    assert run.stderr.count("MEMO needs at least") == 1, run.stderr[-2000:]
 
 
 @pytest.mark.launch

@@ -1,0 +1,82 @@
+"""What a user sees before any work starts: ``--help`` and a wrong flag answer without importing
+megatron-core (seconds of CPU per process), and no library warns of what the user cannot change."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOOLS = (
+    "tools.estimate",
+    "tools.plan_memory",
+    "tools.memory_report",
+    "tools.compare_methods",
+    "tools.compare_metrics",
+    "tools.summarize_metrics",
+    "tools.demo_corpus",
+    "tools.preprocess_data",
+    "tools.flag_reference",
+    "tools.megatron_flags",
+)
+
+# runs each entry point's main as its command line would, in one fresh interpreter, and prints
+# the megatron-core modules it imported
+_PROBE = """
+import contextlib, io, json, runpy, sys
+calls = json.loads(sys.argv[1])
+for target, argv in calls:
+    sys.argv = [target, *argv]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            if target.endswith(".py"):
+                runpy.run_path(target, run_name="__main__")
+            else:
+                runpy.run_module(target, run_name="__main__")
+        except SystemExit:
+            pass
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("megatron"))))
+"""
+
+
+def _megatron_imported_by(calls: list[tuple[str, list[str]]]) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(calls)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--num-layers", "x"], ["--num-layers", "2", "--no-such-flag"]],
+    ids=["help", "bad-value", "unknown-flag"],
+)
+def test_the_trainer_answers_help_and_wrong_flags_without_megatron_core(argv):
+    assert _megatron_imported_by([("pretrain_gpt_memo.py", argv)]) == []
+
+
+def test_every_tool_answers_help_without_megatron_core():
+    assert _megatron_imported_by([(tool, ["--help"]) for tool in TOOLS]) == []
+
+
+def test_the_package_filters_megatron_cores_notices_about_optional_kernels():
+    # importing megatron-core after the package: its "Apex / Transformer Engine not installed"
+    # notices are filtered; a warning of another kind still shows
+    code = (
+        "import warnings, memo_ext\nimport megatron.core.optimizer\nwarnings.warn('still shown')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert "not installed" not in out.stderr
+    assert "still shown" in out.stderr
