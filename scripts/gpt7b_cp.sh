@@ -24,5 +24,5 @@ DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256
     --no-create-attention-mask-in-dataloader)
 LOGGING_ARGS=(--log-interval 1 --metrics-file "${OUT:-runs/gpt7b_cp2}/metrics.jsonl")
 
-torchrun --nproc-per-node 8 pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
+"${PYTHON:-python}" -m memo_ext.launch --nproc-per-node 8 pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

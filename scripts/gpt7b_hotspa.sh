@@ -23,5 +23,5 @@ TRAINING_ARGS=(
 DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256)
 LOGGING_ARGS=(--log-interval 1 --metrics-file "${OUT:-runs/gpt7b_hotspa}/metrics.jsonl")
 
-torchrun --nproc-per-node 8 pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${HOTSPA_ARGS[@]}" \
+"${PYTHON:-python}" -m memo_ext.launch --nproc-per-node 8 pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${HOTSPA_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

@@ -464,6 +464,11 @@ def report(comp: Comparison, results: Results, *, plot: bool) -> None:
     runs = results.current()
     labels = [m.label for m in comp.methods]
     print(format_table(runs))
+    if not any(run["measured"].get("peak_memory_bytes") for run in runs):
+        print(
+            "(peak mem meas: the device allocator's peak from each run's metrics; CPU runs "
+            "record none)"
+        )
     print()
     print(format_summary(runs, labels, results.searches))
     for note in comp.notes:

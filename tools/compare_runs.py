@@ -159,12 +159,12 @@ class Runner:
         the traced figures (``log`` and ``command`` are ``None`` where no job ran)."""
         comp = self.comp
         measured = measured_figures(outcome.records, warmup_steps=comp.warmup_steps)
+        # the largest process's resident set (imported libraries and all), kept in the JSON only
         measured["peak_rss_bytes"] = outcome.peak_rss_bytes
-        cuda_peak = measured.get("mem_allocated_bytes")
-        if outcome.status == OK:  # a failed job's peak is that of its last moments, not a run's
-            cpu_peak = outcome.peak_rss_bytes
-            measured["peak_memory_bytes"] = cuda_peak if cuda_peak is not None else cpu_peak
-            measured["peak_memory_source"] = "allocated" if cuda_peak is not None else "process RSS"
+        # "peak mem meas" is the device allocator's peak the run recorded in its metrics (none on
+        # CPU) and only for a run that trained: a failed job's figures are its last moments'
+        if outcome.status == OK:
+            measured["peak_memory_bytes"] = measured.get("mem_allocated_bytes")
         predicted = predict(comp, method, seq)
         alpha = measured.get("memo_alpha") if outcome.status == OK else predicted.get("alpha")
         return {

@@ -157,7 +157,33 @@ def resolve_layouts(run: RunConfig, context: ResolveContext) -> RunConfig:
     )
     if os.environ.get("RANK", "0") == "0":
         _log_plan(plan, hot, device_name=target.planned.name)
+        _log_one_bucket(plan, requested=run.hotspa.buckets, stats=stats, backfill=hot.backfill)
     return dataclasses.replace(run, hotspa=hot, layout=hot.home)
+
+
+def _log_one_bucket(plan, *, requested, stats, backfill: bool) -> None:
+    """Why ``auto`` runs every document in one bucket when several were asked for: the rows
+    each asked-for bucket gets from this data, and the margin switching had to beat."""
+    if not plan.single_layout or len(requested) < 2:
+        return
+    rows = " / ".join(f"{s.rows:.1f}" for s in stats)
+    sparse = min(stats, key=lambda s: s.rows).rows < 1
+    note = (
+        " (with backfill, short documents fill the room long ones leave; "
+        "--no-hotspa-backfill keeps them in their own buckets)"
+        if sparse and backfill
+        else ""
+    )
+    logger.info(
+        "HotSPa: --hotspa-buckets %s runs as one bucket of %d tokens in %s: this data gives "
+        "the buckets %s rows per step%s, and switching layouts is not predicted %.0f%% faster",
+        ",".join(map(str, requested)),
+        plan.bounds[0],
+        plan.layouts[0].name,
+        rows,
+        note,
+        100 * auto.SWITCH_MARGIN,
+    )
 
 
 def _log_plan(plan, hot, *, device_name: str) -> None:

@@ -22,6 +22,7 @@ from memo_ext.estimate.cost_model import (
     matmul_shape_factor,
 )
 from memo_ext.hardware import device_spec
+from memo_ext.hotspa import auto
 from memo_ext.hotspa.auto import (
     SWITCH_MARGIN,
     WORKING_COPY_BYTES_PER_PARAM,
@@ -33,6 +34,7 @@ from memo_ext.hotspa.auto import (
     evaluate_strategies,
     plan_metrics,
 )
+from memo_ext.hotspa.extension import _log_one_bucket
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout, parse_strategies
 from memo_ext.shapes import model_shape
@@ -388,3 +390,28 @@ def test_auto_plans_with_the_calibration_file(tmp_path):
     calibrated = _resolved("--calibration", str(path)).hotspa.predicted_step_s
     # a third of the assumed matmul rate: the compute-bound step takes about three times as long
     assert 2.5 * assumed < calibrated < 4 * assumed
+
+
+def test_one_bucket_instead_of_the_asked_for_ones_is_explained(caplog):
+    # auto ran every document in one layout: the log says how many rows each asked-for bucket
+    # would have held, and what backfill did to the short one
+    plan = auto.StrategyPlan(
+        choices=[
+            auto.BucketChoice(
+                length=512, rows=15.7, layout=ParallelLayout(dp=2), compute_s=1e-3,
+                sync_s=0.0, switch_s=0.0, peak_bytes=1, method="none",
+            )
+        ],
+        home_sync_s=0.0,
+    )  # fmt: skip
+    stats = [BucketStats(rows=0.2, attention_fraction=1.0), BucketStats(15.7, 1.0)]
+    with caplog.at_level(logging.INFO, logger="memo_ext.hotspa.extension"):
+        _log_one_bucket(plan, requested=(128, 512), stats=stats, backfill=True)
+        _log_one_bucket(plan, requested=(512,), stats=stats[1:], backfill=True)  # one asked for
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "HotSPa: --hotspa-buckets 128,512 runs as one bucket of 512 tokens in dp2: this data "
+        "gives the buckets 0.2 / 15.7 rows per step (with backfill, short documents fill the "
+        "room long ones leave; --no-hotspa-backfill keeps them in their own buckets), and "
+        "switching layouts is not predicted 2% faster"
+    )

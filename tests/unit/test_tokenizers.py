@@ -1,10 +1,17 @@
 """Tokenizers: exact round trips, special ids, Megatron-compatible NullTokenizer, vocab padding."""
 
+import re
+from pathlib import Path
+
 import pytest
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from memo_ext.config.data import TOKENIZER_TYPES
 from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer, build_tokenizer
+from memo_ext.megatron_lm.flag_table import megatron_flags
 from memo_ext.shapes import padded_vocab_size
+
+DATA_DOCS = Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 TEXTS = [
     "",
@@ -67,6 +74,15 @@ def test_null_tokenizer_rejects_bad_ids():
 def test_unknown_tokenizer_type_lists_valid_types():
     with pytest.raises(ValueError, match="ByteTokenizer, NullTokenizer, HuggingFaceTokenizer"):
         build_tokenizer(tokenizer_type="SentencePieceTokenizer")
+
+
+def test_the_data_docs_name_every_tokenizer_type():
+    """docs/data.md's table has a row per type built here, in order; its text names each of
+    Megatron-LM's other types, which are refused."""
+    section = DATA_DOCS.read_text().split("### Tokenizers")[1].split("\n### ")[0]
+    assert re.findall(r"^\| `(\w+)`", section, flags=re.MULTILINE) == list(TOKENIZER_TYPES)
+    refused = [t for t in megatron_flags()["--tokenizer-type"].choices if t not in TOKENIZER_TYPES]
+    assert refused and [t for t in refused if f"`{t}`" not in section] == []
 
 
 def test_unique_identifiers_distinguish_tokenizers():
