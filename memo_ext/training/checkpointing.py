@@ -13,7 +13,10 @@ samples, the LR schedule and the optimizer step live in megatron's common state.
 
 Writes are atomic: everything goes to ``iter_N.tmp``; only when all ranks are done does rank 0
 write the manifest, rename the directory and then replace the tracker file, so a crash at any
-point leaves the previous checkpoint as the latest one.
+point leaves the previous checkpoint as the latest one. The tensors are written in megatron-core's
+``torch_dist`` format by threads of each process (the ranks holding the same replicas share the
+writing out), fsync'ed, and hashed as they are written: the manifest reads back only megatron's
+two small common files.
 
 Loading never runs code from a checkpoint: file checksums are verified first, megatron's common
 state is read with ``torch.load(weights_only=True)``, the one pickle that torch's checkpoint
@@ -23,6 +26,7 @@ megatron reads it, and the RNG files are tensors read with ``weights_only=True``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -43,10 +47,22 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    mcore_to_pyt_state_dict,
+)
 from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from memo_ext.errors import ReportedError, UsageError
 
@@ -191,9 +207,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_manifest(directory: Path, meta: dict) -> None:
+def _write_manifest(directory: Path, meta: dict, known: dict[str, str]) -> None:
+    """List every file in ``directory`` with its SHA-256: from ``known`` (relative path ->
+    digest, taken as the files were written) where it is there, else read from the file."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-    checksums = {str(p.relative_to(directory)): _sha256(p) for p in files}
+    names = [str(p.relative_to(directory)) for p in files]
+    checksums = {name: known.get(name) or _sha256(directory / name) for name in names}
     manifest = {"format": FORMAT, **meta, "files": checksums}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -279,6 +298,170 @@ def _check_torch_metadata(directory: Path) -> None:
         ) from None
     except Exception as err:  # noqa: BLE001 - any other failure means an unreadable file
         raise CheckpointError(f"checkpoint file {path} is unreadable ({err})") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: megatron's torch_dist format from threads of this process, hashed as it is written
+# ---------------------------------------------------------------------------------------------
+
+WRITER_THREADS = 2
+"""Files each rank writes its tensors to, one thread each (megatron-core's default count)."""
+
+
+class _HashingWriter:
+    """A file opened for writing that feeds every byte written to ``digest`` too. torch's
+    checkpoint writer only appends to its files (``write``, ``tell``), so the digest is the
+    file's; there is no ``seek`` here that could make them differ."""
+
+    def __init__(self, raw, digest) -> None:
+        self.raw, self.digest = raw, digest
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.raw.write(data)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """torch's local file system for its checkpoint writer, keeping the SHA-256 of each file it
+    writes (``checksums``: file name -> hex digest), so the manifest needs no read-back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # one writer thread per file: each key is set by one thread, no lock needed
+        self.checksums: dict[str, str] = {}
+        self.errors: list[Exception] = []
+        """What failed while writing a file, in any thread."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        digest = hashlib.sha256()
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield _HashingWriter(stream, digest)
+        except Exception as err:
+            self.errors.append(err)
+            raise
+        self.checksums[Path(path).name] = digest.hexdigest()
+
+    def rename(self, path, new_path) -> None:
+        """``.metadata`` is written as ``.metadata.tmp`` and renamed: its digest follows it."""
+        super().rename(path, new_path)
+        digest = self.checksums.pop(Path(path).name, None)
+        if digest is not None:
+            self.checksums[Path(new_path).name] = digest
+
+
+class _HashingFileSystemWriter(dcp.FileSystemWriter):
+    """torch's checkpoint writer: ``WRITER_THREADS`` files per rank, each fsync'ed as
+    megatron-core's own writer does, hashed as they are written (``fs.checksums``)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path, thread_count=WRITER_THREADS)
+        self.fs = _HashingFileSystem()
+
+    @property
+    def checkpoint_id(self) -> str:
+        # pickled into .metadata: a str, as megatron-core's writer leaves it (the load-time
+        # allow-list of that pickle has no Path)
+        return str(self.path)
+
+    def write_data(self, plan, planner):
+        """torch's writer, failing as it should: an error in one of its threads other than this
+        one is only printed there, and the checkpoint's ``.metadata`` would then lack that
+        file's tensors; it is raised here instead."""
+        written = super().write_data(plan, planner)
+        if self.fs.errors:
+            raise self.fs.errors[0]
+        if len(written.value()) != len(plan.items):
+            raise RuntimeError(
+                f"torch's checkpoint writer wrote {len(written.value())} of {len(plan.items)} "
+                "items without reporting an error"
+            )
+        return written
+
+
+class _ThreadedTorchDistSave(SaveShardedStrategy):
+    """megatron-core's ``torch_dist`` format (read back by its own load strategy), written by
+    torch's ``FileSystemWriter`` in threads of this process. megatron-core's own writer forks a
+    process per file on every save and, on a process's first save, spawns a queue server (a
+    new interpreter that imports the main module again): 2.5-4.5 s of the first save of a
+    175K-parameter model on 2 CPU processes, and most of each later one's 0.1-0.2 s."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_dist", 1)
+        self.checksums: dict[str, str] = {}
+        """What the last ``save`` wrote on this rank: file name -> SHA-256."""
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True  # megatron's translation packs them into BytesIO items
+
+    def save(self, sharded_state_dict: dict, checkpoint_dir) -> None:
+        writer = _HashingFileSystemWriter(checkpoint_dir)
+        dcp.save(
+            mcore_to_pyt_state_dict(_main_replicas_by_key(sharded_state_dict), is_loading=False),
+            storage_writer=writer,
+            planner=MCoreSavePlanner(flatten_state_dict=False),
+        )
+        self.checksums = writer.fs.checksums
+
+
+def _main_replicas_by_key(sharded_state_dict: dict) -> dict[str, list]:
+    """The shards this rank writes, grouped by global key (the form megatron-core's translation
+    to torch's format takes): the main replica of each; the others are the same numbers, held
+    by other ranks too."""
+    by_key = collections.defaultdict(list)
+    for shard in nested_values(sharded_state_dict):
+        if is_main_replica(shard.replica_id):
+            key = shard.unique_key if isinstance(shard, ShardedObject) else shard.key
+            by_key[key].append(shard)
+    return dict(by_key)
+
+
+def _save_strategy() -> tuple[SaveShardedStrategy, _ThreadedTorchDistSave]:
+    """The strategy to save with, and the threaded one inside it that knows the checksums. As
+    in Megatron-LM, the ranks that hold the same replicas (DP × CP) share out writing them."""
+    threaded = _ThreadedTorchDistSave()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) == 1:
+        return threaded, threaded
+    return FullyParallelSaveStrategyWrapper(threaded, group), threaded
+
+
+def _write_rng_state(path: Path) -> str:
+    """Write this rank's RNG states to ``path``; their SHA-256."""
+    buffer = io.BytesIO()
+    torch.save(_rng_state(), buffer)
+    data = buffer.getbuffer()
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _gather_checksums(checksums: dict[str, str]) -> dict[str, str]:
+    """Every rank's checksums on rank 0 (empty elsewhere); also the point where every rank has
+    finished writing."""
+    if not dist.is_initialized():
+        return checksums
+    gathered = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(checksums, gathered, dst=0)
+    return {name: digest for part in gathered or [] for name, digest in part.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,18 +596,20 @@ def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, progress), str(staging))
-    rng_path = staging / "rng" / f"rank_{_rank():05d}.pt"
-    rng_path.parent.mkdir(exist_ok=True)
-    torch.save(_rng_state(), rng_path)
-    _barrier()
+    strategy, threaded = _save_strategy()
+    dist_checkpointing.save(
+        _sharded_state(model, optimizer, scheduler, progress), str(staging), strategy
+    )
+    rng_name = f"rng/rank_{_rank():05d}.pt"
+    written = {**threaded.checksums, rng_name: _write_rng_state(staging / rng_name)}
+    checksums = _gather_checksums(written)
     if _rank() == 0:
         meta = {
             "iteration": progress.iteration,
             "layout": _layout(),
             "model": _model_identity(model),
         }
-        _write_manifest(staging, meta)
+        _write_manifest(staging, meta, checksums)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         tracker_tmp = root / (TRACKER + ".tmp")
