@@ -40,8 +40,10 @@ class ModelShape:
     """Gated SiLU MLP (three matrices) instead of GeLU (two)."""
     add_bias_linear: bool = field(default=True, metadata={"flag": "--disable-bias-linear"})
     """Biases in the linear layers; --disable-bias-linear drops them."""
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    """Learned absolute positions (a [seq, h] table) or rotary embeddings."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn"] = "learned_absolute"
+    """Learned absolute positions (a [seq, h] table), rotary embeddings, or rotary embeddings
+    with YaRN's frequency and attention scaling for context extension (--rotary-scaling-factor,
+    --yarn-*)."""
     vocab_size: int = field(default=0, metadata={"cli": False})
     """Tokenizer vocabulary before padding (0 while no tokenizer has set it)."""
     name: str = field(default="custom", metadata={"cli": False})
@@ -59,6 +61,11 @@ class ModelShape:
     def query_groups(self) -> int:
         """Key/value heads: ``num_query_groups``, or one per query head."""
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary(self) -> bool:
+        """Positions by rotary embeddings (RoPE or YaRN: the same tensors, other table values)."""
+        return self.position_embedding_type in ("rope", "yarn")
 
     @property
     def head_dim(self) -> int:

@@ -37,8 +37,10 @@ def build_gpt(
     max_positions: int,
     position_embedding_type: str = "rope",
     seed: int = 3,
+    **rotary,
 ) -> ChunkedLossGPTModel:
-    """One-process GPT of ``config`` (SDPA attention), weights drawn as the trainer draws them."""
+    """One-process GPT of ``config`` (SDPA attention), weights drawn as the trainer draws them;
+    ``rotary``: ``GPTModel``'s RoPE arguments (``memo_ext.mcore.rotary.rotary_arguments``)."""
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     model = ChunkedLossGPTModel(
         config=config,
@@ -46,6 +48,7 @@ def build_gpt(
         max_sequence_length=max_positions,
         transformer_layer_spec=build_block_spec(config=config, layer_spec=spec),
         position_embedding_type=position_embedding_type,
+        **rotary,
     )
     init_weights_layout_independent(model, config=config, seed=seed, tp=1, tp_rank=0)
     return model

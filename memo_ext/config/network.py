@@ -3,13 +3,14 @@ recompute and distributed sections."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 import torch
 
 from memo_ext.config.common import at_least, fraction, installed
 from memo_ext.errors import UsageError
+from memo_ext.flags import flag_name
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "te")
 
@@ -50,6 +51,33 @@ class ModelConfig:
     """Position table length; --seq-length if unset."""
     rotary_base: int = 10000
     """RoPE base period."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (megatron-core's): frequencies with wavelengths over
+    8192 positions are divided by --rope-scaling-factor, those under 2048 kept, those between
+    blended (--position-embedding-type rope)."""
+    rope_scaling_factor: float = 8.0
+    """Llama 3.1 RoPE scaling factor (with --use-rope-scaling)."""
+    rotary_seq_len_interpolation_factor: float | None = None
+    """Linear position interpolation: RoPE reads position p as p / this factor (≥ 1), so factor
+    × the trained context falls in the positions the model knows (--position-embedding-type
+    rope)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's context-extension factor s (--position-embedding-type yarn; 1: plain RoPE): low
+    frequencies are divided by s, high ones kept, and q and k scaled by (0.1·--mscale·ln s + 1) /
+    (0.1·--mscale-all-dim·ln s + 1)."""
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the context the model was trained with before extension, in tokens."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: frequencies turning more than this many times over the original context are kept."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: frequencies turning fewer than this many times over the original context are divided
+    by --rotary-scaling-factor; those between are blended linearly over channels."""
+    yarn_correction_range_round_to_int: bool = field(default=True, metadata={"negatable": True})
+    """YaRN: round the blended channel range to whole channels (megatron-core's default)."""
+    mscale: float = 1.0
+    """YaRN attention factor: the numerator's coefficient (see --rotary-scaling-factor)."""
+    mscale_all_dim: float = 0.0
+    """YaRN attention factor: the denominator's coefficient (see --rotary-scaling-factor)."""
     norm_epsilon: float = 1e-5
     """Norm epsilon."""
     attention_dropout: float = 0.0
@@ -78,7 +106,19 @@ class ModelConfig:
     padded_vocab_size: int = field(default=0, metadata={"cli": False})
     """Embedding rows after padding (set when the run is resolved against its tokenizer)."""
 
+    YARN_FIELDS: ClassVar[tuple[str, ...]] = (
+        "rotary_scaling_factor",
+        "yarn_original_max_position_embeddings",
+        "yarn_beta_fast",
+        "yarn_beta_slow",
+        "yarn_correction_range_round_to_int",
+        "mscale",
+        "mscale_all_dim",
+    )
+    """The settings only ``--position-embedding-type yarn`` reads."""
+
     def check(self) -> None:
+        self._check_rope_values()
         at_least(self.max_position_embeddings, 1, "--max-position-embeddings")
         fraction(self.attention_dropout, "--attention-dropout")
         fraction(self.hidden_dropout, "--hidden-dropout")
@@ -94,6 +134,62 @@ class ModelConfig:
             resolve_attention_backend(self.attention_backend)
         except ValueError as err:
             raise UsageError(str(err)) from None
+
+    def check_positions(self, *, position_embedding_type: str) -> None:
+        """Refuse RoPE scaling that the model's position embedding would not read: megatron-core
+        silently ignores Llama 3.1 scaling and interpolation under YaRN, YaRN's settings under
+        RoPE, and all of them under learned positions."""
+        llama, yarn = self._llama_flags_given(), self._yarn_flags_given()
+        if position_embedding_type == "learned_absolute" and (llama or yarn):
+            raise UsageError(
+                f"{(llama + yarn)[0]} needs rotary positions; add --position-embedding-type rope "
+                "(or yarn)"
+            )
+        if position_embedding_type == "rope" and yarn:
+            raise UsageError(f"{yarn[0]} is a YaRN setting; add --position-embedding-type yarn")
+        if position_embedding_type == "yarn" and llama:
+            raise UsageError(
+                f"megatron-core's YaRN ignores {llama[0]}; drop it (YaRN scales by "
+                "--rotary-scaling-factor)"
+            )
+        if self.rope_scaling_factor != 8.0 and not self.use_rope_scaling:
+            raise UsageError("--rope-scaling-factor needs --use-rope-scaling")
+
+    def _llama_flags_given(self) -> list[str]:
+        given = ["--use-rope-scaling"] if self.use_rope_scaling else []
+        if self.rotary_seq_len_interpolation_factor is not None:
+            given.append("--rotary-seq-len-interpolation-factor")
+        return given
+
+    def _yarn_flags_given(self) -> list[str]:
+        """YaRN's flags set away from their defaults, as the command line spells them."""
+        given = []
+        for f in fields(self):
+            if f.name in self.YARN_FIELDS and getattr(self, f.name) != f.default:
+                name = flag_name(f)
+                given.append(name.replace("--", "--no-", 1) if f.default is True else name)
+        return given
+
+    def _check_rope_values(self) -> None:
+        for flag, value in (
+            ("--rope-scaling-factor", self.rope_scaling_factor),
+            ("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
+            ("--rotary-scaling-factor", self.rotary_scaling_factor),
+        ):
+            if value is not None and not value >= 1:
+                raise UsageError(
+                    f"{flag} must be at least 1 (how many times the context grows), got {value}"
+                )
+        at_least(
+            self.yarn_original_max_position_embeddings, 1, "--yarn-original-max-position-embeddings"
+        )
+        if not 0 < self.yarn_beta_slow < self.yarn_beta_fast:
+            raise UsageError(
+                f"--yarn-beta-slow {self.yarn_beta_slow} must be positive and below "
+                f"--yarn-beta-fast {self.yarn_beta_fast}"
+            )
+        at_least(self.mscale, 0, "--mscale")
+        at_least(self.mscale_all_dim, 0, "--mscale-all-dim")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -83,6 +83,7 @@ class RunConfig:
         self.shape.check()
         self.data.check()  # before the model's: --max-position-embeddings defaults to its length
         self.model.check()
+        self.model.check_positions(position_embedding_type=self.shape.position_embedding_type)
         self.train.check()
         self.layout.check_fits(self.shape, self.data.seq_length)
         self._check_sequence()
@@ -108,7 +109,7 @@ class RunConfig:
 
     def _check_sequence(self) -> None:
         seq = self.data.seq_length
-        if self.shape.position_embedding_type == "rope" and self.shape.head_dim % 2:
+        if self.shape.rotary and self.shape.head_dim % 2:
             raise UsageError(
                 f"rotary embeddings rotate channel pairs: the head dim {self.shape.head_dim} "
                 "(--hidden-size / --num-attention-heads, or --kv-channels) must be even"
@@ -118,11 +119,22 @@ class RunConfig:
                 f"--max-position-embeddings {self.model.max_position_embeddings} is shorter than "
                 f"--seq-length {seq}"
             )
+        self._check_yarn_table()
         local = seq // self.layout.cp
         if not 1 <= self.model.loss_chunks <= local:
             raise UsageError(
                 f"--loss-chunks must be in [1, {local}] (tokens per CP rank), got "
                 f"{self.model.loss_chunks}"
+            )
+
+    def _check_yarn_table(self) -> None:
+        # megatron-core's YarnRotaryEmbedding computes a table of the original context when it is
+        # built and cuts it into 2·CP blocks under megatron's global CP group (the run's layout)
+        original, cp = self.model.yarn_original_max_position_embeddings, self.layout.cp
+        if self.shape.position_embedding_type == "yarn" and original % (2 * cp):
+            raise UsageError(
+                f"--yarn-original-max-position-embeddings {original} must be divisible by 2 × "
+                f"--context-parallel-size = {2 * cp} (megatron-core's YaRN splits it for CP)"
             )
 
     def _check_batch(self) -> None:

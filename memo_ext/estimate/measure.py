@@ -112,7 +112,10 @@ def _split_flops(counter) -> tuple[int, int]:
 
 
 def _rope_table(model: ModelShape, config, tokens: int):
-    if model.position_embedding_type != "rope":
+    # Llama 3.1 scaling, interpolation and YaRN change the table's values, and YaRN multiplies
+    # by a factor that plain RoPE multiplies by 1: the same tensors, bytes and FLOPs, so plain
+    # RoPE's table stands for every rotary model
+    if not model.rotary:
         return None
     return RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(tokens)
 

@@ -29,6 +29,11 @@ class ChunkedLossGPTModel(GPTModel):
 
     def __init__(self, *args, loss_chunks: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.position_embedding_type == "yarn":
+            # megatron-core 0.16.1 hands RotaryEmbedding the model's CP group but builds
+            # YarnRotaryEmbedding without one (it falls back to the global group): with explicit
+            # groups (HotSPa's layouts) the table would be cut for another layout's CP ranks
+            self.rotary_pos_emb.cp_group = self.pg_collection.cp
         if loss_chunks < 1:
             raise ValueError(f"loss_chunks must be at least 1, got {loss_chunks}")
         self.loss_chunks = loss_chunks

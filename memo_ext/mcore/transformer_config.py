@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from memo_ext.config import RecomputeConfig, RunConfig
+from memo_ext.mcore.rotary import YarnTransformerConfig, yarn_fields
 from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -25,6 +26,7 @@ def transformer_config(
     override one, as ``num_layers=1`` for a one-layer trace).
 
     The local layer spec's kernel settings (``LOCAL_KERNEL_SETTINGS``) apply unless overridden.
+    With ``yarn_*`` fields the config is a :class:`~memo_ext.mcore.rotary.YarnTransformerConfig`.
     """
     layout = layout or ParallelLayout()
     sizes = dict(
@@ -43,7 +45,9 @@ def transformer_config(
         context_parallel_size=layout.cp,
         sequence_parallel=layout.sp,
     )
-    return TransformerConfig(**{**sizes, **LOCAL_KERNEL_SETTINGS, **fields})
+    yarn = any(name.startswith("yarn_") for name in fields)
+    config_class = YarnTransformerConfig if yarn else TransformerConfig
+    return config_class(**{**sizes, **LOCAL_KERNEL_SETTINGS, **fields})
 
 
 def traced_transformer_config(
@@ -105,6 +109,7 @@ def run_transformer_config(
         # need.
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
+        **(yarn_fields(m) if run.shape.position_embedding_type == "yarn" else {}),
     )
 
 

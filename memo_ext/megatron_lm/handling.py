@@ -127,7 +127,7 @@ VALUE_REASONS: dict[str, str] = {
     "--tokenizer-type": "this trainer reads tokenizers from local files with the tokenizers "
     "library (ByteTokenizer, NullTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer); convert a "
     "SentencePiece / tiktoken model to a tokenizer.json",
-    "--position-embedding-type": "learned absolute and rotary positions are implemented here",
+    "--position-embedding-type": "learned absolute, rotary and YaRN positions are implemented here",
     "--lr-decay-style": "megatron-core's scheduler styles other than this are not wired here",
     "--normalization": "LayerNorm and RMSNorm are implemented here",
 }
@@ -193,11 +193,6 @@ HANDLING: dict[str, Handling] = {
         otherwise="partial rotary embeddings are not implemented here",
     ),
     "--rotary-interleaved": refused("interleaved rotary embeddings are not implemented here"),
-    "--rotary-seq-len-interpolation-factor": refused(
-        "RoPE position interpolation is not implemented here"
-    ),
-    "--use-rope-scaling": refused("Llama-3.1 RoPE scaling is not implemented here"),
-    "--rope-scaling-factor": refused("Llama-3.1 RoPE scaling is not implemented here"),
     "--no-rope-freq": refused("NoPE layers are not implemented here"),
     "--no-position-embedding": mapped(
         "no learned position table: rotary positions unless --position-embedding-type says",
@@ -272,7 +267,10 @@ HANDLING: dict[str, Handling] = {
     ),
     "--use-fused-weighted-squared-relu": refused("squared-ReLU MLPs are not implemented here"),
     "--rope-type": same(
-        "standard RoPE", values=("rope",), otherwise="YaRN is not implemented here"
+        "standard RoPE for this trainer's (non-MLA) attention",
+        values=("rope",),
+        otherwise="Megatron-LM's --rope-type yarn is for multi-latent attention only; use "
+        "--position-embedding-type yarn",
     ),
     "--cross-entropy-fusion-impl": same(
         "megatron-core's native cross entropy",
@@ -582,6 +580,27 @@ LATER_FLAGS: dict[str, MegatronFlag] = {
     ),
     "--min-offloaded-tensor-size": MegatronFlag(
         names=("--min-offloaded-tensor-size",), group="network_size", type="int", default=1048576
+    ),
+    # YaRN for GPT models (--position-embedding-type yarn), with the MLA group's
+    # --rotary-scaling-factor, --mscale and --mscale-all-dim
+    "--yarn-original-max-position-embeddings": MegatronFlag(
+        names=("--yarn-original-max-position-embeddings",), group="network_size", type="int"
+    ),
+    "--yarn-beta-fast": MegatronFlag(
+        names=("--yarn-beta-fast",), group="network_size", type="float"
+    ),
+    "--yarn-beta-slow": MegatronFlag(
+        names=("--yarn-beta-slow",), group="network_size", type="float"
+    ),
+    "--yarn-correction-range-round-to-int": MegatronFlag(
+        names=("--yarn-correction-range-round-to-int",),
+        group="network_size",
+        action="store_true",
+    ),
+    "--no-yarn-correction-range-round-to-int": MegatronFlag(
+        names=("--no-yarn-correction-range-round-to-int",),
+        group="network_size",
+        action="store_false",
     ),
 }
 """Flags Megatron-LM added after the commit of the list that its example scripts already use."""

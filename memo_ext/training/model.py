@@ -20,6 +20,7 @@ from memo_ext.config.network import resolve_attention_backend
 from memo_ext.extension import Extension
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
+from memo_ext.mcore.rotary import rotary_arguments
 from memo_ext.mcore.specs import build_block_spec, build_layer_spec
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
         position_embedding_type=run.shape.position_embedding_type,
-        rotary_base=model_cfg.rotary_base,
+        **rotary_arguments(model_cfg),
         pg_collection=pg_collection,
     )
     model = model.to(device)
