@@ -73,6 +73,8 @@ def main() -> None:
     files = []
     for name in args.paths:
         path = Path(name)
+        if not path.exists():
+            parser.error(f"{name} does not exist; give CSV files, or folders of them")
         files += sorted(path.glob("*.csv")) if path.is_dir() else [path]
     if not files:
         parser.error("no CSV files found")

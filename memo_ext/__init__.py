@@ -25,6 +25,7 @@ Importing the package filters what megatron-core and torch announce that no user
 ``--help`` and a wrong flag answer without them.
 """
 
+import logging as _logging
 import warnings as _warnings
 
 __version__ = "0.1.0"
@@ -40,3 +41,5 @@ for _message in (
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
 ):
     _warnings.filterwarnings("ignore", message=_message)
+# megatron-core's FSDP package logs at INFO, on import, which of its optional parts it found
+_logging.getLogger("megatron.core.distributed.fsdp").setLevel(_logging.WARNING)

@@ -395,9 +395,8 @@ def _device(args, model: ModelShape, launch: Launch):
         )
         notes.append(
             "CPU: peak = measured fp32 square-matmul rate; the estimator models bf16 mixed "
-            "precision, so its memory figures are not the fp32 CPU run's; measured peak "
-            "memory is the process's resident set (interpreter and libraries included); "
-            "MEMO's host copies live in the same memory a CPU cap counts"
+            "precision, so its memory figures are not the fp32 CPU run's; a CPU run records "
+            "no allocator peak; MEMO's host copies live in the same memory a CPU cap counts"
         )
         return device, cuda, kernels, notes
     if args.calibrate:

@@ -192,5 +192,6 @@ def _one_line(record: dict) -> str:
         step = record["measured"]["step_time_s"]
         text += f", {step:.3g} s/step" if step is not None else ""
     elif record.get("message"):
-        text += f" ({record['message'][-160:]})"
+        message = record["message"]
+        text += f" ({message if len(message) <= 160 else message[:159] + '…'})"
     return text

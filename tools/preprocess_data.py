@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if os.path.exists(args.input) and not os.path.isfile(args.input):
             raise UsageError(f"--input {args.input} is not a regular file; give the .jsonl file")
+        if not os.path.exists(args.input):  # before seconds of imports
+            raise UsageError(f"--input {args.input} does not exist; give an existing .jsonl file")
     except UsageError as err:
         print(f"preprocess_data: error: {err}", file=sys.stderr)
         return 2
