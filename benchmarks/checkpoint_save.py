@@ -214,7 +214,9 @@ def megatron_lm_args(save_dir: Path, nproc: int) -> argparse.Namespace:
     from megatron.training.arguments import parse_args
 
     argv = sys.argv
-    sys.argv = ["pretrain_gpt.py", *MODEL_FLAGS]
+    # --num-query-groups counts in Megatron-LM only with --group-query-attention (it is the GQA
+    # model both save, and its args in the checkpoint say so)
+    sys.argv = ["pretrain_gpt.py", *MODEL_FLAGS, "--group-query-attention"]
     try:
         args = parse_args(ignore_unknown_args=True)
     finally:

@@ -38,8 +38,12 @@ class ModelShape:
     """Norm of each layer and the final norm."""
     swiglu: bool = False
     """Gated SiLU MLP (three matrices) instead of GeLU (two)."""
+    openai_gelu: bool = False
+    """GeLU by its tanh approximation (GPT-2's) instead of the exact erf form."""
     add_bias_linear: bool = field(default=True, metadata={"flag": "--disable-bias-linear"})
     """Biases in the linear layers; --disable-bias-linear drops them."""
+    add_qkv_bias: bool = False
+    """Biases in the query / key / value projection even with --disable-bias-linear (Qwen2)."""
     position_embedding_type: Literal["learned_absolute", "rope", "yarn"] = "learned_absolute"
     """Learned absolute positions (a [seq, h] table), rotary embeddings, or rotary embeddings
     with YaRN's frequency and attention scaling for context extension (--rotary-scaling-factor,
@@ -95,6 +99,8 @@ class ModelShape:
                 f"--hidden-size {self.hidden_size} is not divisible by {heads} attention heads; "
                 "change one or give --kv-channels"
             )
+        if self.openai_gelu and self.swiglu:
+            raise UsageError("--openai-gelu is the GeLU MLP's activation; drop it or --swiglu")
         if heads % groups:
             raise UsageError(
                 f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}"

@@ -213,7 +213,24 @@ class CheckpointConfig:
     save: str | None = None
     """Directory to write checkpoints to."""
     load: str | None = None
-    """Resume from the newest checkpoint in this directory (none there: start fresh)."""
+    """Resume from the newest checkpoint in this directory (none there: start fresh). Megatron-LM's
+    own torch_dist checkpoints load too."""
+    finetune: bool = False
+    """Load only the model weights of the checkpoint: start at iteration 0 with a fresh optimizer,
+    LR schedule, data position and RNG (Megatron-LM's --finetune)."""
+    pretrained_checkpoint: str | None = None
+    """Directory of checkpoints to take the starting weights from, as with --finetune, while
+    --load holds none (or is not given); once --load holds one, runs resume from it."""
+    load_optim: bool = True
+    """On load, restore the optimizer's moments and the LR schedule; --no-load-optim starts both
+    afresh (the schedule from its first step, as Megatron-LM) and keeps the weights, iteration and
+    data position."""
+    load_rng: bool = True
+    """On load, restore every process's RNG states (under the checkpoint's layout);
+    --no-load-rng starts them afresh."""
+    save_optim: bool = True
+    """Checkpoints hold the optimizer's moments and the LR schedule; --no-save-optim leaves them
+    out (smaller checkpoints, which load with --finetune or --no-load-optim)."""
     save_interval: int | None = None
     """Save every this many steps (and at the end)."""
     exit_interval: int | None = None
@@ -249,6 +266,9 @@ class CheckpointConfig:
             check_writable_directory(self.save, flag="--save")
         if self.save_interval and not self.save:
             raise UsageError("--save-interval needs --save DIR")
+        if not self.save_optim and not self.save:
+            raise UsageError("--no-save-optim applies to the checkpoints of --save DIR; add it")
+        self._check_loading()
         same = self.save and os.path.abspath(self.load or "") == os.path.abspath(self.save)
         if self.load and os.path.exists(self.load) and not os.path.isdir(self.load):
             raise UsageError(
@@ -263,6 +283,25 @@ class CheckpointConfig:
             raise UsageError(
                 "--exit-interval / --exit-duration-in-mins / --exit-signal-handler save before "
                 "stopping and need --save DIR"
+            )
+
+    def _check_loading(self) -> None:
+        """What to load needs a checkpoint to load it from."""
+        loads = self.load or self.pretrained_checkpoint
+        if self.finetune and not loads:
+            raise UsageError(
+                "--finetune takes the weights of --load DIR or --pretrained-checkpoint DIR; "
+                "give one"
+            )
+        if not (self.load_optim and self.load_rng) and not loads:
+            raise UsageError(
+                "--no-load-optim / --no-load-rng apply when a checkpoint is loaded; add --load DIR"
+            )
+        pretrained = self.pretrained_checkpoint
+        if pretrained and not os.path.isdir(pretrained):
+            raise UsageError(
+                f"--pretrained-checkpoint {pretrained} is not a directory; give the folder of "
+                "checkpoints (the one that holds latest_checkpointed_iteration.txt)"
             )
 
 

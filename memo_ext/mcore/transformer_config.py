@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import openai_gelu
 
 from memo_ext.config import RecomputeConfig, RunConfig
 from memo_ext.mcore.rotary import YarnTransformerConfig, yarn_fields
@@ -38,8 +39,9 @@ def transformer_config(
         kv_channels=shape.kv_channels,
         normalization=shape.normalization,
         gated_linear_unit=shape.swiglu,
-        activation_func=F.silu if shape.swiglu else F.gelu,
+        activation_func=_activation(shape),
         add_bias_linear=shape.add_bias_linear,
+        add_qkv_bias=shape.add_qkv_bias,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
@@ -48,6 +50,12 @@ def transformer_config(
     yarn = any(name.startswith("yarn_") for name in fields)
     config_class = YarnTransformerConfig if yarn else TransformerConfig
     return config_class(**{**sizes, **LOCAL_KERNEL_SETTINGS, **fields})
+
+
+def _activation(shape: ModelShape):
+    if shape.swiglu:
+        return F.silu
+    return openai_gelu if shape.openai_gelu else F.gelu
 
 
 def traced_transformer_config(
@@ -132,7 +140,9 @@ def model_shape_of(
         kv_channels=config.kv_channels,
         normalization=config.normalization,
         swiglu=bool(config.gated_linear_unit),
+        openai_gelu=config.activation_func is openai_gelu,
         add_bias_linear=bool(config.add_bias_linear),
+        add_qkv_bias=bool(config.add_qkv_bias),
         position_embedding_type=position_embedding_type,
         vocab_size=vocab_size,
     )

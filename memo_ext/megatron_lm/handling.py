@@ -202,7 +202,6 @@ HANDLING: dict[str, Handling] = {
     "--apply-residual-connection-post-layernorm": refused(
         "post-norm residuals are not implemented here (pre-norm GPT)"
     ),
-    "--openai-gelu": refused("the tanh GeLU approximation is not implemented here"),
     "--squared-relu": refused("squared-ReLU MLPs are not implemented here"),
     "--quick-geglu": refused("quick-GeGLU MLPs are not implemented here"),
     "--activation-func-clamp-value": refused("clamped activations are not implemented here"),
@@ -280,7 +279,6 @@ HANDLING: dict[str, Handling] = {
     "--use-flash-attn": mapped(
         "Megatron-LM's older spelling of --attention-backend flash", _use_flash_attn
     ),
-    "--add-qkv-bias": refused("a QKV bias without the other biases is not implemented here"),
     "--optimizer": same(
         "AdamW", values=("adam",), otherwise="only Adam(W) is wired here (megatron-core's)"
     ),
@@ -315,10 +313,7 @@ HANDLING: dict[str, Handling] = {
     "--warmup": refused("removed from Megatron-LM; use --lr-warmup-fraction"),
     # ---- checkpointing -----------------------------------------------------------------------
     "--save-retain-interval": refused("not implemented here"),
-    "--no-save-optim": refused("checkpoints always hold the optimizer state here"),
     "--no-save-rng": refused("checkpoints always hold the RNG state here"),
-    "--no-load-optim": refused("resuming always restores the optimizer state here"),
-    "--no-load-rng": refused("resuming always restores the RNG state here"),
     "--load-main-params-from-ckpt": refused("not implemented here"),
     "--no-strict-fsdp-dtensor-load": refused(_FSDP),
     "--non-persistent-save-interval": refused(_NONPERSISTENT),
@@ -326,8 +321,6 @@ HANDLING: dict[str, Handling] = {
     "--non-persistent-global-ckpt-dir": refused(_NONPERSISTENT),
     "--non-persistent-local-ckpt-dir": refused(_NONPERSISTENT),
     "--non-persistent-local-ckpt-algo": refused(_NONPERSISTENT),
-    "--finetune": refused("loading weights without the training state is not implemented here"),
-    "--pretrained-checkpoint": refused("not implemented here"),
     "--ckpt-step": refused("resuming always takes the newest checkpoint of --load here"),
     "--no-initialization": refused("not implemented here"),
     "--use-checkpoint-args": refused("the flags of the command line are the run's settings here"),

@@ -22,6 +22,13 @@ Loading never runs code from a checkpoint: file checksums are verified first, me
 state is read with ``torch.load(weights_only=True)``, the one pickle that torch's checkpoint
 format keeps (``.metadata``) is unpickled with an allow-list of its own data classes before
 megatron reads it, and the RNG files are tensors read with ``weights_only=True``.
+
+A load takes the model weights always and, per :class:`LoadScope`, the iteration and data
+position, the optimizer's moments with the LR schedule, and the RNG states (``--finetune``,
+``--no-load-optim``, ``--no-load-rng``); :func:`checkpoint_source` says which folder a run loads
+(``--load``, else ``--pretrained-checkpoint``). Megatron-LM's own torch_dist checkpoints (no
+manifest; their common state holds Megatron-LM's ``args``) load too:
+:mod:`memo_ext.training.megatron_lm_checkpoint` checks and describes them.
 """
 
 from __future__ import annotations
@@ -51,7 +58,12 @@ import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    is_main_replica,
+)
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
@@ -60,11 +72,14 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     mcore_to_pyt_state_dict,
 )
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from memo_ext.config import CheckpointConfig
 from memo_ext.errors import ReportedError, UsageError
+from memo_ext.training import megatron_lm_checkpoint as megatron_lm
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +98,84 @@ class TrainProgress:
 
     iteration: int = 0
     consumed_samples: int = 0
+
+
+@dataclass(frozen=True)
+class LoadScope:
+    """What a load restores besides the model weights, which it always loads."""
+
+    progress: bool = True
+    """The iteration and the data position (consumed samples); without: iteration 0."""
+    optimizer: bool = True
+    """The optimizer's moments and the LR schedule; without: both start afresh."""
+    rng: bool = True
+    """Every process's RNG states (when the checkpoint's layout is this run's)."""
+
+    def describe(self) -> str:
+        """What was left out, for the log ("" when nothing was)."""
+        fresh = [
+            name
+            for name, kept in (
+                ("iteration and data position", self.progress),
+                ("optimizer and LR schedule", self.optimizer),
+                ("RNG states", self.rng),
+            )
+            if not kept
+        ]
+        return f"; fresh: {', '.join(fresh)}" if fresh else ""
+
+
+WEIGHTS_ONLY = LoadScope(progress=False, optimizer=False, rng=False)
+"""--finetune (Megatron-LM's meaning): the weights, nothing else."""
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """The folder of checkpoints a run starts from and what it takes from its newest one."""
+
+    root: Path
+    scope: LoadScope
+    flag: str
+    """The flag that named ``root`` (``--load`` or ``--pretrained-checkpoint``), for messages."""
+
+
+def checkpoint_source(config: CheckpointConfig) -> CheckpointSource | None:
+    """Where the run loads from: ``--load`` when it holds a checkpoint (with --finetune /
+    --no-load-optim / --no-load-rng applied), else ``--pretrained-checkpoint`` (its weights
+    only, as Megatron-LM), else ``--load`` (which starts fresh); ``None`` without either.
+
+    Raises:
+        UsageError: a --pretrained-checkpoint that holds none, or --finetune with nothing to
+            take weights from.
+    """
+    load = Path(config.load) if config.load else None
+    finetune = config.finetune
+    scope = LoadScope(
+        progress=not finetune,
+        optimizer=config.load_optim and not finetune,
+        rng=config.load_rng and not finetune,
+    )
+    if load is not None and latest_iteration(load) is not None:
+        return CheckpointSource(load, scope, "--load")
+    if load is not None and load.is_dir():
+        _check_untracked(load, flag="--load")  # its checkpoints are not skipped unseen
+    if config.pretrained_checkpoint:
+        root = Path(config.pretrained_checkpoint)
+        if latest_iteration(root) is None:
+            _check_untracked(root, flag="--pretrained-checkpoint")
+            raise UsageError(
+                f"--pretrained-checkpoint {root} holds no checkpoint (no {TRACKER}); give the "
+                "folder that holds one"
+            )
+        return CheckpointSource(root, WEIGHTS_ONLY, "--pretrained-checkpoint")
+    if load is None:
+        return None
+    if finetune:
+        raise UsageError(
+            f"--finetune: --load {load} holds no checkpoint to take the weights from (no "
+            f"{TRACKER}); give the folder of the pretrained checkpoint"
+        )
+    return CheckpointSource(load, scope, "--load")
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -125,17 +218,21 @@ def _model_identity(model: torch.nn.Module) -> dict:
         "activation": getattr(c.activation_func, "__name__", str(c.activation_func)),
         "gated_linear_unit": bool(c.gated_linear_unit),
         "add_bias_linear": bool(c.add_bias_linear),
-        "position_embedding_type": gpt.position_embedding_type,
+        "add_qkv_bias": bool(c.add_qkv_bias),
+        # YaRN rescales RoPE's table, not its weights: a RoPE checkpoint extends to YaRN
+        "position_embedding_type": (
+            "rope" if gpt.position_embedding_type == "yarn" else gpt.position_embedding_type
+        ),
         "padded_vocab_size": gpt.vocab_size,
         "tied_embeddings": bool(gpt.share_embeddings_and_output_weights),
     }
 
 
-def _check_model_identity(directory: Path, model: torch.nn.Module) -> bool:
-    """Refuse a checkpoint of another model, naming each difference; True when the checkpoint
-    records its model (one written before the manifest did is not checked: False)."""
-    manifest = json.loads((directory / MANIFEST).read_text())
-    saved, here = manifest.get("model"), _model_identity(model)
+def _check_model_identity(directory: Path, model: torch.nn.Module, saved: dict | None) -> bool:
+    """Refuse a checkpoint of another model (``saved``: the identity it records), naming each
+    difference; True when the checkpoint records its model (one written before the manifest did
+    is not checked: False)."""
+    here = _model_identity(model)
     if not isinstance(saved, dict):
         return False
     differences = [
@@ -285,12 +382,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{module}.{name}")
 
 
-def _check_torch_metadata(directory: Path) -> None:
+def _check_torch_metadata(directory: Path):
+    """torch's ``.metadata`` of the checkpoint, unpickled through the allow-list."""
     path = directory / ".metadata"
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     try:
-        _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except CheckpointError as err:
         raise CheckpointError(
             f"{path} refers to {err}, which a checkpoint has no reason to contain; refusing to "
@@ -298,6 +396,66 @@ def _check_torch_metadata(directory: Path) -> None:
         ) from None
     except Exception as err:  # noqa: BLE001 - any other failure means an unreadable file
         raise CheckpointError(f"checkpoint file {path} is unreadable ({err})") from err
+
+
+def is_megatron_lm_checkpoint(directory: Path) -> bool:
+    """A megatron-core torch_dist checkpoint without a manifest of ours whose common state is not
+    ours: Megatron-LM's (one of ours that lost its manifest is incomplete, not foreign)."""
+    if (directory / MANIFEST).is_file() or not megatron_lm.is_torch_dist(directory):
+        return False
+    try:
+        common = torch.load(directory / "common.pt", map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - unreadable: Megatron-LM's checks name it
+        return True
+    return not (isinstance(common, dict) and common.get("format") == FORMAT)
+
+
+def padded_vocab_to_load(
+    config: CheckpointConfig, *, vocab_size: int, tp_sizes: list[int], padded: int
+) -> int:
+    """The padded vocabulary of a run that loads ``config``'s checkpoint: ``padded`` (this
+    trainer's rule), or, for a Megatron-LM checkpoint, its embedding rows, which Megatron-LM pads
+    by its own rule (``megatron_lm.adopted_padded_vocab``): adopted so that every row, the padded
+    ones too (they enter the softmax), loads as trained.
+
+    Raises:
+        UsageError: rows of another tokenizer, or that a TP degree of the run does not divide.
+    """
+    source = checkpoint_source(config)
+    iteration = latest_iteration(source.root) if source else None
+    if iteration is None:
+        return padded
+    directory = iteration_dir(source.root, iteration)
+    if not is_megatron_lm_checkpoint(directory):
+        return padded
+    common = megatron_lm.read_common(directory)
+    rows = megatron_lm.tensor_shapes(_check_torch_metadata(directory)).get(
+        megatron_lm.EMBEDDING_KEY
+    )
+    if common is None or rows is None:
+        return padded  # the load names what is wrong with it
+    adopted = megatron_lm.adopted_padded_vocab(
+        common,
+        embedding_rows=rows[0],
+        vocab_size=vocab_size,
+        tp_sizes=tp_sizes,
+        directory=directory,
+    )
+    if adopted != padded:
+        logger.info(megatron_lm.padding_note(common, rows=adopted, ours=padded))
+    return adopted
+
+
+def verify_megatron_lm_checkpoint(directory: Path) -> None:
+    """Check a Megatron-LM checkpoint with what it has: megatron-core's own checks of its format,
+    torch's ``.metadata`` through the allow-list, and every byte range it records.
+
+    Raises:
+        CheckpointError: naming the missing, truncated or unreadable file.
+    """
+    reason = megatron_lm.problem(directory, _check_torch_metadata(directory))
+    if reason:
+        raise CheckpointError(reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,15 +630,19 @@ def _gather_checksums(checksums: dict[str, str]) -> dict[str, str]:
 def _sharded_state(
     model, optimizer, scheduler, progress: TrainProgress, *, is_loading: bool = False
 ) -> dict:
+    """What a checkpoint of ours holds; without ``optimizer`` (--no-save-optim, or a load of the
+    weights alone) neither the moments nor the LR schedule."""
     model_sharded = _unwrap(model).sharded_state_dict()
-    return {
+    state = {
         "model": model_sharded,
-        "optimizer": optimizer.sharded_state_dict(model_sharded, is_loading=is_loading),
-        "scheduler": scheduler.state_dict(),
         "iteration": progress.iteration,
         "consumed_samples": progress.consumed_samples,
         "format": FORMAT,
     }
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
+        state["scheduler"] = scheduler.state_dict()
+    return state
 
 
 def _layout() -> dict:
@@ -556,15 +718,24 @@ def _os_reason(err: OSError) -> str:
     return err.strerror or str(err)
 
 
-def save_checkpoint(*, save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -> Path:
-    """Write the checkpoint of ``progress.iteration`` atomically; return its directory.
+def save_checkpoint(
+    *,
+    save_dir: str,
+    progress: TrainProgress,
+    model,
+    optimizer,
+    scheduler,
+    save_optim: bool = True,
+) -> Path:
+    """Write the checkpoint of ``progress.iteration`` atomically; return its directory. Without
+    ``save_optim`` (--no-save-optim) it holds no optimizer moments and LR schedule.
 
     Raises:
         CheckpointError: the save failed (a full disk is named as such); the previous checkpoint
             is untouched.
     """
     try:
-        return _save(save_dir, progress, model, optimizer, scheduler)
+        return _save(save_dir, progress, model, optimizer if save_optim else None, scheduler)
     except (OSError, RuntimeError, CheckpointException) as err:
         # torch.distributed.checkpoint reports its writers' OSErrors as "Worker failure: ..."
         reason = _os_reason(err) if isinstance(err, OSError) else _wrapped_reason(err)
@@ -608,6 +779,7 @@ def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -
             "iteration": progress.iteration,
             "layout": _layout(),
             "model": _model_identity(model),
+            "optimizer": optimizer is not None,
         }
         _write_manifest(staging, meta, checksums)
         shutil.rmtree(final, ignore_errors=True)
@@ -643,34 +815,46 @@ def _broadcast_error(error: str | None) -> None:
 _ITERATION_DIR = re.compile(r"iter_\d{7}")
 
 
-def _check_untracked(root: Path) -> None:
+def _check_untracked(root: Path, *, flag: str = "--load") -> None:
     """A ``--load`` directory without a tracker must not hold checkpoints either: starting from
     scratch there would quietly drop them."""
-    if _ITERATION_DIR.fullmatch(root.name) or (root / MANIFEST).is_file():
+    one = (root / MANIFEST).is_file() or (root / megatron_lm.CONFIG).is_file()
+    if _ITERATION_DIR.fullmatch(root.name) or one:
         raise UsageError(
-            f"--load {root} is one checkpoint's directory; give the directory that holds it "
-            f"(--load {root.parent})"
+            f"{flag} {root} is one checkpoint's directory; give the directory that holds it "
+            f"({flag} {root.parent})"
         )
     found = sorted(p.name for p in root.iterdir() if _ITERATION_DIR.fullmatch(p.name))
     if found:
         raise UsageError(
-            f"--load {root} holds checkpoints ({', '.join(found)}) but no {TRACKER}; write the "
+            f"{flag} {root} holds checkpoints ({', '.join(found)}) but no {TRACKER}; write the "
             f"iteration to resume in it (e.g. {int(found[-1][5:])}) to resume from it"
         )
 
 
 def load_checkpoint(
-    *, load_dir: str, model, optimizer, scheduler, schedule: str = "strict"
+    *,
+    load_dir: str,
+    model,
+    optimizer,
+    scheduler,
+    schedule: str = "strict",
+    scope: LoadScope = LoadScope(),
+    counts_samples: bool = False,
 ) -> TrainProgress:
-    """Restore the latest checkpoint in ``load_dir``; a directory without one starts from zero.
+    """Restore the latest checkpoint in ``load_dir``, this trainer's or Megatron-LM's; a
+    directory without one starts from zero.
 
+    The weights always load; ``scope`` says what else does (a load that skips the progress
+    returns iteration 0, one that skips the optimizer leaves it and the LR schedule fresh).
     ``schedule`` says whose LR / weight-decay schedule wins when the checkpoint's differs from
-    ``scheduler``'s: ``strict`` (refuse), ``flags`` or ``checkpoint``.
+    ``scheduler``'s: ``strict`` (refuse), ``flags`` or ``checkpoint``. ``counts_samples``: the
+    run's schedule counts samples (--train-samples), as Megatron-LM's always does.
 
     Raises:
         CheckpointError: a missing directory, or a checkpoint that is incomplete or corrupt.
-        UsageError: a checkpoint that does not fit this run (model, schedule), or a directory
-            that holds checkpoints without a tracker.
+        UsageError: a checkpoint that does not fit this run (model, optimizer format, schedule),
+            or a directory that holds checkpoints without a tracker.
     """
     root = Path(load_dir)
     if not root.is_dir():
@@ -678,20 +862,77 @@ def load_checkpoint(
     iteration = latest_iteration(root)
     if iteration is None:
         _check_untracked(root)
-        logger.warning("no checkpoint in %s (no %s); starting from scratch", root, TRACKER)
+        if _rank() == 0:  # every rank reads the same directory
+            logger.warning("no checkpoint in %s (no %s); starting from scratch", root, TRACKER)
         return TrainProgress()
     directory = iteration_dir(root, iteration)
+    foreign = _verify(directory)
+    wanted = optimizer if scope.optimizer else None
+    template = _sharded_state(model, wanted, scheduler, TrainProgress(), is_loading=True)
+    saved_schedule, layout = None, None  # layout None: RNG states not read (Megatron-LM's)
+    if foreign:
+        common = megatron_lm.read_common(directory)
+        same_model = _check_megatron_lm_fits(directory, common, model, template)
+        if wanted is not None:  # refused before the load, not after it
+            saved_schedule = megatron_lm.schedule_state(
+                common, counts_samples=counts_samples, directory=directory
+            )
+    else:
+        same_model, layout = _check_ours_fits(directory, model, optimizer=wanted is not None)
+    loaded = _load_sharded(directory, template, model, same_model=same_model, foreign=foreign)
+    if wanted is None:
+        optimizer.reload_model_params()  # mixed precision: main params from the loaded weights
+    else:
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+        saved_schedule = saved_schedule or loaded["scheduler"]
+        _check_schedule(scheduler, saved_schedule, directory=directory, schedule=schedule)
+        scheduler.load_state_dict(saved_schedule)
+    if scope.rng:
+        _maybe_restore_rng(directory, layout=layout)
+    saved = (
+        TrainProgress(*megatron_lm.progress(loaded))
+        if foreign
+        else TrainProgress(loaded["iteration"], loaded["consumed_samples"])
+    )
+    kind = "Megatron-LM checkpoint" if foreign else "checkpoint"
+    logger.info("loaded %s %s (iteration %d)%s", kind, directory, saved.iteration, scope.describe())
+    return saved if scope.progress else TrainProgress()
+
+
+def _check_ours_fits(directory: Path, model, *, optimizer: bool) -> tuple[bool, dict]:
+    """Refuse a checkpoint of ours that holds another model, or no optimizer state when one is
+    to be loaded; (whether it records this model, the layout it was written under)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    same_model = _check_model_identity(directory, model, manifest.get("model"))
+    if optimizer and manifest.get("optimizer") is False:
+        raise UsageError(
+            f"the checkpoint in {directory} holds no optimizer state (it was saved with "
+            "--no-save-optim); load it with --no-load-optim or --finetune"
+        )
+    return same_model, manifest["layout"]
+
+
+def _verify(directory: Path) -> bool:
+    """Verify the checkpoint on rank 0 (every rank raises what it found); True when it is
+    Megatron-LM's."""
+    foreign = is_megatron_lm_checkpoint(directory)
     error = None
     if _rank() == 0:
         try:
-            verify_checkpoint(directory)
+            (verify_megatron_lm_checkpoint if foreign else verify_checkpoint)(directory)
         except CheckpointError as err:
             error = str(err)
     _broadcast_error(error)
-    same_model = _check_model_identity(directory, model)
-    template = _sharded_state(model, optimizer, scheduler, TrainProgress(), is_loading=True)
+    return foreign
+
+
+def _load_sharded(directory: Path, template: dict, model, *, same_model: bool, foreign: bool):
+    """Load ``template``'s tensors into the model; the checkpoint's state (common and loaded).
+    A checkpoint of Megatron-LM's is loaded with megatron-core's check that every requested key
+    is there (``RAISE_UNEXPECTED``); ours are checked by their manifest."""
+    strict = StrictHandling.RAISE_UNEXPECTED if foreign else StrictHandling.ASSUME_OK_UNEXPECTED
     try:
-        loaded = dist_checkpointing.load(template, str(directory))
+        loaded = dist_checkpointing.load(template, str(directory), strict=strict)
         _unwrap(model).load_state_dict(loaded["model"])
     except (RuntimeError, ValueError, KeyError, CheckpointingException, CheckpointException) as err:
         first = _first_line(err)
@@ -704,12 +945,94 @@ def load_checkpoint(
             f"the checkpoint in {directory} does not fit this model (another shape or "
             f"architecture?): {first[:300]}"
         ) from None
-    optimizer.load_sharded_state_dict(loaded["optimizer"])
-    _check_schedule(scheduler, loaded["scheduler"], directory=directory, schedule=schedule)
-    scheduler.load_state_dict(loaded["scheduler"])
-    _maybe_restore_rng(directory)
-    logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
-    return TrainProgress(loaded["iteration"], loaded["consumed_samples"])
+    return loaded
+
+
+def _requested(sharded: dict) -> dict:
+    """Every sharded key a state dict asks for, by key (factories built: the keys they load)."""
+    found = {}
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            parts = nested_values(built) if isinstance(built, (dict, list)) else [built]
+        else:
+            parts = [value]
+        found.update((part.key, part) for part in parts if hasattr(part, "key"))
+    return found
+
+
+def _check_megatron_lm_fits(directory: Path, common: dict, model, template: dict) -> bool:
+    """Refuse a Megatron-LM checkpoint of another model (by its ``args``, each difference named,
+    then by its weights' keys and shapes) or whose optimizer state this run's optimizer cannot
+    read (when ``template`` asks for one); True: it holds this model. Every rank reaches the
+    same verdict (each checks the keys it loads; what none loads is checked against them all)."""
+    metadata = _check_torch_metadata(directory)  # verified on rank 0 already
+    shapes = megatron_lm.tensor_shapes(metadata)
+    rows = shapes.get(megatron_lm.EMBEDDING_KEY, (None,))[0]
+    identity = megatron_lm.model_identity(common["args"], embedding_rows=rows)
+    _check_model_identity(directory, model, identity)
+    stored = megatron_lm.stored_keys(metadata)
+    requested = _requested(template["model"])
+    problems = [f"{key} missing there" for key in sorted(set(requested) - stored)]
+    problems += [
+        f"{key} {shapes[key]} there, {tuple(part.global_shape)} here"
+        for key, part in requested.items()
+        if isinstance(part, ShardedTensor)
+        and shapes.get(key, part.global_shape) != part.global_shape
+    ]
+    gathered = _on_all_ranks((problems, set(requested)))
+    loaded_anywhere = set().union(*(keys for _, keys in gathered))
+    extra = [
+        f"{key} there, not here"
+        for key in sorted(stored - loaded_anywhere)
+        if "." in key and not key.startswith("optimizer.") and "_extra_state" not in key
+    ]
+    problems = extra + [problem for found, _ in gathered for problem in found]
+    if problems:
+        raise UsageError(
+            f"the checkpoint in {directory} holds another model's weights: "
+            f"{'; '.join(problems[:3])}; load it with the model flags it was trained with"
+        )
+    if "optimizer" in template:
+        _check_megatron_lm_optimizer(directory, common, template["optimizer"], shapes)
+    return True
+
+
+def _on_all_ranks(value) -> list:
+    """``value`` of every rank, in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _check_megatron_lm_optimizer(
+    directory: Path, common: dict, template: dict, shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Refuse optimizer state in another format than this run's optimizer keeps (another
+    optimizer, Megatron-LM's distributed optimizer layouts, mixed-precision main params)."""
+    saved = common.get("optimizer")
+    missing = [
+        key
+        for key, part in _requested(template).items()
+        if isinstance(part, ShardedTensor) and shapes.get(key) != tuple(part.global_shape)
+    ]
+    missing = [key for keys in _on_all_ranks(missing) for key in keys]
+    if not isinstance(saved, dict) or getattr(common["args"], "no_save_optim", False):
+        reason = "it holds none (saved with --no-save-optim)"
+    elif missing:
+        reason = f"{missing[0]} is not there as this run's optimizer keeps it"
+    elif sorted(map(str, saved)) != sorted(map(str, template)):
+        layout, ours = sorted(map(str, saved)), sorted(map(str, template))
+        reason = f"its state holds {layout}, this run's optimizer {ours}"
+    else:
+        return
+    raise UsageError(
+        f"the optimizer state in {directory} does not fit this run's optimizer ({reason}); "
+        "start from its weights with --finetune, or keep its iteration and data position "
+        "with --no-load-optim"
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -755,13 +1078,16 @@ def _check_schedule(scheduler, saved: dict, *, directory: Path, schedule: str) -
     logger.warning("LR schedule: %s (checkpoint vs flags: %s)", whose, text)
 
 
-def _maybe_restore_rng(directory: Path) -> None:
-    """Restore this rank's RNG states when the checkpoint was written by the same layout."""
-    manifest = json.loads((directory / MANIFEST).read_text())
-    if manifest["layout"] != _layout():
+def _maybe_restore_rng(directory: Path, *, layout: dict | None) -> None:
+    """Restore this rank's RNG states when the checkpoint was written by the same ``layout``
+    (``None``: a Megatron-LM checkpoint, whose RNG states are not read here)."""
+    if layout is None:
+        logger.warning("Megatron-LM's RNG states are not read here: RNG states start fresh")
+        return
+    if layout != _layout():
         logger.warning(
             "checkpoint layout %s differs from this run's %s: RNG states start fresh",
-            manifest["layout"],
+            layout,
             _layout(),
         )
         return

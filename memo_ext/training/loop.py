@@ -44,6 +44,7 @@ from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.training.checkpointing import (
     TrainProgress,
+    checkpoint_source,
     hold_save_dir,
     load_checkpoint,
     save_checkpoint,
@@ -217,14 +218,20 @@ def _train(
     finalizes = any(extension.finalizes_gradients for extension in extensions)
     _connect_schedule_hooks(config, model, optimizer, finalizes_gradients=finalizes)
     progress = TrainProgress()
-    if run.checkpoint.load:
-        check_resumable(run)
+    source = checkpoint_source(run.checkpoint)  # --load, else --pretrained-checkpoint
+    if source is not None:
+        if source.scope.progress:
+            check_resumable(run)
+        if source.flag != "--load":
+            logger.info("starting from the weights of %s %s", source.flag, source.root)
         progress = load_checkpoint(
-            load_dir=run.checkpoint.load,
+            load_dir=str(source.root),
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
             schedule=schedule,
+            scope=source.scope,
+            counts_samples=run.train.sample_based,
         )
     train_batches, valid_batches = build_batches(run, ctx, tokenizer, progress, extensions)
     try:
@@ -432,4 +439,5 @@ def _save(s: _Session, progress: TrainProgress) -> None:
             model=s.model,
             optimizer=s.optimizer,
             scheduler=s.scheduler,
+            save_optim=s.run.checkpoint.save_optim,
         )

@@ -49,6 +49,8 @@ class TrainingOptimizer(Protocol):
 
     def load_sharded_state_dict(self, loaded: dict) -> None: ...
 
+    def reload_model_params(self) -> None: ...
+
 
 def optimizer_config(
     train: TrainConfig, *, bf16: bool = False, fp16: bool = False
@@ -201,6 +203,10 @@ class TorchAdamW:
         state["state"]["common_step"] = steps.pop() if steps else 0.0
         return state
 
+    def reload_model_params(self) -> None:
+        """Nothing to refresh after the weights alone were loaded: the parameters are the
+        model's own."""
+
     def load_sharded_state_dict(self, loaded: dict) -> None:
         """Put loaded moments back, keeping this run's own parameter groups."""
         step = torch.tensor(float(loaded["state"].pop("common_step")))
@@ -234,6 +240,11 @@ class MegatronOptimizerAdapter:
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         self.optimizer.load_state_dict(loaded)
+
+    def reload_model_params(self) -> None:
+        """Copy freshly loaded weights into the fp32 main parameters (mixed precision), as
+        Megatron-LM does after a load without the optimizer."""
+        self.optimizer.reload_model_params()
 
 
 def build_optimizer(

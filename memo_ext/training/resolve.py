@@ -5,7 +5,9 @@
 
 - the vocabulary: the tokenizer's size, and the embedding table padded to a multiple of
   lcm(``--make-vocab-size-divisible-by``, every TP degree the run uses) rather than Megatron-LM's
-  divisible-by × TP: padded logits enter the softmax, so the table must not change with TP;
+  divisible-by × TP: padded logits enter the softmax, so the table must not change with TP; a
+  run that loads a Megatron-LM checkpoint adopts that checkpoint's padded rows instead
+  (``memo_ext.training.checkpointing.padded_vocab_to_load``);
 - each feature's own open choices (``Extension.resolve``): HotSPa's layouts and home layout,
   MEMO's ``--memo-chunk-tokens auto``, for the one device the run plans for
   (``memo_ext.estimate.preflight.planning_target``).
@@ -24,6 +26,7 @@ from memo_ext.estimate.preflight import planning_target
 from memo_ext.extension import Extension, PlanningTarget, ResolveContext
 from memo_ext.features import extensions_for
 from memo_ext.shapes import padded_vocab_size
+from memo_ext.training.checkpointing import padded_vocab_to_load
 
 
 def resolve_run(
@@ -50,5 +53,8 @@ def resolve_run(
     padded = padded_vocab_size(
         tokenizer.vocab_size,
         divisible_by=math.lcm(run.model.make_vocab_size_divisible_by, *tp_sizes),
+    )
+    padded = padded_vocab_to_load(
+        run.checkpoint, vocab_size=tokenizer.vocab_size, tp_sizes=tp_sizes, padded=padded
     )
     return dataclasses.replace(run, model=dataclasses.replace(run.model, padded_vocab_size=padded))

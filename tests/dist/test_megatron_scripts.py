@@ -137,8 +137,6 @@ SCRIPTS = {
             "--moe-token-dispatcher-type",
             "--tokenizer-type",  # its --tokenizer-model is ours: left, and unread by ByteTokenizer
             "--expert-model-parallel-size",
-            "--no-load-optim",
-            "--no-load-rng",
         },
     ),
 }

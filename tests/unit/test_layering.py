@@ -25,6 +25,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"hotspa", "megatron_lm", "memo.extension"}),
     frozenset({"features"}),
     frozenset({"arguments", "training", "launch"}),
+    frozenset({"hf"}),
 )
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers
 only: not of its own layer (across), not of a higher one (up). A module named here

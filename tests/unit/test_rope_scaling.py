@@ -35,6 +35,7 @@ from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.megatron_lm.translate import translate
 from memo_ext.memo.policy import apply_memo
 from memo_ext.shapes import ModelShape
+from memo_ext.training.checkpointing import _model_identity
 from memo_ext.training.model import build_gpt_model
 from tests.launch import cli
 from tests.models import build_gpt, cpu_config
@@ -458,3 +459,14 @@ def test_rotary_module_takes_the_models_cp_group(megatron_cpu, kind):
     )
     assert groups.cp is not parallel_state.get_context_parallel_group()
     assert model.rotary_pos_emb.cp_group is groups.cp
+
+
+def test_a_rope_checkpoint_is_the_model_a_yarn_run_extends(megatron_cpu):
+    # the weights are the same: a checkpoint records the identity of a RoPE model for both, so a
+    # RoPE model's checkpoint loads into its YaRN extension
+    identities = {
+        name: _model_identity(build(run_of(*flags))[1])
+        for name, flags in (("rope", SCALINGS["interpolation"][:2]), ("yarn", SCALINGS["yarn"]))
+    }
+    assert identities["rope"] == identities["yarn"]
+    assert identities["yarn"]["position_embedding_type"] == "rope"

@@ -1,0 +1,322 @@
+"""Hugging Face folders ↔ this project's checkpoints (``python -m tools.convert_hf``).
+
+Import: the model that config.json describes is built from the trainer flags
+(:func:`memo_ext.hf.weights.trainer_flags`) in one process at TP 1 / PP 1, its tensors
+are filled from the safetensors files one at a time (``safe_open``: only the tensors of one
+megatron-core key are read at once, beside the model), and it is saved with
+:func:`memo_ext.training.checkpointing.save_checkpoint` as iteration 0 without optimizer state.
+megatron-core reshards the checkpoint on load, so the trainer starts from it under any TP / PP.
+Next to the checkpoint: ``model_flags.txt`` (the trainer flags) and ``hf_config.json`` (the
+source config, for the fields an export keeps).
+
+Export: the same model is built from the flags, the checkpoint loaded into it (weights only),
+and its tensors written to one ``model.safetensors`` with a config.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from tqdm import tqdm
+
+from memo_ext.arguments import parse_args
+from memo_ext.config import RunConfig
+from memo_ext.errors import UsageError
+from memo_ext.hf.weights import (
+    VOCAB_DIVISIBLE_BY,
+    HFShape,
+    hf_config,
+    hf_shape,
+    links_for,
+    trainer_flags,
+)
+from memo_ext.mcore.compat import cpu_compat
+from memo_ext.mcore.transformer_config import run_transformer_config
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import padded_vocab_size
+from memo_ext.training.checkpointing import (
+    WEIGHTS_ONLY,
+    TrainProgress,
+    load_checkpoint,
+    save_checkpoint,
+)
+from memo_ext.training.initialize import init_distributed, init_model_parallel
+from memo_ext.training.model import build_gpt_model
+
+logger = logging.getLogger(__name__)
+
+FLAGS_FILE = "model_flags.txt"
+"""In an imported checkpoint's folder: the trainer flags of its model, one line."""
+SOURCE_CONFIG = "hf_config.json"
+"""In an imported checkpoint's folder: the HF config.json it came from."""
+
+# flags the trainer's parser needs to build a run; none of them changes the model
+_RUN_STUB = ["--lr", "1e-4", "--train-iters", "1", "--mock-data", "--micro-batch-size", "1"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _require_safetensors():
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "the Hugging Face converter needs safetensors: pip install -e '.[hf]'"
+        ) from None
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """A one-process megatron world (TP = PP = 1) on this machine's device, torn down after
+    (an already initialised process group is used as it is)."""
+    owned = not dist.is_initialized()
+    init_distributed()
+    compat = contextlib.nullcontext() if torch.cuda.is_available() else cpu_compat()
+    owned_groups = not parallel_state.model_parallel_is_initialized()
+    try:
+        with compat:
+            if owned_groups:
+                init_model_parallel(layout=ParallelLayout(), seed=0)
+            yield
+    finally:
+        if owned_groups:
+            parallel_state.destroy_model_parallel()
+        if owned:
+            dist.destroy_process_group()
+
+
+def build_model(
+    flags: list[str], *, vocab_size: int, world_size: int = 1
+) -> tuple[RunConfig, torch.nn.Module]:
+    """The run and this process's model that ``flags`` describe, with ``vocab_size`` tokens
+    (padded as the trainer pads them); call inside :func:`single_process`, or inside
+    megatron's parallel state of the flags' layout over ``world_size`` processes."""
+    run = parse_args([*flags, *_RUN_STUB, "--seq-length", "8"], world_size=world_size)
+    divisible = run.model.make_vocab_size_divisible_by
+    padded = padded_vocab_size(vocab_size, divisible_by=divisible)
+    run = dataclasses.replace(
+        run,
+        shape=dataclasses.replace(run.shape, vocab_size=vocab_size),
+        model=dataclasses.replace(run.model, padded_vocab_size=padded, attention_backend="sdpa"),
+    )
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = build_gpt_model(run=run, config=run_transformer_config(run), device=device)
+    return run, model
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+# ---------------------------------------------------------------------------------------------
+
+
+def read_config(hf_dir: Path) -> dict:
+    """``hf_dir``'s config.json.
+
+    Raises:
+        UsageError: no such folder or file.
+    """
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise UsageError(
+            f"--hf-dir {hf_dir} holds no config.json; give a Hugging Face model folder"
+        )
+    return json.loads(path.read_text())
+
+
+def tensor_files(hf_dir: Path) -> dict[str, Path]:
+    """HF tensor name → the safetensors file that holds it (from the shard index when there is
+    one, else from the files' headers).
+
+    Raises:
+        UsageError: no safetensors file.
+    """
+    from safetensors import safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise UsageError(
+            f"--hf-dir {hf_dir} holds no *.safetensors file (PyTorch .bin weights are not read: "
+            "save the model with safe_serialization=True)"
+        )
+    found = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            found.update(dict.fromkeys(f.keys(), file))
+    return found
+
+
+def _check_sources(shape: HFShape, files: dict[str, Path], hf_dir: Path) -> None:
+    missing = [
+        n for link in links_for(shape, names=set(files)) for n in link.sources if n not in files
+    ]
+    if missing:
+        raise UsageError(
+            f"{hf_dir} lacks {len(missing)} tensor(s) a {shape.family} model has, e.g. "
+            f"{missing[0]}; is config.json the one of these weights?"
+        )
+
+
+def import_hf(*, hf_dir: Path, out: Path, progress: bool = True) -> list[str]:
+    """Convert the HF model in ``hf_dir`` to a checkpoint in ``out``; return its trainer flags.
+
+    Raises:
+        UsageError: an unsupported model, a missing tensor or a tensor of the wrong shape.
+    """
+    _require_safetensors()
+    from safetensors import safe_open
+
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out} is not empty; give a new folder for the checkpoint")
+    config = read_config(hf_dir)
+    flags = trainer_flags(config)
+    shape = hf_shape(config)
+    files = tensor_files(hf_dir)
+    _check_sources(shape, files, hf_dir)
+    with single_process(), contextlib.ExitStack() as stack:
+        _, model = build_model(flags, vocab_size=shape.vocab_size)
+        params = model.state_dict(keep_vars=True)
+        handles = {
+            f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())
+        }
+        links = links_for(shape, names=set(files))
+        for link in tqdm(links, desc="import", unit="tensor", disable=not progress):
+            tensors = [handles[files[name]].get_tensor(name) for name in link.sources]
+            _copy_into(params[link.key], link.to_mcore(tensors), key=link.key)
+        _check_all_filled(params, links)
+        out.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(
+            save_dir=str(out),
+            progress=TrainProgress(),
+            model=model,
+            optimizer=None,
+            scheduler=None,
+            save_optim=False,
+        )
+    (out / FLAGS_FILE).write_text(shlex.join(flags) + "\n")
+    (out / SOURCE_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return flags
+
+
+def _copy_into(param: torch.Tensor, value: torch.Tensor, *, key: str) -> None:
+    if param.shape != value.shape:
+        raise UsageError(
+            f"{key}: the weights give shape {tuple(value.shape)}, config.json's model "
+            f"{tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(value)  # cast to the model's dtype
+
+
+def _check_all_filled(params: dict, links: list) -> None:
+    tensors = {k for k, v in params.items() if isinstance(v, torch.Tensor)}
+    left = sorted(tensors - {link.key for link in links})
+    if left:  # a key this tool does not know keeps its random init: refuse, never ship it
+        raise UsageError(f"the model has tensors no HF tensor fills: {', '.join(left)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+
+class _NoOptimizer:
+    """The optimizer a weights-only load needs: the model's weights are its only parameters."""
+
+    def reload_model_params(self) -> None:
+        pass
+
+
+def model_flags(load: Path, extra: list[str]) -> list[str]:
+    """The trainer flags of the checkpoint in ``load``: ``extra`` when given, else those the
+    import wrote.
+
+    Raises:
+        UsageError: neither.
+    """
+    if extra:
+        return extra
+    path = load / FLAGS_FILE
+    if not path.is_file():
+        raise UsageError(
+            f"{load} has no {FLAGS_FILE}; give the model's trainer flags after the tool's "
+            "(e.g. --num-layers 32 --hidden-size 4096 ... --vocab-size N)"
+        )
+    return shlex.split(path.read_text())
+
+
+def load_model(
+    load: Path, *, flags: list[str], vocab_size: int, world_size: int = 1
+) -> tuple[RunConfig, torch.nn.Module]:
+    """The model of ``flags`` with the newest checkpoint in ``load``'s weights (see
+    :func:`build_model` for where to call it)."""
+    run, model = build_model(flags, vocab_size=vocab_size, world_size=world_size)
+    load_checkpoint(
+        load_dir=str(load),
+        model=model,
+        optimizer=_NoOptimizer(),
+        scheduler=None,
+        scope=WEIGHTS_ONLY,
+    )
+    return run, model
+
+
+def export_hf(
+    *,
+    load: Path,
+    out: Path,
+    family: str,
+    dtype: str = "float32",
+    flags: list[str] | None = None,
+    vocab_size: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write the checkpoint in ``load`` as an HF ``family`` model folder ``out`` (config.json
+    and model.safetensors in ``dtype``); return ``out``.
+
+    Raises:
+        UsageError: no flags or vocabulary size known, or a model the family cannot describe.
+    """
+    _require_safetensors()
+    from safetensors.torch import save_file
+
+    flags = model_flags(load, flags or [])
+    source = (
+        json.loads((load / SOURCE_CONFIG).read_text()) if (load / SOURCE_CONFIG).is_file() else None
+    )
+    vocab_size = vocab_size or (source or {}).get("vocab_size")
+    if not vocab_size:
+        raise UsageError(f"{load} has no {SOURCE_CONFIG}: give --vocab-size (the tokenizer's)")
+    with single_process():
+        run, model = load_model(load, flags=flags, vocab_size=vocab_size)
+        config = hf_config(family=family, run=run, vocab_size=vocab_size, base=source)
+        config["torch_dtype"] = dtype
+        shape = hf_shape(config)
+        if shape.padded_vocab != run.model.padded_vocab_size:
+            raise UsageError(
+                f"the checkpoint pads its vocabulary to {run.model.padded_vocab_size} rows; this "
+                f"tool exports models padded to a multiple of {VOCAB_DIVISIBLE_BY}"
+            )
+        params = model.state_dict(keep_vars=True)
+        tensors = {}
+        for link in tqdm(links_for(shape), desc="export", unit="tensor", disable=not progress):
+            param = params.pop(link.key)
+            parts = link.to_hf(param.detach())
+            tensors.update((n, t.to(DTYPES[dtype]).clone()) for n, t in zip(link.sources, parts))
+            param.data = param.data.new_empty(0)  # one copy of the model at a time
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
