@@ -58,6 +58,17 @@ class DataConfig:
     """Tokens per sample."""
     data_path: tuple[str, ...] = ()
     """Dataset prefixes, optionally weighted (0.7 a 0.3 b), as in Megatron-LM."""
+    data_args_path: str | None = None
+    """A text file holding the --data-path list (white-space separated), instead of --data-path."""
+    train_data_path: tuple[str, ...] = ()
+    """Training dataset prefixes, a blend like --data-path, used whole (no --split)."""
+    valid_data_path: tuple[str, ...] = ()
+    """Validation dataset prefixes, a blend like --data-path, used whole (no --split)."""
+    test_data_path: tuple[str, ...] = ()
+    """Test dataset prefixes, a blend like --data-path, used whole (no --split)."""
+    per_split_data_args_path: str | None = None
+    """A JSON file {"train": [...], "valid": [...], "test": [...]} holding the three per-split
+    blends, instead of --train-data-path, --valid-data-path and --test-data-path."""
     split: str | None = None
     """Train,valid,test proportions. Unset: 969,30,1, except that a part a small corpus would
     leave without a document is dropped (the test part, then the validation part unless
@@ -94,6 +105,16 @@ class DataConfig:
     --no-create-attention-mask-in-dataloader is therefore this trainer's behaviour."""
 
     @property
+    def per_split(self) -> bool:
+        """Train, valid and test come from their own prefixes (no --split)."""
+        return bool(
+            self.train_data_path
+            or self.valid_data_path
+            or self.test_data_path
+            or self.per_split_data_args_path
+        )
+
+    @property
     def split_or_default(self) -> str:
         """--split as given, else the default before it is fitted to a corpus."""
         return DEFAULT_SPLIT if self.split is None else self.split
@@ -105,8 +126,7 @@ class DataConfig:
         at_least(self.vocab_size, 1, "--vocab-size")
         if self.data_cache_path:
             check_writable_directory(self.data_cache_path, flag="--data-cache-path")
-        if self.mock_data == bool(self.data_path):
-            raise UsageError("give exactly one of --data-path PREFIX… or --mock-data")
+        self._check_sources()
         if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
             raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
         if self.tokenizer_type == "ByteTokenizer" and self.vocab_size not in (
@@ -123,9 +143,46 @@ class DataConfig:
         except ValueError as err:
             raise UsageError(str(err)) from None
 
+    def _check_sources(self) -> None:
+        """One source of tokens, as Megatron-LM: a blend split by --split, per-split blends, or
+        mock data."""
+        per_split_flags = self.train_data_path or self.valid_data_path or self.test_data_path
+        if self.data_path and self.data_args_path:
+            raise UsageError("give --data-path or --data-args-path, not both")
+        if per_split_flags and self.per_split_data_args_path:
+            raise UsageError(
+                "give --train-data-path/--valid-data-path/--test-data-path or "
+                "--per-split-data-args-path, not both"
+            )
+        if self.per_split and (self.data_path or self.data_args_path):
+            raise UsageError(
+                "per-split data paths (--train-data-path, --valid-data-path, --test-data-path, "
+                "--per-split-data-args-path) replace --data-path and --data-args-path; give one "
+                "kind"
+            )
+        if self.per_split and self.split is not None:
+            raise UsageError(
+                "per-split data paths are used whole and take no --split; drop --split"
+            )
+        sources = self.mock_data + bool(self.data_path or self.data_args_path) + self.per_split
+        if sources != 1:
+            raise UsageError(
+                "give exactly one of --data-path PREFIX… (or --data-args-path), per-split paths "
+                "(--train-data-path PREFIX… or --per-split-data-args-path), or --mock-data"
+            )
+        if self.per_split and not self.per_split_data_args_path and not self.train_data_path:
+            raise UsageError("per-split data paths need --train-data-path PREFIX…")
+
     def check_with(self, run: RunConfig) -> None:
-        """Packed rows (--variable-seq-lengths) run under DP, TP, PP and CP; refuse what they do
-        not support."""
+        """Evaluation needs validation data; packed rows (--variable-seq-lengths) run under DP,
+        TP, PP and CP: refuse what they do not support."""
+        # a per-split JSON file is read later: check_inputs checks its "valid" list
+        no_valid = not (self.per_split_data_args_path or self.valid_data_path)
+        if self.per_split and run.evaluation.enabled and no_valid:
+            raise UsageError(
+                "--eval-interval evaluates on validation data, which per-split paths take "
+                "from --valid-data-path; give it, or drop --eval-interval"
+            )
         if not self.variable_seq_lengths:
             return
         unsupported = {
@@ -138,6 +195,12 @@ class DataConfig:
             "--rampup-batch-size": run.train.rampup_batch_size is not None,
             "--step-batch-size-schedule": run.train.step_batch_size_schedule is not None,
             "a blend of several --data-path prefixes": len(self.data_path) > 1,
+            "a blend of several --train-data-path prefixes": len(self.train_data_path) > 1,
+            "--data-args-path": self.data_args_path is not None,
+            "--per-split-data-args-path": self.per_split_data_args_path is not None,
+            "--valid-data-path or --test-data-path (it reads --train-data-path only)": bool(
+                self.valid_data_path or self.test_data_path
+            ),
         }
         for what, present in unsupported.items():
             if present:

@@ -341,12 +341,15 @@ def _nothing_to_write(summary: PreprocessSummary, input_path: Path, encoder: _En
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+def parse_blend(
+    data_path: Sequence[str], *, flag: str = "--data-path"
+) -> tuple[list[str], list[float] | None]:
     """Parse Megatron's ``--data-path`` blend syntax.
 
     Args:
         data_path: Either prefixes (``["a", "b"]``, blended in proportion to their sizes) or
             alternating weights and prefixes (``["0.7", "a", "0.3", "b"]``).
+        flag: The flag the list came from, for the error messages.
 
     Returns:
         The prefixes and their weights (``None`` when none were given), as megatron-core's
@@ -356,20 +359,18 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None
         ValueError: The list is empty or a weight is negative or all weights are zero.
     """
     if not data_path:
-        raise ValueError("--data-path is empty; give at least one dataset prefix.")
+        raise ValueError(f"{flag} is empty; give at least one dataset prefix.")
     prefixes, weights = get_blend_from_list(list(data_path))
     numbers = [p for p in prefixes if _is_number(p) and not os.path.isfile(p + ".bin")]
     if weights is None and numbers:
         raise ValueError(
-            f"--data-path reads {numbers[0]} as a dataset prefix: weights and prefixes go in "
+            f"{flag} reads {numbers[0]} as a dataset prefix: weights and prefixes go in "
             f"pairs (0.7 a 0.3 b), or give prefixes only; got {len(data_path)} items."
         )
     if weights is not None and not all(math.isfinite(w) for w in weights):
-        raise ValueError(f"--data-path weights must be finite numbers, got {weights}.")
+        raise ValueError(f"{flag} weights must be finite numbers, got {weights}.")
     if weights is not None and (min(weights) < 0 or sum(weights) <= 0):
-        raise ValueError(
-            f"--data-path weights must be non-negative with a positive sum, got {weights}."
-        )
+        raise ValueError(f"{flag} weights must be non-negative with a positive sum, got {weights}.")
     return prefixes, weights
 
 
@@ -508,7 +509,7 @@ def _build_on_every_rank() -> bool:
 def build_gpt_datasets(
     *,
     data_path: list[str] | None,
-    split: str,
+    split: str | None,
     mock: bool,
     seq_length: int,
     seed: int,
@@ -518,6 +519,7 @@ def build_gpt_datasets(
     is_built_on_rank: Callable[[], bool] = _build_on_every_rank,
     mmap_bin_files: bool = True,
     create_attention_mask: bool = False,
+    blend_per_split: Sequence[Sequence[str]] | None = None,
 ) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
     """Build the train, valid and test datasets with megatron-core's blended dataset builder.
 
@@ -528,7 +530,8 @@ def build_gpt_datasets(
     Args:
         data_path: ``--data-path`` in Megatron's blend syntax (see ``parse_blend``).
         split: ``--split``, e.g. ``"969,30,1"``; a split with weight 0 is returned as ``None``.
-            megatron-core ignores it for mock data (always ``"1,1,1"``).
+            megatron-core ignores it for mock data (always ``"1,1,1"``). ``None`` with
+            ``blend_per_split``.
         mock: ``--mock-data``: synthetic documents, ``data_path`` must be ``None``. A mock split
             holds about a million samples whatever ``num_samples`` asks for.
         seq_length: ``--seq-length``; every sample has this many tokens (labels shifted by one).
@@ -541,6 +544,9 @@ def build_gpt_datasets(
         mmap_bin_files: ``--no-mmap-bin-files`` turns it off: samples are read with file reads.
         create_attention_mask: Each sample also holds megatron's causal ``attention_mask``
             ``[1, s, s]`` (bool, True = masked), one tensor shared by all samples.
+        blend_per_split: ``--train-data-path``, ``--valid-data-path``, ``--test-data-path``,
+            each a blend used whole (megatron-core's ``blend_per_split``); an empty one gives
+            ``None`` for its split. Replaces ``data_path`` and ``split``.
 
     Returns:
         ``(train, valid, test)``.
@@ -549,11 +555,15 @@ def build_gpt_datasets(
         ValueError: Inconsistent flags, a bad ``--split`` or a bad blend.
         FileNotFoundError: A ``.bin`` / ``.idx`` file of the blend is missing.
     """
-    check_split(split)
-    if mock == (data_path is not None):
-        raise ValueError("Pass exactly one of --data-path and --mock-data.")
-    blend = None
-    if not mock:
+    if mock + (data_path is not None) + (blend_per_split is not None) != 1:
+        raise ValueError("Pass exactly one of --data-path, per-split paths and --mock-data.")
+    blend = per_split = None
+    if blend_per_split is not None:
+        per_split = _parse_blend_per_split(blend_per_split, cache_dir=cache_dir)
+        split = None
+    else:
+        check_split(split)
+    if data_path is not None:
         blend = parse_blend(data_path)
         check_data_files(blend[0])
         _check_blend_cache(prefixes=blend[0], cache_dir=cache_dir)
@@ -561,6 +571,7 @@ def build_gpt_datasets(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=per_split,
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
@@ -577,6 +588,27 @@ def build_gpt_datasets(
     with _quiet_uncached_mock(mock and cache_dir is None):
         train, valid, test = builder.build()
     return train, valid, test
+
+
+PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+"""The flags of megatron-core's ``blend_per_split``, in its order."""
+
+
+def _parse_blend_per_split(
+    blends: Sequence[Sequence[str]], *, cache_dir: str | None
+) -> list[tuple[list[str], list[float] | None] | None]:
+    """megatron-core's ``blend_per_split``: a parsed blend per split, ``None`` for an empty one."""
+    if len(blends) != len(PER_SPLIT_FLAGS):
+        raise ValueError(f"blend_per_split needs one blend per split, got {len(blends)}.")
+    parsed = []
+    for flag, blend in zip(PER_SPLIT_FLAGS, blends):
+        if not blend:
+            parsed.append(None)
+            continue
+        parsed.append(parse_blend(blend, flag=flag))
+        check_data_files(parsed[-1][0])
+        _check_blend_cache(prefixes=parsed[-1][0], cache_dir=cache_dir)
+    return parsed
 
 
 @contextlib.contextmanager

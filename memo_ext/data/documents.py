@@ -171,4 +171,6 @@ def document_source(run: RunConfig, *, vocab_size: int) -> DocumentSource:
             vocab_size=vocab_size,
             seed=run.train.seed,
         )
-    return IndexedDocuments(run.data.data_path[0], mmap=run.data.mmap_bin_files)
+    # per-split paths: the packed rows read the training prefix (evaluation is refused there)
+    prefix = (run.data.train_data_path or run.data.data_path)[0]
+    return IndexedDocuments(prefix, mmap=run.data.mmap_bin_files)

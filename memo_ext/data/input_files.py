@@ -1,17 +1,18 @@
 """The files a run's flags name, checked before any process group, model or dataset exists:
-the datasets' ``.bin`` / ``.idx`` pairs against ``--split``, the tokenizer's files against
+the --data-args-path / --per-split-data-args-path lists (read into the run here), the datasets'
+``.bin`` / ``.idx`` pairs against ``--split``, the tokenizer's files against
 ``--vocab-size``, the estimator's calibration file. ``RunConfig.check`` reads no file; this does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
-from memo_ext.config import DEFAULT_SPLIT, RunConfig
+from memo_ext.config import DEFAULT_SPLIT, DataConfig, RunConfig
 from memo_ext.errors import UsageError
 from memo_ext.hardware import read_calibration
-
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def check_inputs(run: RunConfig) -> RunConfig:
     )
     from memo_ext.data.tokenizers import tokenizer_for
 
-    data = run.data
+    data = read_data_args(run.data)
     if data.tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
         tokenizer = tokenizer_for(data)
         if data.vocab_size is not None and data.vocab_size != tokenizer.vocab_size:
@@ -41,6 +42,9 @@ def check_inputs(run: RunConfig) -> RunConfig:
                 f"the tokenizer has {tokenizer.vocab_size} tokens but --vocab-size says "
                 f"{data.vocab_size}; drop --vocab-size"
             )
+    if data.per_split:
+        _check_per_split(data, evaluation=run.evaluation.enabled)
+        return _check_rest(dataclasses.replace(run, data=data))
     try:
         prefixes = parse_blend(data.data_path)[0] if data.data_path else []
         documents = {prefix: check_indexed_dataset(prefix) for prefix in prefixes}
@@ -70,6 +74,94 @@ def check_inputs(run: RunConfig) -> RunConfig:
                 check_split_documents(prefix, split, documents=count)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
+    return _check_rest(dataclasses.replace(run, data=dataclasses.replace(data, split=split)))
+
+
+def _check_rest(run: RunConfig) -> RunConfig:
     if run.preflight.calibration is not None:
         read_calibration(run.preflight.calibration)
-    return dataclasses.replace(run, data=dataclasses.replace(data, split=split))
+    return run
+
+
+def read_data_args(data: DataConfig) -> DataConfig:
+    """``data`` with --data-args-path read into --data-path and --per-split-data-args-path into
+    the three per-split paths (Megatron-LM's file formats); both file flags are then cleared.
+
+    Raises:
+        UsageError: naming the file and what is wrong with it.
+    """
+    if data.data_args_path is not None:
+        text = _read_text(data.data_args_path, flag="--data-args-path")
+        if not text.split():
+            raise UsageError(f"--data-args-path {data.data_args_path} lists no dataset prefix")
+        data = dataclasses.replace(data, data_path=tuple(text.split()), data_args_path=None)
+    if data.per_split_data_args_path is not None:
+        blends = _read_per_split(data.per_split_data_args_path)
+        data = dataclasses.replace(
+            data,
+            train_data_path=blends["train"],
+            valid_data_path=blends["valid"],
+            test_data_path=blends["test"],
+            per_split_data_args_path=None,
+        )
+    return data
+
+
+def _read_text(path: str, *, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(
+            f"{flag} {path} cannot be read ({err}); give an existing text file"
+        ) from None
+
+
+def _read_per_split(path: str) -> dict[str, tuple[str, ...]]:
+    """The train / valid / test blends of a per-split JSON file; a string value is split on white
+    space, as Megatron-LM does; a missing or null key is an empty blend."""
+    flag = "--per-split-data-args-path"
+    try:
+        loaded = json.loads(_read_text(path, flag=flag))
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{flag} {path} is not valid JSON ({err})") from None
+    if not isinstance(loaded, dict) or not set(loaded) <= {"train", "valid", "test"}:
+        raise UsageError(
+            f'{flag} {path} must hold one JSON object with keys "train", "valid" and "test"'
+        )
+    blends = {}
+    for name in ("train", "valid", "test"):
+        value = loaded.get(name) or []
+        if isinstance(value, str):
+            value = value.split()
+        if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+            raise UsageError(f'{flag} {path}: "{name}" must be a list of weights and prefixes')
+        blends[name] = tuple(str(v) for v in value)
+    if not blends["train"]:
+        raise UsageError(f'{flag} {path} names no "train" dataset prefix')
+    return blends
+
+
+def _check_per_split(data: DataConfig, *, evaluation: bool) -> None:
+    """Every prefix of every per-split blend: readable, with at least one document (each blend is
+    used whole, so no --split check applies)."""
+    from memo_ext.data.datasets import check_indexed_dataset, parse_blend
+
+    if evaluation and not data.valid_data_path:
+        raise UsageError(
+            "--eval-interval evaluates on validation data, which per-split paths take from "
+            '--valid-data-path (or the "valid" list); give it, or drop --eval-interval'
+        )
+    for flag, blend in (
+        ("--train-data-path", data.train_data_path),
+        ("--valid-data-path", data.valid_data_path),
+        ("--test-data-path", data.test_data_path),
+    ):
+        if not blend:
+            continue
+        try:
+            for prefix in parse_blend(blend, flag=flag)[0]:
+                if check_indexed_dataset(prefix) < 1:
+                    raise ValueError(f"{prefix} ({flag}) holds no document")
+        except (ValueError, FileNotFoundError) as err:
+            raise UsageError(str(err)) from None

@@ -447,11 +447,6 @@ HANDLING: dict[str, Handling] = {
     "--test-mode": refused("not implemented here"),
     "--skip-train": refused("evaluation-only runs are not implemented here"),
     # ---- data --------------------------------------------------------------------------------
-    "--train-data-path": refused("per-split data paths are not wired here; use --data-path"),
-    "--valid-data-path": refused("per-split data paths are not wired here; use --data-path"),
-    "--test-data-path": refused("per-split data paths are not wired here; use --data-path"),
-    "--data-args-path": refused("list the dataset prefixes in --data-path"),
-    "--per-split-data-args-path": refused("per-split data paths are not wired here"),
     "--encoder-seq-length": refused("encoder-decoder models are not supported here"),
     "--decoder-seq-length": refused("encoder-decoder models are not supported here"),
     "--retriever-seq-length": refused(GROUP_REASONS["biencoder"]),

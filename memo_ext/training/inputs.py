@@ -33,9 +33,10 @@ def build_batches(
     gbs = run.train.global_batch_size
     evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
     valid_samples = evals * run.evaluation.eval_iters * gbs
+    per_split = run.data.per_split
     train_ds, valid_ds, _ = build_gpt_datasets(
-        data_path=run.data.data_path or None,
-        split=run.data.split_or_default,
+        data_path=None if per_split else run.data.data_path or None,
+        split=None if per_split else run.data.split_or_default,
         mock=run.data.mock_data,
         seq_length=run.data.seq_length,
         seed=run.train.seed,
@@ -45,6 +46,11 @@ def build_batches(
         cache_dir=run.data.data_cache_path,
         mmap_bin_files=run.data.mmap_bin_files,
         create_attention_mask=run.data.create_attention_mask_in_dataloader,
+        blend_per_split=(
+            (run.data.train_data_path, run.data.valid_data_path, run.data.test_data_path)
+            if per_split
+            else None
+        ),
     )
 
     def iterate(dataset, consumed: int) -> Iterator:
@@ -61,7 +67,10 @@ def build_batches(
     valid = None
     if evals:
         if valid_ds is None:
-            raise ValueError("--eval-interval needs a validation split: give --split a valid part")
+            raise ValueError(
+                "--eval-interval needs a validation split: give --split a valid part or "
+                "--valid-data-path"
+            )
         done = progress.iteration // run.evaluation.eval_interval
         valid = iterate(valid_ds, done * run.evaluation.eval_iters * gbs)
     return iterate(train_ds, progress.consumed_samples), valid
