@@ -33,8 +33,11 @@ warnings.filterwarnings("ignore")
 
 from memo_ext.arguments import OneSentenceParser  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
-from memo_ext.hf.checkpoint import DTYPES, export_hf, import_hf  # noqa: E402
 from memo_ext.hf.weights import FAMILIES  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""``memo_ext.hf.checkpoint.DTYPES``'s names (that module imports megatron-core; a test checks
+they agree)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", type=Path, required=True, help="checkpoint folder (with tracker)")
     exp.add_argument("--out", type=Path, required=True, help="HF folder to write")
     exp.add_argument("--family", choices=FAMILIES, required=True)
-    exp.add_argument("--dtype", choices=list(DTYPES), default="float32", help="tensor dtype")
+    exp.add_argument("--dtype", choices=DTYPES, default="float32", help="tensor dtype")
     exp.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (imported: known)")
     return parser
 
 
 def run(argv: list[str]) -> None:
     args, extra = build_parser().parse_known_args(argv)
+    # the model and megatron-core, imported once the command line is good
+    from memo_ext.hf.checkpoint import export_hf, import_hf
+
     if args.command == "import":
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}")

@@ -107,6 +107,10 @@ class EvaluationConfig:
     """Evaluate on the validation split every N steps (never if unset)."""
     eval_iters: int = 10
     """Validation global batches per evaluation."""
+    eval_position_min_tokens: int = 64
+    """Width in tokens of the first position bucket of the validation loss by position
+    (val_loss_by_position: buckets [0, N), [N, 2N), [2N, 4N), ... up to --seq-length); 0 turns
+    it off."""
 
     @property
     def enabled(self) -> bool:
@@ -115,6 +119,7 @@ class EvaluationConfig:
     def check(self) -> None:
         at_least(self.eval_interval, 1, "--eval-interval")
         at_least(self.eval_iters, 0, "--eval-iters")
+        at_least(self.eval_position_min_tokens, 0, "--eval-position-min-tokens")
 
     def check_split(self, *, split: str, mock_data: bool) -> None:
         """Evaluation reads the validation part of --split (mock data has every part)."""

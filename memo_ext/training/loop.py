@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from megatron.core import parallel_state
@@ -69,6 +70,8 @@ from memo_ext.training.inputs import build_batches
 from memo_ext.training.metrics import StepMetrics
 from memo_ext.training.model import build_gpt_model, params_in_sync, wrap_for_data_parallel
 from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer, lr_for_logging
+from memo_ext.training.position_loss import METRICS_KEY as POSITION_KEY
+from memo_ext.training.position_loss import PositionLoss, position_bounds
 from memo_ext.training.report import (
     Reporter,
     TrainSummary,
@@ -279,9 +282,11 @@ def _connect_schedule_hooks(config, model, optimizer, *, finalizes_gradients: bo
         config.grad_scale_func = optimizer.optimizer.scale_loss
 
 
-def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> StepLoss:
-    """One global batch through megatron's schedule, or through the extension that runs a
-    training step's passes itself.
+def _forward_backward(
+    s: _Session, batches: Iterator, *, forward_only: bool, forward_step: Callable | None = None
+) -> StepLoss:
+    """One global batch through megatron's schedule (with ``forward_step``, else the session's),
+    or through the extension that runs a training step's passes itself.
 
     A training step takes the micro-batches of megatron-core's calculator (fewer while
     --rampup-batch-size ramps up); evaluation always the full global batch, as Megatron-LM.
@@ -299,7 +304,7 @@ def _forward_backward(s: _Session, batches: Iterator, *, forward_only: bool) -> 
         batches, num_microbatches = iter(rows), len(rows)
         lengths = [int(n) for row in rows for n in row["cu_seqlens"].diff().tolist() if n > 0]
     losses = s.forward_backward(
-        forward_step_func=s.forward_step,
+        forward_step_func=forward_step or s.forward_step,
         data_iterator=batches,
         model=[s.model],
         num_microbatches=num_microbatches,
@@ -341,17 +346,37 @@ def _train_one_step(s: _Session, *, global_batch: int) -> StepResult:
     )
 
 
-def evaluate(s: _Session) -> dict[str, float]:
-    """Mean loss over ``eval_iters`` validation global batches, and its perplexity."""
+def evaluate(s: _Session) -> dict:
+    """Mean loss over ``eval_iters`` validation global batches, its perplexity, and (unless
+    --eval-position-min-tokens 0) the mean loss per position bucket."""
     s.model.eval()
     pair = loss_pair([])
+    by_position = _maybe_position_loss(s)
+    forward_step = s.forward_step
+    if by_position is not None:
+        forward_step = partial(s.forward_step, position_loss=by_position)
     with torch.no_grad():
         for _ in range(s.run.evaluation.eval_iters):
-            pair += _forward_backward(s, s.valid_batches, forward_only=True).pair
+            out = _forward_backward(
+                s, s.valid_batches, forward_only=True, forward_step=forward_step
+            )
+            pair += out.pair
             maybe_empty_cache(s.run.cleanup, level=1)
     s.model.train()
     loss = mean_loss(pair)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+    figures = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+    if by_position is not None:
+        figures[POSITION_KEY] = by_position.reduce()
+    return figures
+
+
+def _maybe_position_loss(s: _Session) -> PositionLoss | None:
+    """An empty per-position accumulator for one evaluation, or None when turned off."""
+    min_tokens = s.run.evaluation.eval_position_min_tokens
+    if not min_tokens:
+        return None
+    bounds = position_bounds(seq_length=s.run.data.seq_length, min_tokens=min_tokens)
+    return PositionLoss(bounds, device=s.ctx.device)
 
 
 def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> TrainSummary:

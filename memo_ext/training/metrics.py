@@ -144,7 +144,9 @@ class MetricsWriter:
 
 
 class TensorBoardWriter:
-    """Scalars of each logged record under ``train/`` (``val/`` for validation), rank 0 only."""
+    """Scalars of each logged record under ``train/`` (``val/`` for validation), rank 0 only; a
+    record's dict of figures (``val_loss_by_position``) as one scalar per entry under its key,
+    e.g. ``val_loss_by_position/64-127``."""
 
     def __init__(self, log_dir: str | None):
         self.writer = None
@@ -162,6 +164,11 @@ class TensorBoardWriter:
             return
         step = record["iteration"]
         for key, value in record.items():
+            if isinstance(value, dict):
+                for name, figure in value.items():
+                    if isinstance(figure, (int, float)):
+                        self.writer.add_scalar(f"{key}/{name}", figure, step)
+                continue
             if key == "iteration" or not isinstance(value, (int, float)):
                 continue
             group = "val" if key.startswith("val_") else "train"

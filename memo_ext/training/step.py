@@ -16,12 +16,22 @@ from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
 
 from memo_ext.errors import UsageError
 from memo_ext.mcore.packed import build_packed_seq_params, cp_chunk_positions
+from memo_ext.training.position_loss import PositionLoss
 
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> LossOutput:
-    """Per-token losses ``[b, s_local]`` → (loss sum, token count, logged pair)."""
+def loss_func(
+    loss_mask: torch.Tensor,
+    output_tensor: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    position_loss: PositionLoss | None = None,
+) -> LossOutput:
+    """Per-token losses ``[b, s_local]`` → (loss sum, token count, logged pair); with
+    ``position_loss`` (evaluation) the losses are also added there by ``position_ids``."""
+    if position_loss is not None:
+        position_loss.add(output_tensor, loss_mask, position_ids)
     mask = loss_mask.float()
     loss_sum = (output_tensor.float() * mask).sum()
     num_tokens = mask.sum().to(torch.int)
@@ -84,8 +94,10 @@ def forward_step(
     *,
     device: torch.device,
     vocab_size: int | None = None,
+    position_loss: PositionLoss | None = None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
-    """megatron-core's ``forward_step_func``: model output and the loss closure."""
+    """megatron-core's ``forward_step_func``: model output and the loss closure (which also
+    adds the losses by position to ``position_loss`` when one is given)."""
     batch = load_micro_batch(
         data_iterator, device=device, cp_group=_cp_group(model), vocab_size=vocab_size
     )
@@ -106,7 +118,11 @@ def forward_step(
         labels=batch["labels"],
         packed_seq_params=packed,
     )
-    return output, partial(loss_func, batch["loss_mask"])
+    closure = partial(loss_func, batch["loss_mask"])
+    if position_loss is not None:
+        # this CP rank's positions: cut with the tokens, so each is its global position
+        closure = partial(closure, position_ids=batch["position_ids"], position_loss=position_loss)
+    return output, closure
 
 
 def _cp_group(model: torch.nn.Module):

@@ -23,6 +23,8 @@ TOOLS = (
     "tools.preprocess_data",
     "tools.flag_reference",
     "tools.megatron_flags",
+    "tools.plot_position_loss",
+    "tools.convert_hf",
 )
 
 # runs each entry point's main as its command line would, in one fresh interpreter, and prints
@@ -80,3 +82,12 @@ def test_the_package_filters_megatron_cores_notices_about_optional_kernels():
     )
     assert "not installed" not in out.stderr
     assert "still shown" in out.stderr
+
+
+def test_convert_hf_offers_what_the_converter_converts():
+    from memo_ext.hf.checkpoint import DTYPES
+    from memo_ext.hf.weights import FAMILIES
+    from tools import convert_hf
+
+    assert convert_hf.FAMILIES == FAMILIES
+    assert tuple(DTYPES) == convert_hf.DTYPES
