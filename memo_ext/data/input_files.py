@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 
-from memo_ext.config import DEFAULT_SPLIT, DataConfig, RunConfig
+from memo_ext.config import DEFAULT_SPLIT, DataConfig, RunConfig, check_regular_file
 from memo_ext.errors import UsageError
 from memo_ext.hardware import read_calibration
 
@@ -108,6 +108,7 @@ def read_data_args(data: DataConfig) -> DataConfig:
 
 
 def _read_text(path: str, *, flag: str) -> str:
+    check_regular_file(path, flag=flag)  # a FIFO would block the read
     try:
         with open(path, encoding="utf-8") as handle:
             return handle.read()

@@ -179,8 +179,9 @@ def _path_flags() -> list[str]:
     for _, cls, _ in SECTIONS:
         for f in cli_fields(cls):
             named = f.name.endswith(("_file", "_dir", "_path", "_cache", "_model"))
-            if (named or f.name in ("save", "load", "calibration")) and f.name != "data_path":
-                # data_path: dataset prefixes (prefix.bin, prefix.idx), checked as files
+            prefixes = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+            if (named or f.name in ("save", "load", "calibration")) and f.name not in prefixes:
+                # dataset prefixes (prefix.bin, prefix.idx) are checked as files
                 found.append(flag_name(f, prefix=getattr(cls, "FLAG_PREFIX", None)))
     return found
 
@@ -206,7 +207,9 @@ def test_a_fifo_for_any_path_flag_is_refused_without_hanging(tmp_path, flag):
         "--wandb-save-dir": ["--wandb-project", "p", "--wandb-exp-name", "e"],
         "--memo-plan-cache": ["--memo", "--memo-allocator", "plan", "--memo-keep-last-layers", "0"],
     }.get(flag, [])
-    result = run_job([*MODEL, "--mock-data", flag, str(fifo), *extra], nproc=1, timeout_s=60)
+    # the files that list datasets are the run's data source, instead of mock data
+    source = [] if flag in ("--data-args-path", "--per-split-data-args-path") else ["--mock-data"]
+    result = run_job([*MODEL, *source, flag, str(fifo), *extra], nproc=1, timeout_s=60)
     assert result.status == 2, result.describe()
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert str(fifo) in result.stderr.strip().splitlines()[-1]
