@@ -32,3 +32,19 @@ def test_fp32_cuda_matches_its_recomputation(tmp_path):
     for a, b in zip(plain, recomputed):
         # CUDA kernels may pick other algorithms on the recompute pass: TF32-free fp32 noise only
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+
+
+def test_a_checkpoint_saved_on_cuda_resumes_the_run(tmp_path):
+    # the save writes CUDA tensors from writer threads and gathers checksums over NCCL; the load
+    # verifies every checksum and goes on from the saved iteration
+    args = GPU_LLAMA + cli(num_layers=2, seq_length=1024, micro_batch_size=2, train_iters=4)
+    save = ["--bf16", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    first = launch_pretrain([*args, *save, "--exit-interval", "2"], nproc=1, workdir=tmp_path,
+                            name="first")  # fmt: skip
+    assert [r["iteration"] for r in first] == [1, 2]
+    assert (tmp_path / "ckpt" / "iter_0000002" / "manifest.json").is_file()
+    resumed = launch_pretrain([*args, *save, "--load", str(tmp_path / "ckpt")], nproc=1,
+                              workdir=tmp_path, name="resumed")  # fmt: skip
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert resumed[0]["consumed_samples"] == 3 * first[0]["global_batch_size"]
+    assert abs(resumed[0]["loss"] - first[-1]["loss"]) < 0.5
