@@ -10,6 +10,15 @@ suffix. Run from the repository root:
     # afterwards: --data-path data/corpus_text_document
 
 ``--tokenizer-type NullTokenizer --vocab-size V`` reads each text as space-separated integer ids.
+A pretrained model's tokenizer, with Megatron-LM's ids:
+
+    python -m tools.preprocess_data --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod
+
+    python -m tools.preprocess_data --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type TikTokenizer --tokenizer-model tokenizer.json --tiktoken-pattern v2 \\
+        --vocab-size 131072 --append-eod
+
 ``python tools/preprocess_data.py ...`` works the same.
 """
 
@@ -39,13 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     parser.add_argument(
-        "--vocab-size", type=int, default=None, help="Vocabulary size (NullTokenizer only)."
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer's vocabulary; TikTokenizer's ids in all (default 131072).",
     )
     parser.add_argument(
-        "--tokenizer-model", default=None, help="Local tokenizer.json (HuggingFaceTokenizer)."
+        "--tokenizer-model",
+        default=None,
+        help="Local tokenizer file: tokenizer.json (HuggingFaceTokenizer), SentencePiece "
+        "tokenizer.model (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer), "
+        "tiktoken vocabulary .json (TikTokenizer).",
     )
     parser.add_argument("--vocab-file", default=None, help="vocab.json (GPT2BPETokenizer).")
     parser.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer).")
+    parser.add_argument(
+        "--tiktoken-pattern", choices=("v1", "v2"), default=None, help="TikTokenizer's regex."
+    )
+    parser.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids before the file's tokens (default: 1000).",
+    )
+    parser.add_argument(
+        "--tiktoken-special-tokens",
+        nargs="+",
+        default=(),
+        help="TikTokenizer's special tokens (default: <unk> <s> </s>).",
+    )
     parser.add_argument(
         "--json-keys", nargs="+", default=["text"], help="Keys to tokenize (default: text)."
     )
@@ -94,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_model=args.tokenizer_model,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            tiktoken_pattern=args.tiktoken_pattern,
+            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+            tiktoken_special_tokens=args.tiktoken_special_tokens,
             json_keys=args.json_keys,
             append_eod=args.append_eod,
             workers=args.workers,

@@ -20,8 +20,20 @@ TOKENIZER_TYPES = (
     "NullTokenizer",
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
 )
 """--tokenizer-type choices (``memo_ext.data.tokenizers`` builds them; nothing is downloaded)."""
+MODEL_FILE_TOKENIZER_TYPES = (
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+)
+"""The tokenizers read from the --tokenizer-model file."""
 BYTE_VOCAB_SIZE = 257
 """ByteTokenizer's ids: 256 bytes and the end-of-document token."""
 
@@ -82,9 +94,19 @@ class DataConfig:
     """Tokenizer; nothing is downloaded. Unset with --vocab-file and --merge-file given:
     GPT2BPETokenizer (what Megatron-LM's GPT-3 scripts mean by those two files)."""
     vocab_size: int | None = None
-    """NullTokenizer vocabulary (other tokenizers fix their own)."""
+    """NullTokenizer vocabulary; TikTokenizer's ids in all, special tokens included (default
+    131072, as Megatron-LM). Other tokenizers fix their own."""
     tokenizer_model: str | None = None
-    """Local tokenizer.json, or a directory holding one (HuggingFaceTokenizer)."""
+    """Local tokenizer file: a tokenizer.json or a directory holding one (HuggingFaceTokenizer),
+    a SentencePiece tokenizer.model (SentencePieceTokenizer, GPTSentencePieceTokenizer,
+    Llama2Tokenizer), a tiktoken vocabulary .json in Megatron-LM's format (TikTokenizer)."""
+    tiktoken_pattern: Literal["v1", "v2"] | None = None
+    """TikTokenizer's text split: Megatron-LM's regex v1 or v2 (needed by TikTokenizer)."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids before the file's tokens, held by the special tokens and fillers."""
+    tiktoken_special_tokens: tuple[str, ...] = ()
+    """TikTokenizer's special tokens (ids 0, 1, ...), Megatron-LM's unknown, BOS and EOS tokens
+    among them; unset: just those three."""
     vocab_file: str | None = None
     """GPT-2 BPE vocab.json (GPT2BPETokenizer)."""
     merge_file: str | None = None
@@ -127,21 +149,30 @@ class DataConfig:
         if self.data_cache_path:
             check_writable_directory(self.data_cache_path, flag="--data-cache-path")
         self._check_sources()
-        if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
-            raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
-        if self.tokenizer_type == "ByteTokenizer" and self.vocab_size not in (
-            None,
-            BYTE_VOCAB_SIZE,
-        ):
-            raise UsageError(
-                f"--tokenizer-type ByteTokenizer has {BYTE_VOCAB_SIZE} tokens but --vocab-size "
-                f"says {self.vocab_size}; drop --vocab-size"
-            )
+        self._check_tokenizer()
         try:
             if self.split is not None:
                 check_split(self.split)
         except ValueError as err:
             raise UsageError(str(err)) from None
+
+    def _check_tokenizer(self) -> None:
+        """The flags each tokenizer type needs (its files are read by ``input_files``)."""
+        kind = self.tokenizer_type
+        if kind == "NullTokenizer" and self.vocab_size is None:
+            raise UsageError("--tokenizer-type NullTokenizer needs --vocab-size")
+        if kind == "ByteTokenizer" and self.vocab_size not in (None, BYTE_VOCAB_SIZE):
+            raise UsageError(
+                f"--tokenizer-type ByteTokenizer has {BYTE_VOCAB_SIZE} tokens but --vocab-size "
+                f"says {self.vocab_size}; drop --vocab-size"
+            )
+        if kind in MODEL_FILE_TOKENIZER_TYPES and not self.tokenizer_model:
+            raise UsageError(f"--tokenizer-type {kind} needs --tokenizer-model PATH")
+        if kind == "TikTokenizer" and self.tiktoken_pattern is None:
+            raise UsageError(
+                "--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 (the regex the "
+                "vocabulary was made with)"
+            )
 
     def _check_sources(self) -> None:
         """One source of tokens, as Megatron-LM: a blend split by --split, per-split blends, or

@@ -219,6 +219,9 @@ def preprocess_jsonl(
     tokenizer_model: str | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
+    tiktoken_special_tokens: Sequence[str] = (),
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     workers: int = 1,
@@ -234,9 +237,12 @@ def preprocess_jsonl(
         output_prefix: Outputs go to ``{output_prefix}_{key}_document.bin`` / ``.idx``.
         tokenizer_type: See ``memo_ext.data.tokenizers.build_tokenizer``.
         vocab_size: ``--vocab-size`` (``NullTokenizer`` only).
-        tokenizer_model: ``--tokenizer-model`` (``HuggingFaceTokenizer`` only).
+        tokenizer_model: ``--tokenizer-model`` (the file of a tokenizer read from one).
         vocab_file: ``--vocab-file`` (``GPT2BPETokenizer`` only).
         merge_file: ``--merge-file`` (``GPT2BPETokenizer`` only).
+        tiktoken_pattern: ``--tiktoken-pattern`` (``TikTokenizer`` only).
+        tiktoken_num_special_tokens: ``--tiktoken-num-special-tokens`` (``TikTokenizer`` only).
+        tiktoken_special_tokens: ``--tiktoken-special-tokens`` (``TikTokenizer`` only).
         json_keys: The keys to tokenize, one output dataset each.
         append_eod: Append the end-of-document id to every non-empty document.
         workers: Number of forked tokenizer processes (1 tokenizes in this process).
@@ -263,6 +269,9 @@ def preprocess_jsonl(
         tokenizer_model=tokenizer_model,
         vocab_file=vocab_file,
         merge_file=merge_file,
+        tiktoken_pattern=tiktoken_pattern,
+        tiktoken_num_special_tokens=tiktoken_num_special_tokens,
+        tiktoken_special_tokens=tiktoken_special_tokens,
     )
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     encoder = _Encoder(tokenizer, tuple(json_keys), append_eod, dtype)

@@ -35,7 +35,7 @@ def check_inputs(run: RunConfig) -> RunConfig:
     from memo_ext.data.tokenizers import tokenizer_for
 
     data = read_data_args(run.data)
-    if data.tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+    if data.tokenizer_type not in ("ByteTokenizer", "NullTokenizer"):  # read from files
         tokenizer = tokenizer_for(data)
         if data.vocab_size is not None and data.vocab_size != tokenizer.vocab_size:
             raise UsageError(

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from memo_ext.config.common import installed
+from memo_ext.config.data import TOKENIZER_TYPES
 from memo_ext.config.network import resolve_attention_backend
 from memo_ext.megatron_lm.flag_table import MegatronFlag
 
@@ -124,9 +125,8 @@ VALUE_MAPS: dict[str, Handling] = {
 """Flags of ours whose Megatron-LM values are spelled differently: rewritten before parsing."""
 
 VALUE_REASONS: dict[str, str] = {
-    "--tokenizer-type": "this trainer reads tokenizers from local files with the tokenizers "
-    "library (ByteTokenizer, NullTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer); convert a "
-    "SentencePiece / tiktoken model to a tokenizer.json",
+    "--tokenizer-type": "BERT word pieces and the multimodal and SFT tokenizers are not part of "
+    f"this pretraining trainer; it reads {', '.join(TOKENIZER_TYPES)}",
     "--position-embedding-type": "learned absolute, rotary and YaRN positions are implemented here",
     "--lr-decay-style": "megatron-core's scheduler styles other than this are not wired here",
     "--normalization": "LayerNorm and RMSNorm are implemented here",
@@ -475,9 +475,6 @@ HANDLING: dict[str, Handling] = {
     ),
     "--vocab-extra-ids": refused("not implemented here"),
     "--tokenizer-metadata": refused("not implemented here"),
-    "--tiktoken-pattern": no_effect("it belongs to TikTokenizer, not used here"),
-    "--tiktoken-num-special-tokens": no_effect("it belongs to TikTokenizer, not used here"),
-    "--tiktoken-special-tokens": no_effect("it belongs to TikTokenizer, not used here"),
     "--legacy-tokenizer": refused("not implemented here"),
     "--trust-remote-code": refused("nothing is downloaded or executed from a tokenizer here"),
     # ---- logging -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ trains.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,24 @@ def llama3(out: Path, *, fp8: bool) -> list[str]:
     return argv
 
 
+def _sentencepiece_model(path: Path) -> Path:
+    """A small SentencePiece tokenizer.model trained here (the scripts' Llama2Tokenizer reads
+    one; nothing is downloaded)."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(["the quick brown fox jumps over the lazy dog"] * 20),
+        model_writer=model,
+        vocab_size=40,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
+    )
+    path.write_bytes(model.getvalue())
+    return path
+
+
 def mixtral(out: Path) -> list[str]:
     """examples/mixtral/train_mixtral_8x7b_distributed.sh."""
     return [
@@ -102,7 +121,8 @@ def mixtral(out: Path) -> list[str]:
         *("--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"),
         *("--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"),
         *("--overlap-param-gather", "--overlap-grad-reduce"),
-        *("--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(out / "tok.model")),
+        *("--tokenizer-type", "Llama2Tokenizer"),
+        *("--tokenizer-model", str(_sentencepiece_model(out / "tok.model"))),
         *("--mock-data", "--split", "99990,8,2"),
         *("--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-4"),
         *("--train-iters", "3", "--lr-decay-iters", "320000", "--lr-decay-style", "cosine"),
@@ -135,7 +155,6 @@ SCRIPTS = {
             "--moe-aux-loss-coeff",
             "--moe-grouped-gemm",
             "--moe-token-dispatcher-type",
-            "--tokenizer-type",  # its --tokenizer-model is ours: left, and unread by ByteTokenizer
             "--expert-model-parallel-size",
         },
     ),

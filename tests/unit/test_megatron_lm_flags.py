@@ -7,6 +7,7 @@ import json
 import pytest
 
 from memo_ext.arguments import build_parser, parse_args
+from memo_ext.config import TOKENIZER_TYPES
 from memo_ext.errors import UsageError
 from memo_ext.megatron_lm.flag_table import DATA_FILE, megatron_flags, megatron_source
 from memo_ext.megatron_lm.handling import HANDLING, LATER_FLAGS, handling_of
@@ -126,7 +127,7 @@ def test_refused_flags_are_named_together_with_their_reasons():
         *SMALL_GPT,
         *("--num-experts", "8", "--moe-router-topk", "4"),
         *("--fp8-format", "hybrid", "--ckpt-format", "zarr"),
-        *("--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/x.model"),
+        *("--tokenizer-type", "BertWordPieceCase", "--tokenizer-model", "/x.model"),
     ]
     with pytest.raises(UsageError) as err:
         parse_args(argv, world_size=1)
@@ -138,21 +139,21 @@ def test_refused_flags_are_named_together_with_their_reasons():
         "--moe-router-topk",
         "--fp8-format",
         "--ckpt-format zarr",
-        "--tokenizer-type Llama2Tokenizer",
+        "--tokenizer-type BertWordPieceCase",
     ]
     assert "mixture-of-experts" in lines[0] and "torch_dist" in lines[3]
 
 
-@pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer"])
+@pytest.mark.parametrize("tokenizer_type", ["BertWordPieceLowerCase", "SFTTokenizer"])
 def test_a_refused_tokenizer_type_is_one_line_that_names_the_supported_ones(tokenizer_type):
-    """--tokenizer-model is ours (HuggingFaceTokenizer reads it): only the type is refused."""
+    """--tokenizer-model is ours (several tokenizers read it): only the type is refused."""
     argv = [*SMALL_GPT, "--tokenizer-type", tokenizer_type, "--tokenizer-model", "/x/tok.model"]
     with pytest.raises(UsageError) as err:
         parse_args(argv, world_size=1)
     head, line = str(err.value).splitlines()
     assert head == "1 Megatron-LM flag cannot run here; drop it:"
     assert line.startswith(f"  --tokenizer-type {tokenizer_type}: ")
-    assert "ByteTokenizer, NullTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer" in line
+    assert ", ".join(TOKENIZER_TYPES) in line
 
 
 def test_other_spellings_of_our_flags_are_ours(tmp_path):

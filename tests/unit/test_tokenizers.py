@@ -73,7 +73,7 @@ def test_null_tokenizer_rejects_bad_ids():
 
 def test_unknown_tokenizer_type_lists_valid_types():
     with pytest.raises(ValueError, match="ByteTokenizer, NullTokenizer, HuggingFaceTokenizer"):
-        build_tokenizer(tokenizer_type="SentencePieceTokenizer")
+        build_tokenizer(tokenizer_type="BertWordPieceCase")
 
 
 def test_the_data_docs_name_every_tokenizer_type():
