@@ -44,16 +44,39 @@ class DeviceSpec:
     )
     """Device memory capacity (given in GiB)."""
     host_link_gbps: float
-    """Achieved device ↔ host copy bandwidth per GPU and direction, GB/s (1e9 bytes)."""
+    """Achieved bandwidth of one host-link uplink (the PCIe switch's link to the CPU) per
+    direction, GB/s (1e9 bytes): what one GPU reaches copying alone."""
     nvlink_gbps: float
     """Achieved collective bus bandwidth inside a node, GB/s (NCCL ``busbw``)."""
     internode_gbps: float
     """Achieved network bandwidth per GPU between nodes, GB/s."""
     gpus_per_node: int = 8
     """GPUs sharing one node (one NVLink domain and one host memory)."""
+    gpus_per_host_link: int = 2
+    """GPUs behind one host-link uplink: GPUs copying at once share its bandwidth."""
+    numa_nodes: int = 2
+    """CPU sockets (NUMA nodes) of a node; the node's GPUs and uplinks split evenly among them.
+    Host buffers are assumed on their GPU's own socket (a copy crossing the socket link is
+    not modelled)."""
     hbm_gbps: float | None = None
     """Device memory bandwidth, GB/s (data sheet); bounds the speed of thin matrix products.
     ``None``: not modelled (matrix products run at the matmul efficiency whatever their shape)."""
+
+    def host_copy_gbps(self, gpus_copying: int) -> float:
+        """Device ↔ host bandwidth per GPU and direction, GB/s, while ``gpus_copying`` GPUs of a
+        node copy at once (MEMO's ranks all copy each layer's activations at the same time):
+        GPUs behind one uplink share it."""
+        sharing = max(1, min(self.gpus_per_host_link, gpus_copying))
+        return self.host_link_gbps / sharing
+
+    @property
+    def topology(self) -> str:
+        """The node as one line: GPUs, uplinks and sockets."""
+        links = self.gpus_per_node // max(1, self.gpus_per_host_link)
+        return (
+            f"{self.gpus_per_node} GPUs, {self.gpus_per_host_link} per host link of "
+            f"{self.host_link_gbps:g} GB/s ({links} links), {self.numa_nodes} sockets"
+        )
 
     @property
     def cuda_name(self) -> str:
@@ -68,8 +91,16 @@ class DeviceSpec:
 #   A100 / A800; H100 / H800 report 81,559 MiB); H200 reports 143,771 MiB.
 # - host link: PCIe Gen4 x16 is 32 GB/s per direction nominal, about 25 GB/s achieved with pinned
 #   memory (A100 / A800); Gen5 x16 is 64 GB/s nominal, about 50 GB/s achieved (H100 / H800 /
-#   H200). Assumption: one x16 link per GPU, not shared (on boards where two GPUs share a PCIe
-#   switch uplink, halve it with --host-link-gbps).
+#   H200).
+# - GPUs per host link: on the 8-GPU HGX / DGX boards of these parts (A100 / A800: DGX A100 and
+#   HGX A100 8-GPU; H100 / H800 / H200: DGX H100 / HGX H100 and H200 8-GPU) the GPUs sit in pairs
+#   behind PCIe switches, each switch with one x16 uplink to a CPU (NVIDIA's DGX A100 and DGX H100
+#   system architecture documents, their PCIe topology figures; ``nvidia-smi topo -m`` shows
+#   the pairs as PIX / PXB). Two GPUs copying at once get half an uplink each: 12.5 GB/s per GPU
+#   on A100 / A800. The MEMO paper's Fig. 1(b) (a 7B layer's offload hides under its forward
+#   beyond about 192K tokens at TP 8 on 8 A800) is consistent with that figure, not with 25
+#   (see docs/estimate.md, "Held against the MEMO paper").
+# - sockets: two CPUs per node on those boards, four GPUs (two uplinks) on each.
 # - NVLink: per-direction NVLink bandwidth (A100 300, A800 and H800 200, H100 / H200 450 GB/s)
 #   times about 0.8, what NCCL's all-gather / reduce-scatter bus bandwidth reaches on 8 GPUs.
 # - HBM: data sheets of the SXM parts: A100 / A800 80 GB 2,039 GB/s, H100 / H800 3,350 GB/s, H200
@@ -165,7 +196,8 @@ class Calibration:
     attention_efficiency: float
     """Achieved fraction of ``peak_tflops`` on attention FLOPs (causal half counted)."""
     host_link_gbps: float
-    """Achieved device ↔ host copy bandwidth per process, GB/s (the slower direction)."""
+    """Achieved device ↔ host copy bandwidth per GPU, GB/s (the slower direction), measured with
+    every GPU of the node copying at once (so uplinks shared by GPUs are shared here too)."""
     source: str = "microbenchmark"
     """How the efficiencies were found: ``microbenchmark`` (kernels timed alone) or ``fit``
     (least squares on the measured step times of real runs)."""

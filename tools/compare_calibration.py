@@ -27,7 +27,10 @@ def calibrate(comp: Comparison, results: Results) -> Calibration:
     """Kernels timed alone, then efficiencies fitted to every trained run's measured step."""
     kernels = comp.kernels or measure_kernels(comp.model, device="cpu")
     base = kernel_calibration(kernels, device=comp.device.name, peak_tflops=comp.device.peak_tflops)
-    device = dataclasses.replace(comp.device, host_link_gbps=base.host_link_gbps)
+    # measured with every GPU copying at once: the uplinks' sharing is in the figure
+    device = dataclasses.replace(
+        comp.device, host_link_gbps=base.host_link_gbps, gpus_per_host_link=1
+    )
     prior = dataclasses.replace(
         comp.efficiency, matmul=base.matmul_efficiency, attention=base.attention_efficiency
     )

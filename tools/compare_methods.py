@@ -392,6 +392,8 @@ def _device(args, model: ModelShape, launch: Launch):
             nvlink_gbps=kernels.host_link_gbps / 2,
             internode_gbps=1.0,
             gpus_per_node=launch.nproc_per_node,
+            gpus_per_host_link=1,  # a memory copy of the host: nothing shared to model
+            numa_nodes=1,
         )
         notes.append(
             "CPU: peak = measured fp32 square-matmul rate; the estimator models bf16 mixed "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,17 +98,56 @@ def attention_tflops(model: ModelShape, *, tokens: int, device, dtype, repeats: 
 
 
 def host_link_gbps(*, device, nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
-    """Achieved copy bandwidth between the device and (pinned) host memory, GB/s, the slower of
-    the two directions; on the CPU a plain memory copy (what MEMO's host copies are there)."""
-    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """Achieved copy bandwidth between the device and (pinned) host memory, GB/s per GPU, the
+    slower of the two directions, while every visible GPU copies at once (as MEMO's ranks do:
+    GPUs behind one PCIe switch share its uplink, ``DeviceSpec.gpus_per_host_link``); on the
+    CPU a plain memory copy (what MEMO's host copies are there)."""
     if device.type != "cuda":
+        source = torch.empty(nbytes, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
         seconds = _timed(lambda: target.copy_(source), device=device, repeats=repeats)
         return nbytes / seconds / 1e9
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d2h = _timed(lambda: host.copy_(source, non_blocking=True), device=device, repeats=repeats)
-    h2d = _timed(lambda: source.copy_(host, non_blocking=True), device=device, repeats=repeats)
-    return nbytes / max(d2h, h2d) / 1e9
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return min(concurrent_copy_gbps(devices, nbytes=nbytes, repeats=repeats).values())
+
+
+def concurrent_copy_gbps(
+    devices: list[torch.device], *, nbytes: int = COPY_BYTES, repeats: int = 5
+) -> dict[int, float]:
+    """Per device of ``devices`` (CUDA), GB/s of the slower direction while all of them copy
+    ``nbytes`` to and from pinned host memory at the same time (one thread per device, each
+    direction started together)."""
+    together = threading.Barrier(len(devices))
+    results: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def run(dev: torch.device) -> None:
+        try:
+            with torch.cuda.device(dev):
+                source = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                seconds = []
+                for copy in (
+                    lambda: host.copy_(source, non_blocking=True),
+                    lambda: source.copy_(host, non_blocking=True),
+                ):
+                    copy()
+                    torch.cuda.synchronize(dev)
+                    together.wait()
+                    seconds.append(_timed(copy, device=dev, repeats=repeats))
+                results[dev.index] = nbytes / max(seconds) / 1e9
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(err)
+            together.abort()
+
+    threads = [threading.Thread(target=run, args=(dev,)) for dev in devices]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 @dataclass(frozen=True)
@@ -296,4 +336,8 @@ def apply_calibration(
         matmul=min(1.0, calibration.matmul_efficiency * scale),
         attention=min(1.0, calibration.attention_efficiency * scale),
     )
-    return dataclasses.replace(device, host_link_gbps=calibration.host_link_gbps), calibrated
+    # the measured figure is per GPU with every GPU of the node copying: already shared
+    measured = dataclasses.replace(
+        device, host_link_gbps=calibration.host_link_gbps, gpus_per_host_link=1
+    )
+    return measured, calibrated

@@ -292,6 +292,7 @@ class MemoRuntime:
             acts, forward_s = self._measured_forward(layer, kwargs, groups)
         full, scaled = acts.host_bytes(0), acts.host_bytes(n) - acts.host_bytes(0)
         probe = self.pool.scratch(min(full + scaled, BANDWIDTH_PROBE_BYTES))
+        _start_together(layer)  # GPUs behind one host-link uplink measure it shared, as they copy
         gbps = measure_copy_gbps(self.engine, device=x.device, dst=probe)
         del probe  # back to the budget before the layers' buffers are taken
         self.cost = LayerCost(
@@ -421,6 +422,17 @@ def _resident_layers(layer) -> int:
     """Offloaded layer activations this process may hold at once."""
     offloaded, in_flight = stage_counts(layer)
     return offloaded * in_flight
+
+
+def _start_together(layer) -> None:
+    """Line up the ranks that run this layer in lockstep (its TP and CP groups, and the data
+    parallel replicas of its pipeline stage), so that their bandwidth probes overlap: ranks
+    behind one PCIe switch then see the uplink shared, as their layers' copies will. Groups
+    outside one pipeline stage are left alone (later stages reach their first layer later)."""
+    pgs = layer.pg_collection
+    for group in (pgs.tp, getattr(pgs, "dp_cp", None) or pgs.cp):
+        if group is not None and group.size() > 1:
+            all_reduce_values([0.0], group=group)
 
 
 def _agree_min(alpha: float, layer) -> float:

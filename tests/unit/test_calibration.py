@@ -119,7 +119,8 @@ def test_a_calibration_keeps_its_achieved_rates_on_another_peak():
 
 @pytest.mark.slow
 def test_tools_estimate_reads_the_file_as_its_flags(tmp_path, capsys):
-    """--calibration FILE gives the same estimate as the figures given as flags."""
+    """--calibration FILE gives the same estimate as the figures given as flags (its host link
+    is per GPU with every GPU copying: no uplink sharing left to charge)."""
     path = tmp_path / "cal.json"
     write_calibration(str(path), CAL)
     common = ["--model", "gpt-7b", "--gpu", "h200-141g", "--gpus", "8", "--method", "memo"]
@@ -127,7 +128,8 @@ def test_tools_estimate_reads_the_file_as_its_flags(tmp_path, capsys):
     assert estimate_tool.main([*common, "--calibration", str(path)]) == 0
     with_file = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     flags = ["--matmul-efficiency", "0.62", "--attention-efficiency", "0.41"]
-    assert estimate_tool.main([*common, *flags, "--host-link-gbps", "38.5"]) == 0
+    flags += ["--host-link-gbps", "38.5", "--gpus-per-host-link", "1"]
+    assert estimate_tool.main([*common, *flags]) == 0
     with_flags = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert with_file == with_flags
     assert estimate_tool.main(common) == 0
