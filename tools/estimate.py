@@ -126,7 +126,9 @@ def _inputs(args: argparse.Namespace):
     given = _given(args)
     model = model_shape(args.model, **given["shape"])
     model.check()
-    device, efficiency = device_spec(args.gpu), Efficiency(**given["model"])
+    # Megatron's methods are priced through the caching-allocator replay unless told otherwise
+    efficiency = Efficiency(caching_allocator=True, **given["model"])
+    device = device_spec(args.gpu)
     if args.calibration is not None:  # measured figures; flags given explicitly still win
         calibration = read_calibration(args.calibration)
         device, efficiency = apply_calibration(calibration, device=device, efficiency=efficiency)
@@ -200,7 +202,20 @@ def format_estimate(est: Estimate) -> str:
         (
             "device peak",
             f"{est.device_peak_bytes / gib:.2f} GiB of {est.device_usable_bytes / gib:.2f} usable "
-            f"({device_fit})",
+            f"({device_fit})" + (" allocated" if est.reserved_bytes is not None else ""),
+        ),
+        *(
+            [
+                (
+                    "caching allocator",
+                    f"{est.reserved_bytes / gib:.2f} GiB reserved, "
+                    f"{est.fragmentation_bytes / gib:.2f} GiB of it fragmentation, "
+                    f"{est.allocator_retries} empty-cache retries per step "
+                    f"({est.allocator_retry_s:.3f} s)",
+                )
+            ]
+            if est.reserved_bytes is not None
+            else []
         ),
         (
             "host (MEMO)",

@@ -97,6 +97,18 @@ def fake_parallel_state(tp: int) -> Iterator[None]:
     buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     parallel_state._GLOBAL_MEMORY_BUFFER = None
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        with global_parallel_state(tp):
+            yield
+    finally:
+        dist.destroy_process_group()
+        parallel_state._GLOBAL_MEMORY_BUFFER = buffer
+
+
+@contextlib.contextmanager
+def global_parallel_state(tp: int) -> Iterator[None]:
+    """megatron's global parallel state (TP ``tp``) on the fake world already initialised, for
+    the code that reads it rather than a process-group collection (its loss, its SP gathers)."""
     compat = cpu_compat() if not torch.cuda.is_available() else contextlib.nullcontext()
     try:
         with compat:
@@ -106,8 +118,6 @@ def fake_parallel_state(tp: int) -> Iterator[None]:
             yield
     finally:
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        parallel_state._GLOBAL_MEMORY_BUFFER = buffer
 
 
 @contextlib.contextmanager

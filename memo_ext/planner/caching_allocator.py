@@ -10,8 +10,10 @@ is reserved (torch 2.x defaults, one stream, no ``max_split_size_mb``):
   (large pool), otherwise the whole block is handed out;
 * with no fitting block a new segment is reserved: 2 MiB for small requests, 20 MiB for large
   requests under 10 MiB, and the request rounded up to 2 MiB otherwise;
-* a freed block merges with free neighbours of its segment; segments are never released (the
-  allocator only empties its cache on an out-of-memory error, which this replay never has).
+* a freed block merges with free neighbours of its segment; segments are never released, except
+  when a new segment would pass the device's limit (``limit_bytes``): the allocator then releases
+  every wholly free segment (``cudaFree``, as ``release_cached_blocks`` does) and tries again; if
+  the segment still does not fit, the request fails (:class:`OutOfMemory`).
 
 The reserved peak against the plan's peak is the fragmentation a static plan removes.
 """
@@ -56,6 +58,10 @@ class _Block:
     next: _Block | None = None
 
 
+class OutOfMemory(Exception):
+    """A request that does not fit under the limit even after the cache was emptied."""
+
+
 @dataclass
 class CachingAllocatorReplay:
     """What the caching allocator would do with a trace."""
@@ -73,13 +79,23 @@ class CachingAllocatorReplay:
 
 
 class CachingAllocatorModel:
-    """Best-fit pools with splitting and merging, as described in the module docstring."""
+    """Best-fit pools with splitting and merging, as described in the module docstring.
 
-    def __init__(self) -> None:
+    Args:
+        limit_bytes: most bytes the segments may reserve (``None``: no limit).
+    """
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
         self.pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
         self.live: dict[str, _Block] = {}
         self.report = CachingAllocatorReplay()
         self.reserved = self.allocated = 0
+        self.limit_bytes = limit_bytes
+        self.next_address = 0
+        self.retries = 0
+        """Times the cache was emptied to serve a request."""
+        self.segment_calls = 0
+        """Segments released by those retries plus the segments reserved right after them."""
 
     def malloc(self, tensor_id: str, size: int) -> int:
         """Serves a request; returns its address."""
@@ -117,11 +133,31 @@ class CachingAllocatorModel:
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         nbytes = segment_bytes(size)
-        address = sum(seg_size for _, seg_size in self.report.segments)
+        if self.limit_bytes is not None and self.reserved + nbytes > self.limit_bytes:
+            self.retries += 1
+            self.segment_calls += self.empty_cache() + 1
+            if self.reserved + nbytes > self.limit_bytes:
+                raise OutOfMemory(
+                    f"{nbytes} bytes more do not fit: {self.reserved} reserved of "
+                    f"{self.limit_bytes} after emptying the cache"
+                )
+        address = self.next_address
+        self.next_address += nbytes
         self.report.segments.append((address, nbytes))
         self.reserved += nbytes
         self.report.reserved_peak_bytes = max(self.report.reserved_peak_bytes, self.reserved)
         return _Block(address, nbytes, len(self.report.segments) - 1, small, free=False)
+
+    def empty_cache(self) -> int:
+        """Releases every wholly free segment (``torch.cuda.empty_cache``); returns how many."""
+        released = 0
+        for pool in self.pools.values():
+            whole = [entry for entry in pool if entry[2].prev is None and entry[2].next is None]
+            for _, _, block in whole:
+                self._remove_free(block)
+                self.reserved -= block.size
+                released += 1
+        return released
 
     def _split(self, block: _Block, size: int) -> None:
         rest = _Block(block.address + size, block.size - size, block.segment, block.small)

@@ -24,13 +24,18 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.spec_utils import build_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.mcore.tracing import fake_process_groups, tracing_environment
+from memo_ext.mcore.tracing import (
+    fake_process_groups,
+    global_parallel_state,
+    tracing_environment,
+)
 from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.trace import Alloc, Event, Free, Trace
 from memo_ext.shapes import padded_vocab_size
@@ -155,6 +160,14 @@ def _loss_forward(x, norm_weight, output_weight, labels, *, tp: int, sequence_pa
     return (torch.logsumexp(logits, dim=-1) - target).mean()
 
 
+def _megatron_loss_forward(x, norm_weight, output_weight, labels, *, tp: int, sequence_parallel):
+    x = F.layer_norm(x, x.shape[-1:], norm_weight)
+    if sequence_parallel:
+        x = tensor_parallel.gather_from_sequence_parallel_region(x)
+    logits = F.linear(x, output_weight)  # [s, b, vocab / tp], bf16
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).sum()
+
+
 def trace_transformer_layer(
     *,
     config,
@@ -166,6 +179,8 @@ def trace_transformer_layer(
     context: Callable[[], contextlib.AbstractContextManager] | None = None,
     host_storages: Callable[[torch.nn.Module], set[int]] | None = None,
     meta: dict | None = None,
+    recompute_layers: bool = False,
+    megatron_loss: bool = False,
 ) -> Trace:
     """Traces one iteration: embedding, ``num_layers`` layers forward, loss, and backward.
 
@@ -190,6 +205,14 @@ def trace_transformer_layer(
             (``untyped_storage()._cdata``) are host memory, such as MEMO's pinned buffers, and
             are left out of the trace.
         meta: further description stored in the trace.
+        recompute_layers: Megatron's full recomputation (``--recompute-granularity full
+            --recompute-method uniform --recompute-num-layers 1``): each layer pass runs
+            under megatron-core's ``tensor_parallel.checkpoint``, which keeps its input and runs
+            it again in backward. Selective recomputation is the config's
+            ``recompute_granularity``.
+        megatron_loss: the loss end as the trainer runs it: final norm, the SP gather, the
+            output layer and megatron-core's ``vocab_parallel_cross_entropy`` (bf16 logits, its
+            fp32 softmax saved for backward). Default: a plain fp32 log-sum-exp loss.
     """
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     sp = bool(config.sequence_parallel)
@@ -204,7 +227,8 @@ def trace_transformer_layer(
     dtype = config.params_dtype
     s_local, h = seq_length // cp, config.hidden_size
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_groups(tp=tp, cp=1) as groups, tracing_environment(), fake:
+    state = global_parallel_state(tp) if megatron_loss else contextlib.nullcontext()
+    with fake_process_groups(tp=tp, cp=1) as groups, state, tracing_environment(), fake:
         layer = build_module(spec, config, layer_number=1, pg_collection=groups)
         for param in layer.parameters():
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -224,13 +248,15 @@ def trace_transformer_layer(
                 back_tag = ("embedding_bwd", None) if k == 0 else ("bwd", k - 1)
                 x = TagMarker.apply(x, recorder, back_tag)
                 recorder.tag = ("fwd", k)
-                x, _ = layer(x, attention_mask=None)
+                if recompute_layers:
+                    x = tensor_parallel.checkpoint(_layer_output(layer), False, x)
+                else:
+                    x, _ = layer(x, attention_mask=None)
                 x = TagMarker.apply(x, recorder, ("bwd", k))
             if ends is not None:
                 recorder.tag = ("loss", None)
-                loss = _loss_forward(
-                    x, ends["norm"], ends["output"], tokens, tp=tp, sequence_parallel=sp
-                )
+                forward = _megatron_loss_forward if megatron_loss else _loss_forward
+                loss = forward(x, ends["norm"], ends["output"], tokens, tp=tp, sequence_parallel=sp)
                 recorder.tag = ("loss_bwd", None)
                 loss.backward()
             else:
@@ -256,6 +282,13 @@ def trace_transformer_layer(
             **(meta or {}),
         }
         return trace_module(run, context=context, meta=trace_meta)
+
+
+def _layer_output(layer):
+    def forward(x):
+        return layer(x, attention_mask=None)[0]
+
+    return forward
 
 
 def _build_ends(vocab_size: int | None, *, tp: int, h: int, s: int, dtype) -> dict | None:

@@ -1,0 +1,271 @@
+"""The baselines' device memory as PyTorch's caching allocator serves it.
+
+Megatron's methods (no recomputation, full, selective) allocate through PyTorch's caching
+allocator, which reserves more than is allocated (fragmentation) and, near the device's limit,
+empties its cache and retries (``cudaFree`` of every cached segment, which synchronises the
+device, then ``cudaMalloc`` again). MEMO serves its activations from a planned region instead.
+This module prices that difference:
+
+- :func:`iteration_fit` traces the busiest pipeline stage's iteration on fake tensors (the
+  planner's ``trace_transformer_layer``: embedding, the stage's layers, the loss, backward; full
+  recomputation as megatron-core's checkpoint of each layer, selective through the config) at two
+  lengths. Every tensor's size is affine in the tokens and the event order does not depend on
+  them, so one pair of traces gives the trace at any length (checked against a third trace in
+  ``tests/unit/test_fragmentation.py``).
+- :func:`replay_iteration` runs that trace through the caching-allocator model
+  (``memo_ext.planner.caching_allocator``) with the memory left beside the model states as its
+  limit: the pipeline's micro-batches in flight (1F1B), two iterations (the second starts from
+  the first's cache, as every later one does), and the empty-cache-and-retry of a request that
+  would pass the limit. Its outcome is the reserved peak, whether the run fits, and how often
+  it retried.
+
+Model states (weights, gradient buffer, optimizer state) are allocated once, in large buffers,
+before the first iteration; they are counted as reserved = allocated. Retry cost: an assumption
+of :data:`RETRY_SYNC_S` per empty-cache (the device drains its queue, the host stops issuing
+kernels) plus :data:`CUDA_CALL_S` per segment released or reserved again, order-of-magnitude
+figures of ``cudaFree`` / ``cudaMalloc`` on large segments; a calibration does not measure them.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+from memo_ext.parallel import ParallelLayout
+from memo_ext.planner.caching_allocator import CachingAllocatorModel, OutOfMemory
+from memo_ext.planner.trace import Alloc, Trace
+from memo_ext.shapes import ModelShape
+
+RETRY_SYNC_S = 5e-3
+"""One empty-cache-and-retry: a device synchronisation that drains the queue (assumption)."""
+CUDA_CALL_S = 1e-3
+"""One ``cudaFree`` or ``cudaMalloc`` of a large segment (assumption, order of magnitude)."""
+MAX_REPLAYED_MICROBATCHES = 2
+"""Micro-batches replayed beyond those in flight: enough for the steady state of 1F1B."""
+
+
+@dataclass(frozen=True)
+class IterationFit:
+    """An iteration's events with each allocation's size affine in the local tokens."""
+
+    t1: int
+    events: tuple[tuple[str, str, int, int], ...]
+    """``(op, id, size at t1, size at 2·t1)``; frees carry sizes 0."""
+    first_backward: int
+    """Index of the first backward event (the forward part is ``events[:first_backward]``)."""
+
+    def events_at(self, tokens: int) -> list[tuple[str, str, int]]:
+        """``(op, id, size)`` at ``tokens`` local tokens (at least 1 byte each)."""
+        out = []
+        for op, tid, low, high in self.events:
+            size = 0 if op == "free" else max(1, round(low + (high - low) * (tokens / self.t1 - 1)))
+            out.append((op, tid, size))
+        return out
+
+
+def _trace(
+    model: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    method: str,
+    tokens: int,
+    layers: int,
+    loss: bool,
+    micro_batch_size: int,
+) -> Trace:
+    from memo_ext.estimate.measure import method_overrides
+    from memo_ext.mcore.transformer_config import traced_transformer_config
+    from memo_ext.planner.capture import trace_transformer_layer
+
+    overrides = {k: v for k, v in method_overrides(method).items() if method == "selective"}
+    config = traced_transformer_config(
+        model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1, **overrides
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_transformer_layer(
+            config=config,
+            seq_length=tokens,
+            micro_batch_size=micro_batch_size,
+            num_layers=layers,
+            vocab_size=model.vocab_size if loss else None,
+            recompute_layers=method == "full",
+            megatron_loss=True,
+        )
+
+
+@functools.lru_cache(maxsize=128)
+def iteration_fit(
+    model: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    method: str,
+    layers: int,
+    loss: bool,
+    micro_batch_size: int = 1,
+) -> IterationFit:
+    """The iteration of ``layers`` layers (with the embedding and loss ends if ``loss``), traced
+    at two lengths, as an :class:`IterationFit` in local tokens (``s / cp``).
+
+    Raises:
+        ValueError: if the two traces' events differ in order (a size that is not affine in the
+            tokens would show there).
+    """
+    t1 = 2048 * (tp if sp else 1)
+    kw = dict(
+        tp=tp, sp=sp, method=method, layers=layers, loss=loss, micro_batch_size=micro_batch_size
+    )
+    low, high = (_trace(model, tokens=t, **kw).events for t in (t1, 2 * t1))
+    if len(low) != len(high):
+        raise ValueError(
+            f"the {method} iteration's trace has {len(low)} events at {t1} tokens "
+            f"but {len(high)} at {2 * t1}"
+        )
+    events, first_backward = [], None
+    for k, (a, b) in enumerate(zip(low, high)):
+        if type(a) is not type(b) or a.id != b.id:
+            raise ValueError(f"the {method} iteration's trace differs at event {k}: {a} / {b}")
+        if isinstance(a, Alloc):
+            if first_backward is None and a.phase in ("loss_bwd", "bwd", "embedding_bwd"):
+                first_backward = k
+            events.append(("alloc", a.id, a.size, b.size))
+        else:
+            events.append(("free", a.id, 0, 0))
+    return IterationFit(t1=t1, events=tuple(events), first_backward=first_backward or len(events))
+
+
+@dataclass(frozen=True)
+class AllocatorOutcome:
+    """What the caching allocator does with a stage's iterations under a memory limit."""
+
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    """Activations only (the model states come on top, reserved as allocated)."""
+    fits: bool
+    """No request failed after emptying the cache."""
+    retries: int
+    """Empty-cache-and-retry events in the last replayed iteration (each later one repeats it)."""
+    segment_calls: int
+    """``cudaFree`` + ``cudaMalloc`` calls those retries cost in the last iteration."""
+    microbatches: int = 1
+    """Micro-batches one replayed iteration runs."""
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return self.reserved_peak_bytes - self.allocated_peak_bytes
+
+    @property
+    def retry_s(self) -> float:
+        """Seconds per iteration the retries cost (:data:`RETRY_SYNC_S`, :data:`CUDA_CALL_S`)."""
+        return self.retries * RETRY_SYNC_S + self.segment_calls * CUDA_CALL_S
+
+
+def replayed_microbatches(in_flight: int) -> int:
+    """Micro-batches one replayed iteration runs with ``in_flight`` in flight (1F1B)."""
+    return in_flight + MAX_REPLAYED_MICROBATCHES - 1 if in_flight > 1 else 1
+
+
+def _schedule(fit: IterationFit, *, tokens: int, in_flight: int) -> list[tuple[str, str, int]]:
+    """One iteration of 1F1B on this stage: ``in_flight`` forwards, then backward / forward
+    pairs, then the last backwards; tensor ids made unique per micro-batch."""
+    events = fit.events_at(tokens)
+    forward, backward = events[: fit.first_backward], events[fit.first_backward :]
+    micro = replayed_microbatches(in_flight)
+    order = [("f", m) for m in range(min(in_flight, micro))]
+    next_forward = len(order)
+    for m in range(micro):
+        order.append(("b", m))
+        if next_forward < micro:
+            order.append(("f", next_forward))
+            next_forward += 1
+    out = []
+    for part, m in order:
+        for op, tid, size in forward if part == "f" else backward:
+            out.append((op, f"{tid}.{m}", size))
+    # tensors never freed in the trace (none in a full iteration) end with it
+    return out
+
+
+def replay_iteration(
+    fit: IterationFit,
+    *,
+    tokens: int,
+    in_flight: int,
+    limit_bytes: int | None,
+    iterations: int = 2,
+) -> AllocatorOutcome:
+    """Replays ``iterations`` iterations of the stage at ``tokens`` local tokens through the
+    caching-allocator model, with ``limit_bytes`` for the activations (``None``: no limit)."""
+    model = CachingAllocatorModel(limit_bytes=limit_bytes)
+    schedule = _schedule(fit, tokens=tokens, in_flight=in_flight)
+    fits = True
+    retries = calls = 0
+    for it in range(iterations):
+        retries_before, calls_before = model.retries, model.segment_calls
+        live = set()
+        try:
+            for op, tid, size in schedule:
+                key = f"{tid}/{it}"
+                if op == "alloc":
+                    model.malloc(key, size)
+                    live.add(key)
+                else:
+                    model.free(key)
+                    live.discard(key)
+        except OutOfMemory:
+            fits = False
+            break
+        for key in live:  # whatever the iteration leaves is released by its end
+            model.free(key)
+        retries, calls = model.retries - retries_before, model.segment_calls - calls_before
+    report = model.report
+    return AllocatorOutcome(
+        allocated_peak_bytes=report.allocated_peak_bytes,
+        reserved_peak_bytes=report.reserved_peak_bytes,
+        fits=fits,
+        retries=retries,
+        segment_calls=calls,
+        microbatches=replayed_microbatches(in_flight),
+    )
+
+
+def stage_replay(
+    model: ModelShape,
+    layout: ParallelLayout,
+    *,
+    method: str,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    limit_bytes: int | None,
+) -> AllocatorOutcome:
+    """The busiest stage under the caching allocator: with PP the first stage (its layers,
+    ``min(pp, micro-batches)`` in flight) and the last (its layers and the loss, one in flight),
+    whichever reserves more; without PP the whole model."""
+    stage_layers = model.num_layers // layout.pp
+    tokens = seq_length // layout.cp
+    kw = dict(
+        tp=layout.tp,
+        sp=layout.sp,
+        method=method,
+        layers=stage_layers,
+        micro_batch_size=micro_batch_size,
+    )
+    if layout.pp == 1:
+        fit = iteration_fit(model, loss=True, **kw)
+        return replay_iteration(fit, tokens=tokens, in_flight=1, limit_bytes=limit_bytes)
+    first = replay_iteration(
+        iteration_fit(model, loss=False, **kw),
+        tokens=tokens,
+        in_flight=min(layout.pp, num_microbatches),
+        limit_bytes=limit_bytes,
+    )
+    last = replay_iteration(
+        iteration_fit(model, loss=True, **kw), tokens=tokens, in_flight=1, limit_bytes=limit_bytes
+    )
+    if not first.fits or not last.fits:
+        return first if not first.fits else last
+    return max(first, last, key=lambda o: o.reserved_peak_bytes)
