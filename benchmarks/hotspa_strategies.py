@@ -1,4 +1,4 @@
-"""The HotSPa paper's workloads, predicted by the estimator's cost model: seven ways per step.
+"""The HotSPa paper's workloads, predicted by the estimator's cost model: eight ways per step.
 
 The workloads follow the HotSPa paper's (SOSP 2024) setup as we take it: LLaMA models of 7B, 13B
 and 30B parameters on 8 to 32 A800 GPUs (and H100 beside them) at 32K context, on CommonCrawl
@@ -34,6 +34,13 @@ unless bucketed):
   power-of-two PP that fits. Each shorter bucket then takes the first layout in the same order
   that fits next to home's model states (as the trainer holds them). Priced with
   ``evaluate_strategies``.
+- ``hotspa-artifact``: the layouts the HotSPa artifact itself trains with, (DP, TP, PP) per
+  bucket as its experiment scripts give them for 7B / 13B on 8 and 16 GPUs and its 32B on 32
+  (:data:`HOTSPA_ARTIFACT_LAYOUTS`; the 32B is ``--models hotspa-32b``, llama-30b with 64
+  heads). Only where ``--hotspa-buckets`` equals the artifact's (``4096,8192,16384,32768`` or
+  ``4096,16384,32768`` at 32K); elsewhere ``—``. Priced as ``paper-layouts`` is, with the run's
+  recomputation; where they do not fit, the cell reads ``✗ (speed-up)``: the speed-up they would
+  have were device memory no limit.
 - ``auto``: ours, ``choose_strategies(mode="switch", single=...)``: per-bucket layouts with
   switching, or the best single layout when switching does not pay.
 
@@ -123,7 +130,16 @@ QUICK = {
     "devices": ("a800-80g",),
     "distributions": ("commoncrawl", "control"),
 }
-STRATEGIES = ("packed-causal", "pad", "static", "static-cp", "dynamic-cp", "paper-layouts", "auto")
+STRATEGIES = (
+    "packed-causal",
+    "pad",
+    "static",
+    "static-cp",
+    "dynamic-cp",
+    "paper-layouts",
+    "hotspa-artifact",
+    "auto",
+)
 STATIC = ("static", "static-cp")
 """The strong static baseline is the faster of these."""
 
@@ -280,6 +296,166 @@ def paper_layouts(
     return evaluate_strategies(**price, bounds=bounds, stats=stats, layouts=layouts)
 
 
+HOTSPA_ARTIFACT = "github.com/ccchengff/HotSPa-AE@941a18db2716fa458e140aab012d71f71e5df941"
+HOTSPA_ARTIFACT_SCRIPT = "hotspa/scripts/exprs_for_paper/llama_hot_switch.sh"
+# The HotSPa artifact's own layouts: ccchengff/HotSPa-AE at commit
+# 941a18db2716fa458e140aab012d71f71e5df941, hotspa/scripts/exprs_for_paper/llama_hot_switch.sh
+# (the line numbers below are that file's). The paper's experiment scripts
+# commoncrawl/commoncrawl_{7b,13b}_{8,16}gpus.sh, commoncrawl/commoncrawl_32b_32gpus.sh and their
+# github/github_*.sh twins call it with the same model, GPUs, context and combination; only the
+# dataset (web/commoncrawl.json or code/github.json) differs, and the layouts do not depend on
+# it, so each row serves both datasets. Values are copied as the script writes them:
+# BUCKET_SIZES longest first down to 0, and ALL_PARALLEL_STRATEGY as "DP,TP,PP" (see
+# ``artifact_buckets`` for which bucket each one trains). Combinations: c1 has buckets
+# 4K / 16K / 32K, c2 4K / 8K / 16K / 32K (fewer where the context is shorter). As committed, the
+# script's GPU-count tests (``[ "${WORLD_SIZE}" = "8"]``, no space before ``]``) are errors in
+# bash, so it stops at "unsupport GPUs num"; the rows are the layouts it was written to run.
+HOTSPA_ARTIFACT_LAYOUTS: dict[tuple[str, int, str, int], tuple[str, str]] = {
+    # (artifact model, GPUs, combination, context): (BUCKET_SIZES, ALL_PARALLEL_STRATEGY)
+    ("7b", 8, "c1", 32768): ("32768 16384 4096 0", "1,4,2 8,1,1 2,2,2"),  # L42-44
+    ("7b", 8, "c1", 16384): ("16384 4096 0", "2,2,2 8,1,1"),  # L45-47
+    ("7b", 8, "c1", 8192): ("8192 4096 0", "2,2,2 8,1,1"),  # L48-50
+    ("7b", 8, "c1", 4096): ("4096 0", "8,1,1"),  # L51-53
+    ("7b", 16, "c1", 32768): ("32768 16384 4096 0", "2,4,2 16,1,1 4,4,1"),  # L59-61
+    ("7b", 16, "c1", 16384): ("16384 4096 0", "4,4,1 16,1,1"),  # L62-64
+    ("7b", 16, "c1", 8192): ("8192 4096 0", "4,4,1 16,1,1"),  # L65-67
+    ("7b", 16, "c1", 4096): ("4096 0", "16,1,1"),  # L68-70
+    ("13b", 8, "c1", 32768): ("32768 16384 4096 0", "1,8,1 4,2,1 1,4,2"),  # L81-83
+    ("13b", 8, "c1", 16384): ("16384 4096 0", "1,4,2 4,2,1"),  # L84-86
+    ("13b", 8, "c1", 8192): ("8192 4096 0", "1,4,2 4,2,1"),  # L87-89
+    ("13b", 8, "c1", 4096): ("4096 0", "4,2,1"),  # L90-92
+    ("13b", 16, "c1", 32768): ("32768 16384 4096 0", "2,8,1 8,2,1 4,4,1"),  # L98-100
+    ("13b", 16, "c1", 16384): ("16384 4096 0", "4,4,1 8,2,1"),  # L101-103
+    ("13b", 16, "c1", 8192): ("8192 4096 0", "4,4,1 8,2,1"),  # L104-106
+    ("13b", 16, "c1", 4096): ("4096 0", "8,2,1"),  # L107-109
+    ("32b", 32, "c1", 32768): ("32768 16384 4096 0", "1,16,2 4,2,4 2,8,2"),  # L120-122
+    ("32b", 32, "c1", 16384): ("16384 4096 0", "2,8,2 4,2,4"),  # L123-125
+    ("32b", 32, "c1", 8192): ("8192 4096 0", "2,8,2 4,2,4"),  # L126-128
+    ("32b", 32, "c1", 4096): ("4096 0", "4,2,4"),  # L129-131
+    ("7b", 8, "c2", 32768): ("32768 16384 8192 4096 0", "1,4,2 8,1,1 4,2,1 2,2,2"),  # L146-148
+    ("7b", 8, "c2", 16384): ("16384 8192 4096 0", "2,2,2 8,1,1 4,2,1"),  # L149-151
+    ("7b", 8, "c2", 8192): ("8192 4096 0", "4,2,1 8,1,1"),  # L152-154
+    ("7b", 8, "c2", 4096): ("4096 0", "8,1,1"),  # L155-157
+    ("7b", 16, "c2", 32768): ("32768 16384 8192 4096 0", "2,4,2 16,1,1 8,2,1 4,4,1"),  # L163-165
+    ("7b", 16, "c2", 16384): ("16384 8192 4096 0", "4,4,1 16,1,1 8,2,1"),  # L166-168
+    ("7b", 16, "c2", 8192): ("8192 4096 0", "8,2,1 16,1,1"),  # L169-171
+    ("7b", 16, "c2", 4096): ("4096 0", "16,1,1"),  # L172-174
+    ("13b", 8, "c2", 32768): ("32768 16384 8192 4096 0", "1,8,1 4,2,1 2,2,2 1,4,2"),  # L185-187
+    ("13b", 8, "c2", 16384): ("16384 8192 4096 0", "1,4,2 4,2,1 2,2,2"),  # L188-190
+    ("13b", 8, "c2", 8192): ("8192 4096 0", "2,2,2 4,2,1"),  # L191-193
+    ("13b", 8, "c2", 4096): ("4096 0", "4,2,1"),  # L194-196
+    ("13b", 16, "c2", 32768): ("32768 16384 8192 4096 0", "2,8,1 8,2,1 4,2,2 4,4,1"),  # L202-204
+    ("13b", 16, "c2", 16384): ("16384 8192 4096 0", "4,4,1 8,2,1 4,2,2"),  # L205-207
+    ("13b", 16, "c2", 8192): ("8192 4096 0", "4,2,2 8,2,1"),  # L208-210
+    ("13b", 16, "c2", 4096): ("4096 0", "8,2,1"),  # L211-213
+    ("32b", 32, "c2", 32768): ("32768 16384 8192 4096 0", "1,16,2 4,2,4 4,4,2 2,8,2"),  # L224-226
+    ("32b", 32, "c2", 16384): ("16384 8192 4096 0", "2,8,2 4,2,4 4,4,2"),  # L227-229
+    ("32b", 32, "c2", 8192): ("8192 4096 0", "4,4,2 4,2,4"),  # L230-232
+    ("32b", 32, "c2", 4096): ("4096 0", "4,2,4"),  # L233-235
+}
+ARTIFACT_MODELS = {"llama-7b": "7b", "llama-13b": "13b", "hotspa-32b": "32b"}
+"""Our model for each of the artifact's (same layers, hidden, FFN and heads; our shapes keep
+Llama's 32,000-token vocabulary where the artifact's has 30,592)."""
+EXTRA_MODELS = {
+    "hotspa-32b": dataclasses.replace(
+        MODELS["llama-30b"], name="hotspa-32b", num_attention_heads=64
+    )
+}
+"""The artifact's "32b" (llama_hot_switch.sh L13-18): llama-30b's 60 layers, hidden 6656 and FFN
+17920, but 64 heads of 104 channels where Llama's 30B has 52 of 128, which its TP 8 and TP 16
+layouts could not split. Same parameters and FLOPs as llama-30b."""
+
+
+def benchmark_model(name: str) -> ModelShape:
+    """A preset of ``memo_ext.shapes`` or one of :data:`EXTRA_MODELS`."""
+    return EXTRA_MODELS[name] if name in EXTRA_MODELS else model_shape(name)
+
+
+class NotInArtifact(StrategyError):
+    """The artifact has no layouts for this model, GPU count and buckets (not a fit failure)."""
+
+
+class ArtifactDoesNotFit(StrategyError):
+    """The artifact's layouts do not fit device memory as we price it; ``ignoring_memory`` is
+    their plan priced on a device without a memory limit (time only)."""
+
+    def __init__(self, message: str, *, ignoring_memory: StrategyPlan | None):
+        super().__init__(message)
+        self.ignoring_memory = ignoring_memory
+
+
+def artifact_buckets(bucket_sizes: str, strategies: str) -> tuple[list[int], list[ParallelLayout]]:
+    """One artifact row as (bounds, layouts), both shortest bucket first.
+
+    ``llama_hot_switch.py`` (``test_switch``) trains the longest bucket with strategy 0 and,
+    for ``i`` ≥ 1, strategy ``i`` on ``buckets[num_strategy - i]`` of the buckets listed longest
+    first: strategies 1, 2, … take the buckets from the shortest up. So with sizes
+    ``32768 16384 4096 0`` and ``1,4,2 8,1,1 2,2,2``, ≤4K runs DP 8, ≤16K DP 2 × TP 2 × PP 2 and
+    ≤32K DP 1 × TP 4 × PP 2.
+    """
+    bounds = sorted(int(s) for s in bucket_sizes.split() if int(s) > 0)
+    triples = [tuple(int(x) for x in s.split(",")) for s in strategies.split()]
+    layouts = [ParallelLayout(dp=dp, tp=tp, pp=pp, sp=tp > 1) for dp, tp, pp in triples]
+    return bounds, layouts[1:] + layouts[:1]
+
+
+def artifact_row(model: str, *, gpus: int, bounds: Sequence[int]) -> tuple[str, int, str, int]:
+    """The artifact row for ``model`` on ``gpus`` GPUs with these buckets: the first in
+    :data:`HOTSPA_ARTIFACT_LAYOUTS` (c1 before c2; at an 8K context both have buckets
+    4K / 8K and differ in layouts, and c1's is taken)."""
+    ours = ARTIFACT_MODELS.get(model)
+    rows = [key for key in HOTSPA_ARTIFACT_LAYOUTS if key[:2] == (ours, gpus)]
+    for key in rows:
+        if artifact_buckets(*HOTSPA_ARTIFACT_LAYOUTS[key])[0] == list(bounds):
+            return key
+    if ours is None:
+        why = f"the artifact trains only {', '.join(ARTIFACT_MODELS)} (its 32B is hotspa-32b)"
+    elif not rows:
+        counts = sorted({key[1] for key in HOTSPA_ARTIFACT_LAYOUTS if key[0] == ours})
+        why = f"the artifact trains {model} only on {', '.join(map(str, counts))} GPUs"
+    else:
+        known = sorted({HOTSPA_ARTIFACT_LAYOUTS[key][0] for key in rows})
+        why = f"the artifact's buckets for {model} on {gpus} GPUs are {'; '.join(known)}"
+    raise NotInArtifact(f"not in the artifact: {why}")
+
+
+def artifact_record(model: str, *, gpus: int, bounds: Sequence[int]) -> dict:
+    """Which artifact row a workload took, and its (DP, TP, PP) per bucket, shortest first."""
+    key = artifact_row(model, gpus=gpus, bounds=bounds)
+    _, layouts = artifact_buckets(*HOTSPA_ARTIFACT_LAYOUTS[key])
+    return {
+        "source": f"{HOTSPA_ARTIFACT} {HOTSPA_ARTIFACT_SCRIPT}",
+        **dict(zip(("model", "gpus", "combination", "context"), key)),
+        "dp_tp_pp": [[x.dp, x.tp, x.pp] for x in layouts],
+    }
+
+
+def artifact_layouts(
+    model: ModelShape,
+    device: DeviceSpec,
+    *,
+    gpus: int,
+    bounds: Sequence[int],
+    stats: Sequence[BucketStats],
+    method: str,
+) -> StrategyPlan:
+    """The artifact's (DP, TP, PP) per bucket, priced with ``evaluate_strategies`` as
+    ``paper-layouts`` is."""
+    key = artifact_row(model.name, gpus=gpus, bounds=bounds)
+    _, layouts = artifact_buckets(*HOTSPA_ARTIFACT_LAYOUTS[key])
+    price = dict(model=model, bounds=bounds, stats=stats, layouts=layouts, method=method)
+    try:
+        return evaluate_strategies(**price, device=device)
+    except StrategyError as err:
+        # the time alone: the same device with memory no object (no term but the fit uses it)
+        unlimited = dataclasses.replace(device, memory_bytes=1 << 50)
+        try:
+            plan = evaluate_strategies(**price, device=unlimited)
+        except StrategyError:
+            plan = None
+        raise ArtifactDoesNotFit(str(err), ignoring_memory=plan) from None
+
+
 def strategy_plans(
     model: ModelShape,
     device: DeviceSpec,
@@ -302,6 +478,9 @@ def strategy_plans(
         "static-cp": lambda: best_single(model, device, **single, stats=stats.single),
         "dynamic-cp": lambda: choose_strategies(**bucketed, world_size=gpus, mode="dynamic-cp"),
         "paper-layouts": lambda: paper_layouts(
+            model, device, gpus=gpus, bounds=bounds, stats=stats.bucketed, method=method
+        ),
+        "hotspa-artifact": lambda: artifact_layouts(
             model, device, gpus=gpus, bounds=bounds, stats=stats.bucketed, method=method
         ),
         "auto": lambda: choose_strategies(
@@ -404,9 +583,21 @@ def workload_method(model, device, *, gpus: int, stats: DistributionStats, conte
     return AUTO_METHODS[-1]
 
 
+def error_record(err: StrategyError, *, tokens_per_step: float) -> dict:
+    """Why a strategy has no plan: ``skipped`` (the artifact has no such row) or ``error`` (it
+    fits nothing), with the artifact's time ignoring memory where it does not fit."""
+    if isinstance(err, NotInArtifact):
+        return {"skipped": str(err)}
+    record = {"error": str(err)}
+    if getattr(err, "ignoring_memory", None):
+        plan = plan_record(err.ignoring_memory, tokens_per_step=tokens_per_step)
+        record["ignoring_memory"] = plan
+    return record
+
+
 def run_workload(workload: Workload, stats: DistributionStats, *, bounds, method: str) -> dict:
     """All strategies of one workload, with speedups and ``auto / best static``."""
-    model, device = model_shape(workload.model), device_spec(workload.device)
+    model, device = benchmark_model(workload.model), device_spec(workload.device)
     if method == "auto":
         method = workload_method(model, device, gpus=workload.gpus, stats=stats, context=bounds[-1])
     pricing = dict(model=model, device=device, method=method)
@@ -415,20 +606,22 @@ def run_workload(workload: Workload, stats: DistributionStats, *, bounds, method
         model, device, gpus=workload.gpus, stats=stats, bounds=bounds, method=method
     ):
         if isinstance(plan, StrategyError):
-            strategies[name] = {"error": str(plan)}
+            strategies[name] = error_record(plan, tokens_per_step=stats.tokens_per_step)
             continue
         strategies[name] = plan_record(plan, tokens_per_step=stats.tokens_per_step)
         strategies[name] |= worst_step_record(plan, priced_stats(name, plan, stats), **pricing)
+    if "skipped" not in strategies["hotspa-artifact"]:
+        where = dict(gpus=workload.gpus, bounds=bounds)
+        strategies["hotspa-artifact"]["artifact"] = artifact_record(workload.model, **where)
     step = {name: s["step_s"] for name, s in strategies.items() if "step_s" in s}
     statics = [name for name in STATIC if name in step]
     best_static = min(statics, key=step.get) if statics else None
-    for name, record in strategies.items():
-        if name not in step:
-            continue
+    priced = [r.get("ignoring_memory", r) for r in strategies.values()]
+    for record in (r for r in priced if "step_s" in r):
         if "packed-causal" in step:
-            record["speedup_vs_packed_causal"] = step["packed-causal"] / step[name]
+            record["speedup_vs_packed_causal"] = step["packed-causal"] / record["step_s"]
         if best_static:
-            record["speedup_vs_best_static"] = step[best_static] / step[name]
+            record["speedup_vs_best_static"] = step[best_static] / record["step_s"]
     ratio = None
     if best_static:  # auto refused where a static layout fits: it lost everything
         ratio = strategies["auto"].get("speedup_vs_best_static", 0.0)
@@ -473,6 +666,10 @@ def _key(record: dict) -> dict:
 
 def _speedup(record: dict, key: str = "speedup_vs_packed_causal") -> str:
     """``1.23×``; the step time where the baseline fits nothing."""
+    if "skipped" in record:
+        return "—"
+    if "ignoring_memory" in record:  # the artifact's layouts: their speed-up, memory aside
+        return f"✗ ({_speedup(record['ignoring_memory'], key)})"
     if "error" in record:
         return "does not fit"
     return f"{record[key]:.2f}×" if key in record else f"{record['step_s']:.2f} s"
@@ -541,8 +738,8 @@ def print_detail_table(workloads: Sequence[dict], out) -> None:
     for w in workloads:
         head = f"| {w['distribution']} | {w['model']} | {w['gpus']} | {w['device']} "
         for name, r in w["strategies"].items():
-            if "error" in r:
-                print(f"{head}| {name} | {r['error']} | | | | | |", file=out)
+            if "error" in r or "skipped" in r:
+                print(f"{head}| {name} | {r.get('error') or r['skipped']} | | | | | |", file=out)
                 continue
             print(
                 f"{head}| {name} | {';'.join(r['layouts'])} | {r['step_s']:.3f} | "
@@ -578,8 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=sorted(MODELS),
-        help="Default: llama-7b, llama-13b, llama-30b.",
+        choices=sorted([*MODELS, *EXTRA_MODELS]),
+        help="Default: llama-7b, llama-13b, llama-30b; hotspa-32b is the HotSPa artifact's 32B.",
     )
     parser.add_argument("--gpus", nargs="+", type=int, help="GPU counts (default: 8 16 32).")
     parser.add_argument(
@@ -716,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             "method": args.method,
             "baseline": "packed-causal: Megatron-LM packing (causal over whole rows), no CP; "
             "our stand-in for the HotSPa paper's baseline",
+            "hotspa_artifact": f"{HOTSPA_ARTIFACT} {HOTSPA_ARTIFACT_SCRIPT}",
         },
         "distributions": {},
         "workloads": [],

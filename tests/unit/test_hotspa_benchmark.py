@@ -1,5 +1,5 @@
 """``benchmarks/hotspa_strategies.py``: the length spec language, the CommonCrawl fit, cutting at
-the context, and a ``--quick --check`` run end to end."""
+the context, the HotSPa artifact's layouts, and a ``--quick --check`` run end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.hotspa_strategies import check_summary, main
+from benchmarks.hotspa_strategies import (
+    ARTIFACT_MODELS,
+    HOTSPA_ARTIFACT_LAYOUTS,
+    NotInArtifact,
+    artifact_buckets,
+    artifact_layouts,
+    artifact_row,
+    benchmark_model,
+    check_summary,
+    main,
+)
 from memo_ext.data.lengths import (
     BUILTIN_SPECS,
     COMMONCRAWL_SIGMA,
@@ -19,6 +29,8 @@ from memo_ext.data.lengths import (
     parse_spec,
     read_lengths_file,
 )
+from memo_ext.hardware import device_spec
+from memo_ext.hotspa.auto import BucketStats
 
 
 def test_spec_components_weights_and_argument_forms():
@@ -128,6 +140,64 @@ def test_lengths_file(tmp_path):
         read_lengths_file(str(tmp_path / "missing.txt"))
 
 
+def _triples(key):
+    _, layouts = artifact_buckets(*HOTSPA_ARTIFACT_LAYOUTS[key])
+    return [(x.dp, x.tp, x.pp) for x in layouts]
+
+
+def test_artifact_layouts_go_to_the_buckets_the_artifact_trains_them_on():
+    # the HotSPa artifact's CommonCrawl 32K runs, as its authors' configs list them per bucket,
+    # shortest first (stated by hand, not derived from the table)
+    bounds, _ = artifact_buckets(*HOTSPA_ARTIFACT_LAYOUTS[("7b", 8, "c1", 32768)])
+    assert bounds == [4096, 16384, 32768]
+    assert _triples(("7b", 8, "c1", 32768)) == [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
+    assert _triples(("32b", 32, "c1", 32768)) == [(4, 2, 4), (2, 8, 2), (1, 16, 2)]
+    assert _triples(("7b", 8, "c2", 32768)) == [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2)]
+
+
+def test_artifact_table_is_consistent():
+    # 5 model × GPU pairs, 2 combinations, 4 contexts; a transcription slip shows up here
+    assert len(HOTSPA_ARTIFACT_LAYOUTS) == 40
+    for (model, gpus, combination, context), row in HOTSPA_ARTIFACT_LAYOUTS.items():
+        bounds, layouts = artifact_buckets(*row)
+        assert bounds[-1] == context and len(layouts) == len(bounds)
+        assert all(x.dp * x.tp * x.pp == gpus for x in layouts), (model, gpus, combination)
+        # c1: 4K, 16K and the context; c2 adds 8K
+        lower = (4096, 8192, 16384) if combination == "c2" else (4096, 16384)
+        assert bounds == [b for b in lower if b < context] + [context]
+        ours = benchmark_model({v: k for k, v in ARTIFACT_MODELS.items()}[model])
+        for layout, length in zip(layouts, bounds):
+            layout.check_fits(ours, length)  # heads, FFN and layers divide
+
+
+def test_artifact_row_picks_by_buckets_and_says_why_not():
+    assert artifact_row("llama-13b", gpus=16, bounds=[4096, 16384, 32768])[2] == "c1"
+    assert artifact_row("llama-13b", gpus=16, bounds=[4096, 8192, 16384, 32768])[2] == "c2"
+    with pytest.raises(NotInArtifact, match="only on 8, 16 GPUs"):
+        artifact_row("llama-7b", gpus=32, bounds=[4096, 8192, 16384, 32768])
+    with pytest.raises(NotInArtifact, match="its 32B is hotspa-32b"):
+        artifact_row("llama-30b", gpus=32, bounds=[4096, 8192, 16384, 32768])
+    with pytest.raises(NotInArtifact, match="buckets for llama-7b on 8 GPUs are"):
+        artifact_row("llama-7b", gpus=8, bounds=[2048, 32768])
+
+
+def test_artifact_tp16_is_priced_on_the_network():
+    # the 32B's 32K bucket runs TP 16: two 8-GPU nodes, so its collectives cross the network;
+    # the same layouts on a (hypothetical) 16-GPU node keep them on NVLink and run faster
+    bounds = [4096, 16384, 32768]
+    stats = [BucketStats(rows=r, attention_fraction=0.1) for r in (60.0, 2.0, 1.0)]
+    price = dict(gpus=32, bounds=bounds, stats=stats, method="full")
+    a800 = device_spec("a800-80g")
+    two_nodes = artifact_layouts(benchmark_model("hotspa-32b"), a800, **price)
+    one_node = artifact_layouts(
+        benchmark_model("hotspa-32b"), device_spec("a800-80g", gpus_per_node=16), **price
+    )
+    assert [x.tp for x in two_nodes.layouts] == [2, 8, 16]
+    assert two_nodes.choices[-1].compute_s > 1.5 * one_node.choices[-1].compute_s
+    # the TP 2 and TP 8 buckets stay inside a node either way
+    assert two_nodes.choices[1].compute_s == pytest.approx(one_node.choices[1].compute_s)
+
+
 def test_check_fails_below_threshold():
     def workload(ratio, fits=True):
         key = dict(distribution="d", model="m", gpus=8, device="x")
@@ -164,8 +234,23 @@ def test_quick_check_end_to_end(tmp_path, capsys):
             "static-cp",
             "dynamic-cp",
             "paper-layouts",
+            "hotspa-artifact",
             "auto",
         }
+        # llama-7b on 8 GPUs at buckets 4K/8K/16K/32K: the artifact's combination c2
+        # (llama_hot_switch.sh L146-148), DP × TP × PP per bucket, shortest first
+        artifact = w["strategies"]["hotspa-artifact"]
+        assert artifact["artifact"]["combination"] == "c2"
+        assert artifact["artifact"]["dp_tp_pp"] == [[8, 1, 1], [4, 2, 1], [2, 2, 2], [1, 4, 2]]
+        # priced as given, or (where it does not fit) priced again with memory no limit
+        priced = artifact.get("ignoring_memory", artifact)
+        assert [b["layout"] for b in priced["buckets"]] == [
+            "dp8",
+            "dp4tp2",
+            "dp2tp2pp2",
+            "dp1tp4pp2",
+        ]
+        assert priced["speedup_vs_packed_causal"] > 0
         auto, best = w["strategies"]["auto"], w["strategies"][w["best_static"]]
         assert w["auto_vs_best_static"] == pytest.approx(best["step_s"] / auto["step_s"])
         assert w["auto_vs_best_static"] >= 0.99
@@ -184,5 +269,6 @@ def test_quick_check_end_to_end(tmp_path, capsys):
     assert summary["passed"] and summary["checked"] == 2
     printed = capsys.readouterr()
     assert "| commoncrawl | llama-7b | 8 | a800-80g |" in printed.out
+    assert "| paper-layouts | hotspa-artifact | auto |" in printed.out
     assert "auto / best static: min" in printed.out
     assert "[2/2] control" in printed.err
