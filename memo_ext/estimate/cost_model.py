@@ -36,7 +36,7 @@ METHODS = ("none", "full", "selective", "memo")
 #   peak on A100 / H100 in cuBLAS.
 # - attention (FITTED): 0.53 is the value at which the estimator gives the MEMO paper's measured
 #   52.30% MFU for 7B at 1M tokens on 8 × A800 (``python -m benchmarks.paper_table --fit``
-#   finds it: 52.4% at 0.53). The FlashAttention-2 paper's own A100 benchmark (causal forward +
+#   finds it: 52.2% at 0.53). The FlashAttention-2 paper's own A100 benchmark (causal forward +
 #   backward, head dim 128, ~190 TFLOP/s) suggests about 0.60, which predicts 58.9% there; the
 #   difference (kernel in the paper's stack, A800 clocks, 4 heads per GPU at 1M tokens) is not
 #   separated. Only that one figure was used; docs/estimate.md lists what it predicts beside
@@ -837,6 +837,7 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
             micro_batch_size=batch.micro_batch_size,
             num_microbatches=batch.num_microbatches,
             limit_bytes=max(0, usable - states),
+            loss_chunks=eff.loss_chunks,
         )
         # the replay's iteration holds every allocation in order: where it runs out, not the
         # sum of the peaks, is the limit

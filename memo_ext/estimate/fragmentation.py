@@ -74,6 +74,7 @@ def _trace(
     layers: int,
     loss: bool,
     micro_batch_size: int,
+    loss_chunks: int = 1,
 ) -> Trace:
     from memo_ext.estimate.measure import method_overrides
     from memo_ext.mcore.transformer_config import traced_transformer_config
@@ -93,6 +94,7 @@ def _trace(
             vocab_size=model.vocab_size if loss else None,
             recompute_layers=method == "full",
             megatron_loss=True,
+            loss_chunks=loss_chunks if loss else 1,
         )
 
 
@@ -106,9 +108,11 @@ def iteration_fit(
     layers: int,
     loss: bool,
     micro_batch_size: int = 1,
+    loss_chunks: int = 1,
 ) -> IterationFit:
-    """The iteration of ``layers`` layers (with the embedding and loss ends if ``loss``), traced
-    at two lengths, as an :class:`IterationFit` in local tokens (``s / cp``).
+    """The iteration of ``layers`` layers (with the embedding and loss ends if ``loss``, the
+    loss over ``loss_chunks`` slices as the trainer's ``--loss-chunks``), traced at two lengths,
+    as an :class:`IterationFit` in local tokens (``s / cp``).
 
     Raises:
         ValueError: if the two traces' events differ in order (a size that is not affine in the
@@ -116,7 +120,13 @@ def iteration_fit(
     """
     t1 = 2048 * (tp if sp else 1)
     kw = dict(
-        tp=tp, sp=sp, method=method, layers=layers, loss=loss, micro_batch_size=micro_batch_size
+        tp=tp,
+        sp=sp,
+        method=method,
+        layers=layers,
+        loss=loss,
+        micro_batch_size=micro_batch_size,
+        loss_chunks=loss_chunks,
     )
     low, high = (_trace(model, tokens=t, **kw).events for t in (t1, 2 * t1))
     if len(low) != len(high):
@@ -241,10 +251,12 @@ def stage_replay(
     micro_batch_size: int,
     num_microbatches: int,
     limit_bytes: int | None,
+    loss_chunks: int = 1,
 ) -> AllocatorOutcome:
     """The busiest stage under the caching allocator: with PP the first stage (its layers,
     ``min(pp, micro-batches)`` in flight) and the last (its layers and the loss, one in flight),
-    whichever reserves more; without PP the whole model."""
+    whichever reserves more; without PP the whole model. ``loss_chunks``: the trainer's
+    ``--loss-chunks``."""
     stage_layers = model.num_layers // layout.pp
     tokens = seq_length // layout.cp
     kw = dict(
@@ -255,7 +267,7 @@ def stage_replay(
         micro_batch_size=micro_batch_size,
     )
     if layout.pp == 1:
-        fit = iteration_fit(model, loss=True, **kw)
+        fit = iteration_fit(model, loss=True, loss_chunks=loss_chunks, **kw)
         return replay_iteration(fit, tokens=tokens, in_flight=1, limit_bytes=limit_bytes)
     first = replay_iteration(
         iteration_fit(model, loss=False, **kw),
@@ -264,7 +276,10 @@ def stage_replay(
         limit_bytes=limit_bytes,
     )
     last = replay_iteration(
-        iteration_fit(model, loss=True, **kw), tokens=tokens, in_flight=1, limit_bytes=limit_bytes
+        iteration_fit(model, loss=True, loss_chunks=loss_chunks, **kw),
+        tokens=tokens,
+        in_flight=1,
+        limit_bytes=limit_bytes,
     )
     if not first.fits or not last.fits:
         return first if not first.fits else last

@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import build_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.tracing import (
@@ -160,12 +161,28 @@ def _loss_forward(x, norm_weight, output_weight, labels, *, tp: int, sequence_pa
     return (torch.logsumexp(logits, dim=-1) - target).mean()
 
 
-def _megatron_loss_forward(x, norm_weight, output_weight, labels, *, tp: int, sequence_parallel):
+def _megatron_loss_forward(
+    x, norm_weight, output_weight, labels, *, tp: int, sequence_parallel, chunks: int = 1
+):
+    def chunk_loss(part, part_labels):
+        if sequence_parallel:
+            part = tensor_parallel.gather_from_sequence_parallel_region(part)
+        logits = F.linear(part, output_weight)  # [s, b, vocab / tp], bf16
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, part_labels).sum()
+
+    labels = labels.transpose(0, 1)
+    if chunks == 1:
+        return chunk_loss(F.layer_norm(x, x.shape[-1:], norm_weight), labels)
     x = F.layer_norm(x, x.shape[-1:], norm_weight)
-    if sequence_parallel:
-        x = tensor_parallel.gather_from_sequence_parallel_region(x)
-    logits = F.linear(x, output_weight)  # [s, b, vocab / tp], bf16
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).sum()
+    # the trainer's --loss-chunks (memo_ext.mcore.gpt): the output layer and the loss over
+    # slices of the local rows, each recomputed in backward; the labels' shape is what counts
+    local, ranks = x.size(0), tp if sequence_parallel else 1
+    bounds = [local * i // chunks for i in range(chunks + 1)]
+    return sum(
+        checkpoint(chunk_loss, x[a:b], labels[: (b - a) * ranks], use_reentrant=False)
+        for a, b in zip(bounds[:-1], bounds[1:])
+        if b > a
+    )
 
 
 def trace_transformer_layer(
@@ -181,6 +198,7 @@ def trace_transformer_layer(
     meta: dict | None = None,
     recompute_layers: bool = False,
     megatron_loss: bool = False,
+    loss_chunks: int = 1,
 ) -> Trace:
     """Traces one iteration: embedding, ``num_layers`` layers forward, loss, and backward.
 
@@ -213,6 +231,8 @@ def trace_transformer_layer(
         megatron_loss: the loss end as the trainer runs it: final norm, the SP gather, the
             output layer and megatron-core's ``vocab_parallel_cross_entropy`` (bf16 logits, its
             fp32 softmax saved for backward). Default: a plain fp32 log-sum-exp loss.
+        loss_chunks: with ``megatron_loss``, the trainer's ``--loss-chunks``: the output layer
+            and loss over that many sequence slices, each recomputed in backward.
     """
     tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
     sp = bool(config.sequence_parallel)
@@ -255,8 +275,20 @@ def trace_transformer_layer(
                 x = TagMarker.apply(x, recorder, ("bwd", k))
             if ends is not None:
                 recorder.tag = ("loss", None)
-                forward = _megatron_loss_forward if megatron_loss else _loss_forward
-                loss = forward(x, ends["norm"], ends["output"], tokens, tp=tp, sequence_parallel=sp)
+                if megatron_loss:
+                    loss = _megatron_loss_forward(
+                        x,
+                        ends["norm"],
+                        ends["output"],
+                        tokens,
+                        tp=tp,
+                        sequence_parallel=sp,
+                        chunks=loss_chunks,
+                    )
+                else:
+                    loss = _loss_forward(
+                        x, ends["norm"], ends["output"], tokens, tp=tp, sequence_parallel=sp
+                    )
                 recorder.tag = ("loss_bwd", None)
                 loss.backward()
             else:

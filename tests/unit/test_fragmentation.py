@@ -103,6 +103,22 @@ def test_the_iteration_fit_equals_a_third_trace(method):
             assert event.size == size
 
 
+def test_the_trainers_loss_chunks_are_traced_and_fitted():
+    """--loss-chunks: the output layer and loss by slices, each recomputed in backward."""
+    kw = dict(tp=2, sp=True, method="full", layers=2, loss=True)
+    fit = iteration_fit(SMALL, loss_chunks=4, **kw)
+    tokens = 3 * fit.t1
+    direct = _trace(SMALL, tokens=tokens, micro_batch_size=1, loss_chunks=4, **kw).events
+    sizes = [size for op, _, size in fit.events_at(tokens) if op == "alloc"]
+    assert sizes == [e.size for e in direct if hasattr(e, "size")]
+    whole = iteration_fit(SMALL, **kw)
+    peaks = [
+        replay_iteration(f, tokens=tokens, in_flight=1, limit_bytes=None).allocated_peak_bytes
+        for f in (whole, fit)
+    ]
+    assert peaks[1] < peaks[0]
+
+
 def test_full_recomputation_allocates_less_than_storing_everything():
     kw = dict(tp=1, sp=False, layers=4, loss=True)
     tokens = 8192
