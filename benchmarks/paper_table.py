@@ -266,11 +266,15 @@ def _layout(row: dict) -> str:
 
 def print_tables(rows: list[dict], checks: list[dict], *, markdown: bool, out=sys.stdout):
     if markdown:
-        print("| model / GPUs | method | max seq | MFU | fragmentation GiB | layout |", file=out)
-        print("|---|---|---:|---:|---:|---|", file=out)
+        print(
+            "| model / GPUs | method | max seq | MFU | fragmentation GiB | retries / step "
+            "| layout |",
+            file=out,
+        )
+        print("|---|---|---:|---:|---:|---:|---|", file=out)
     for row in rows:
         if "max_seq_length" not in row:
-            cells = [f"{row['model']} / {row['gpus']}", row["method"], "none fits", "", "", ""]
+            cells = [f"{row['model']} / {row['gpus']}", row["method"], "none fits", "", "", "", ""]
         else:
             frag = row.get("fragmentation_bytes")
             cells = [
@@ -279,6 +283,7 @@ def print_tables(rows: list[dict], checks: list[dict], *, markdown: bool, out=sy
                 f"{row['max_seq_length']:,}",
                 f"{100 * row['mfu']:.1f}%",
                 "—" if frag is None else f"{frag / GIB:.2f}",
+                "—" if frag is None else str(row["allocator_retries"]),
                 _layout(row),
             ]
         print(
@@ -336,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                     alpha=est.alpha,
                     keep_last_layers=est.keep_last_layers,
                     fragmentation_bytes=est.fragmentation_bytes,
+                    allocator_retries=est.allocator_retries,
                     reserved_bytes=est.reserved_bytes,
                     device_peak_bytes=est.device_peak_bytes,
                     **est.layout,
