@@ -208,7 +208,9 @@ class HuggingFaceTokenizer(_LocalTokenizer):
     beside the ``tokenizer.json`` names; a token it does not name is taken from
     ``special_tokens_map.json`` there. Neither file naming an EOS, ``eod`` is the first of
     :data:`EOD_TOKEN_NAMES` in the vocabulary; no BOS named, ``bos`` is ``None``. Text is
-    encoded without special tokens: no BOS is added.
+    encoded with the special tokens the ``tokenizer.json``'s own post-processor adds (a Llama 3
+    export's ``<|begin_of_text|>``; nothing for GPT-2), as Megatron-LM's HuggingFaceTokenizer
+    does (``transformers``' tokenizer call, ``add_special_tokens`` on by default).
 
     Args:
         path: A ``tokenizer.json`` file, or a directory holding one.
@@ -246,7 +248,7 @@ class HuggingFaceTokenizer(_LocalTokenizer):
         self._files = f"--tokenizer-model {path}"
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

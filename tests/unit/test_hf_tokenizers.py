@@ -146,3 +146,30 @@ def test_gpt2_files_without_a_tokenizer_type_mean_gpt2_bpe(bpe_dir):
     assert parse_args([*SMALL_GPT, *files], world_size=1).data.tokenizer_type == "GPT2BPETokenizer"
     bytes_run = parse_args([*SMALL_GPT, *files, "--tokenizer-type", "ByteTokenizer"], world_size=1)
     assert bytes_run.data.tokenizer_type == "ByteTokenizer"
+
+
+def test_the_tokenizers_own_post_processor_adds_bos_as_transformers_does(bpe_dir, tmp_path):
+    """A Llama-3-style tokenizer.json (a post-processor that starts every text with BOS):
+    HuggingFaceTokenizer's ids equal transformers' tokenizer call, Megatron-LM's
+    HuggingFaceTokenizer.tokenize; without such a post-processor no special token is added."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken, processors
+
+    tok = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|begin_of_text|>", special=True)])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>"})
+    )
+    ours = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    for text in TEXTS:
+        ids = ours.tokenize(text)
+        assert ids == theirs(text).input_ids
+        assert ids[0] == bos == ours.bos
+    plain = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(bpe_dir))
+    assert plain.tokenize("") == []
