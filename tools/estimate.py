@@ -220,7 +220,8 @@ def format_estimate(est: Estimate) -> str:
         (
             "host (MEMO)",
             f"{est.host_bytes / gib:.2f} GiB of {est.host_budget_bytes / gib:.2f} per GPU "
-            f"({host_fit})",
+            f"({host_fit}); copies at {est.host_copy_gbps:g} GB/s per GPU (its share of the "
+            "host link while the node's GPUs copy)",
         ),
         (
             "step time",

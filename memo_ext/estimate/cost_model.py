@@ -197,6 +197,9 @@ class Estimate:
     """Empty-cache-and-retry events per step (each synchronises the device)."""
     allocator_retry_s: float = 0.0
     """Seconds per step those retries cost (part of ``step_time_s``)."""
+    host_copy_gbps: float = 0.0
+    """Device ↔ host bandwidth per GPU the copies were charged, GB/s (its share of the uplink
+    while every rank of a node copies)."""
 
     @property
     def fits(self) -> bool:
@@ -883,4 +886,5 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         fragmentation_bytes=None if replay is None else replay.fragmentation_bytes,
         allocator_retries=None if replay is None else replay.retries,
         allocator_retry_s=0.0 if replay is None else replay.retry_s,
+        host_copy_gbps=host_copy_gbps(device, layout),
     )
