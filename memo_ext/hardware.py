@@ -62,6 +62,12 @@ class DeviceSpec:
     """Device memory bandwidth, GB/s (data sheet); bounds the speed of thin matrix products.
     ``None``: not modelled (matrix products run at the matmul efficiency whatever their shape)."""
 
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "gpus_per_host_link", "numa_nodes"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} must be at least 1, got {getattr(self, name)}")
+
     def host_copy_gbps(self, gpus_copying: int) -> float:
         """Device ↔ host bandwidth per GPU and direction, GB/s, while ``gpus_copying`` GPUs of a
         node copy at once (MEMO's ranks all copy each layer's activations at the same time):
@@ -72,7 +78,7 @@ class DeviceSpec:
     @property
     def topology(self) -> str:
         """The node as one line: GPUs, uplinks and sockets."""
-        links = self.gpus_per_node // max(1, self.gpus_per_host_link)
+        links = max(1, self.gpus_per_node // self.gpus_per_host_link)
         return (
             f"{self.gpus_per_node} GPUs, {self.gpus_per_host_link} per host link of "
             f"{self.host_link_gbps:g} GB/s ({links} links), {self.numa_nodes} sockets"
@@ -197,7 +203,11 @@ class Calibration:
     """Achieved fraction of ``peak_tflops`` on attention FLOPs (causal half counted)."""
     host_link_gbps: float
     """Achieved device ↔ host copy bandwidth per GPU, GB/s (the slower direction), measured with
-    every GPU of the node copying at once (so uplinks shared by GPUs are shared here too)."""
+    every visible GPU copying at once (``host_link_gpus`` of them: uplinks shared by GPUs are
+    shared here too)."""
+    host_link_gpus: int = 0
+    """GPUs that copied at once when ``host_link_gbps`` was measured (``0``: not recorded, as in
+    files written before it was; read as one GPU alone)."""
     source: str = "microbenchmark"
     """How the efficiencies were found: ``microbenchmark`` (kernels timed alone) or ``fit``
     (least squares on the measured step times of real runs)."""

@@ -11,6 +11,7 @@ from memo_ext.estimate.calibration import (
     fitted_calibration,
     kernel_calibration,
     measure_kernels,
+    with_measured_host_link,
 )
 from memo_ext.hardware import (
     Calibration,
@@ -27,10 +28,7 @@ def calibrate(comp: Comparison, results: Results) -> Calibration:
     """Kernels timed alone, then efficiencies fitted to every trained run's measured step."""
     kernels = comp.kernels or measure_kernels(comp.model, device="cpu")
     base = kernel_calibration(kernels, device=comp.device.name, peak_tflops=comp.device.peak_tflops)
-    # measured with every GPU copying at once: the uplinks' sharing is in the figure
-    device = dataclasses.replace(
-        comp.device, host_link_gbps=base.host_link_gbps, gpus_per_host_link=1
-    )
+    device = with_measured_host_link(comp.device, base)
     prior = dataclasses.replace(
         comp.efficiency, matmul=base.matmul_efficiency, attention=base.attention_efficiency
     )

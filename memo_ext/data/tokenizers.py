@@ -196,17 +196,19 @@ class NullTokenizer(_LocalTokenizer):
 # End-of-text tokens of common tokenizers, tried in order when a tokenizer names none itself.
 EOD_TOKEN_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 
-# Beside a tokenizer.json: the files where Hugging Face exports name their special tokens, the
-# one that wins first (transformers reads special_tokens_map.json only for older exports).
+# Beside a tokenizer.json: the files where Hugging Face exports name their special tokens (which
+# one wins: ``_named_special_tokens``).
 SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 class HuggingFaceTokenizer(_LocalTokenizer):
     """A local Hugging Face ``tokenizer.json`` (the ``tokenizers`` library; nothing downloaded).
 
-    BOS and EOS (``eod``) are the ``bos_token`` / ``eos_token`` that ``tokenizer_config.json``
-    beside the ``tokenizer.json`` names; a token it does not name is taken from
-    ``special_tokens_map.json`` there. Neither file naming an EOS, ``eod`` is the first of
+    BOS and EOS (``eod``) are the ``bos_token`` / ``eos_token`` the export beside the
+    ``tokenizer.json`` names, read as ``transformers`` reads them: from ``tokenizer_config.json``
+    alone when it lists ``added_tokens_decoder`` (current exports), else from
+    ``special_tokens_map.json`` first and ``tokenizer_config.json`` for what the map does not
+    name. Neither file naming an EOS, ``eod`` is the first of
     :data:`EOD_TOKEN_NAMES` in the vocabulary; no BOS named, ``bos`` is ``None``. Text is
     encoded with the special tokens the ``tokenizer.json``'s own post-processor adds (a Llama 3
     export's ``<|begin_of_text|>``; nothing for GPT-2), as Megatron-LM's HuggingFaceTokenizer
@@ -300,21 +302,31 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
 
 
 def _named_special_tokens(directory: Path) -> dict[str, tuple[str, Path]]:
-    """``bos_token`` / ``eos_token`` → (the token, the file naming it), from
-    :data:`SPECIAL_TOKEN_FILES` in ``directory``; the first file naming a key wins."""
-    named: dict[str, tuple[str, Path]] = {}
-    for file in (directory / name for name in reversed(SPECIAL_TOKEN_FILES)):
+    """``bos_token`` / ``eos_token`` → (the token, the file naming it), as ``transformers``
+    (5.x) reads an export in ``directory``: a ``tokenizer_config.json`` with
+    ``added_tokens_decoder`` (what transformers has written since 4.34) is the only source;
+    otherwise ``special_tokens_map.json`` names first and ``tokenizer_config.json`` fills what
+    it does not name."""
+    configs = {}
+    for name in SPECIAL_TOKEN_FILES:
+        file = directory / name
         if not file.is_file():
             continue
         try:
             config = json.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{file} is not valid JSON ({err}); fix or remove it") from None
+        configs[name] = (config if isinstance(config, dict) else {}, file)
+    order = ["special_tokens_map.json", "tokenizer_config.json"]
+    if "added_tokens_decoder" in configs.get("tokenizer_config.json", ({}, None))[0]:
+        order = ["tokenizer_config.json"]
+    named: dict[str, tuple[str, Path]] = {}
+    for config, file in (configs[name] for name in order if name in configs):
         for key in ("bos_token", "eos_token"):
-            token = config.get(key) if isinstance(config, dict) else None
+            token = config.get(key)
             # transformers saves a token as its text or as an AddedToken dict {"content": ...}
             token = token.get("content") if isinstance(token, dict) else token
-            if isinstance(token, str):
+            if isinstance(token, str) and key not in named:
                 named[key] = (token, file)
     return named
 
@@ -629,10 +641,14 @@ def _tiktoken_specials(given: Sequence[str], count: int, vocab_size: int) -> lis
 
 def _read_tiktoken_ranks(path: str | None, *, count: int) -> dict[bytes, int]:
     """The first ``count`` tokens of a Megatron-LM tiktoken vocabulary file → their ranks."""
-    if not path or not Path(path).is_file():
+    if not path:
         raise ValueError(
-            f"TikTokenizer needs --tokenizer-model PATH, a local tiktoken vocabulary .json file; "
-            f"{path} is not a file"
+            "TikTokenizer needs --tokenizer-model PATH, a local tiktoken vocabulary .json file"
+        )
+    if not Path(path).is_file():
+        raise ValueError(
+            f"--tokenizer-model {path} is not a file; give the local tiktoken vocabulary .json "
+            "file TikTokenizer reads (nothing is downloaded)"
         )
     # fewer than the 256 byte tokens and tiktoken aborts on text with a byte it lacks
     if count < 256:

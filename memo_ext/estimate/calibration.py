@@ -131,10 +131,15 @@ def concurrent_copy_gbps(
                     lambda: host.copy_(source, non_blocking=True),
                     lambda: source.copy_(host, non_blocking=True),
                 ):
-                    copy()
+                    for _ in range(2):  # warm-up, before the others are waited for
+                        copy()
                     torch.cuda.synchronize(dev)
                     together.wait()
-                    seconds.append(_timed(copy, device=dev, repeats=repeats))
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        copy()
+                    torch.cuda.synchronize(dev)
+                    seconds.append((time.perf_counter() - start) / repeats)
                 results[dev.index] = nbytes / max(seconds) / 1e9
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(err)
@@ -161,6 +166,8 @@ class KernelRates:
     layer_matmul_tflops: float
     attention_tflops: float
     host_link_gbps: float
+    host_link_gpus: int
+    """GPUs that copied at once when ``host_link_gbps`` was measured."""
     tokens: int
     """Tokens of the timed layer products."""
     attention_tokens: int
@@ -185,6 +192,7 @@ def measure_kernels(
         layer_matmul_tflops=layer_matmul_tflops(model, tokens=tokens, **kw),
         attention_tflops=attention_tflops(model, tokens=tokens, **kw),
         host_link_gbps=host_link_gbps(device=dev),
+        host_link_gpus=torch.cuda.device_count() if cuda else 1,
         tokens=tokens,
         attention_tokens=tokens,
     )
@@ -201,6 +209,7 @@ def kernel_calibration(rates: KernelRates, *, device: str, peak_tflops: float) -
         matmul_efficiency=min(1.0, rates.layer_matmul_tflops / peak_tflops),
         attention_efficiency=min(1.0, rates.attention_tflops / peak_tflops),
         host_link_gbps=rates.host_link_gbps,
+        host_link_gpus=rates.host_link_gpus,
         source="microbenchmark",
         details={"kernels": dataclasses.asdict(rates)},
     )
@@ -336,8 +345,17 @@ def apply_calibration(
         matmul=min(1.0, calibration.matmul_efficiency * scale),
         attention=min(1.0, calibration.attention_efficiency * scale),
     )
-    # the measured figure is per GPU with every GPU of the node copying: already shared
-    measured = dataclasses.replace(
-        device, host_link_gbps=calibration.host_link_gbps, gpus_per_host_link=1
+    return with_measured_host_link(device, calibration), calibrated
+
+
+def with_measured_host_link(device: DeviceSpec, calibration: Calibration) -> DeviceSpec:
+    """``device`` with the calibration's host link. Measured with at least as many GPUs copying
+    as share an uplink, the figure is each GPU's share already (no sharing left to charge);
+    measured with fewer (one GPU, or an older file that does not say), it is the uplink's rate
+    and the device's sharing still applies."""
+    shared = calibration.host_link_gpus >= device.gpus_per_host_link
+    return dataclasses.replace(
+        device,
+        host_link_gbps=calibration.host_link_gbps,
+        gpus_per_host_link=1 if shared else device.gpus_per_host_link,
     )
-    return measured, calibrated

@@ -36,8 +36,9 @@ METHODS = ("none", "full", "selective", "memo")
 #   peak on A100 / H100 in cuBLAS.
 # - attention (FITTED): 0.53 is the value at which the estimator gives the MEMO paper's measured
 #   52.30% MFU for 7B at 1M tokens on 8 × A800 (``python -m benchmarks.paper_table --fit``
-#   finds it: 52.2% at 0.53). The FlashAttention-2 paper's own A100 benchmark (causal forward +
-#   backward, head dim 128, ~190 TFLOP/s) suggests about 0.60, which predicts 58.9% there; the
+#   finds it, with --loss-chunks 16 so that 1M fits: 52.4% at 0.53). The FlashAttention-2
+#   paper's own A100 benchmark (causal forward + backward, head dim 128, ~190 TFLOP/s) suggests
+#   about 0.60, which predicts 58.9% there; the
 #   difference (kernel in the paper's stack, A800 clocks, 4 heads per GPU at 1M tokens) is not
 #   separated. Only that one figure was used; docs/estimate.md lists what it predicts beside
 #   the figures not used for fitting. A calibration file replaces both on a real machine.
@@ -845,11 +846,12 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         # the replay's iteration holds every allocation in order: where it runs out, not the
         # sum of the peaks, is the limit
         fits_device = replay.fits
-        step_s += replay.retry_s * batch.num_microbatches / replay.microbatches
-        if replay.retries:
-            notes.append(
-                f"the caching allocator empties its cache {replay.retries} times per iteration"
-            )
+        # the replay ran its own number of micro-batches; a step runs the batch's
+        per_step = batch.num_microbatches / replay.microbatches
+        retries, retry_s = round(replay.retries * per_step), replay.retry_s * per_step
+        step_s += retry_s
+        if retries:
+            notes.append(f"the caching allocator empties its cache {retries} times per step")
     if layout.cp > 1:
         notes.append("context parallelism modelled as ring attention (local k / v saved)")
     return Estimate(
@@ -884,7 +886,7 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         notes=notes,
         reserved_bytes=None if replay is None else states + replay.reserved_peak_bytes,
         fragmentation_bytes=None if replay is None else replay.fragmentation_bytes,
-        allocator_retries=None if replay is None else replay.retries,
-        allocator_retry_s=0.0 if replay is None else replay.retry_s,
+        allocator_retries=None if replay is None else retries,
+        allocator_retry_s=0.0 if replay is None else retry_s,
         host_copy_gbps=host_copy_gbps(device, layout),
     )

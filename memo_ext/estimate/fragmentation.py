@@ -178,11 +178,22 @@ def replayed_microbatches(in_flight: int) -> int:
     return in_flight + MAX_REPLAYED_MICROBATCHES - 1 if in_flight > 1 else 1
 
 
-def _schedule(fit: IterationFit, *, tokens: int, in_flight: int) -> list[tuple[str, str, int]]:
-    """One iteration of 1F1B on this stage: ``in_flight`` forwards, then backward / forward
-    pairs, then the last backwards; tensor ids made unique per micro-batch."""
+def _schedule(
+    fit: IterationFit, *, tokens: int, in_flight: int
+) -> list[tuple[str, str, int, bool]]:
+    """One iteration of 1F1B on this stage as ``(op, id, size, persistent)``: ``in_flight``
+    forwards, then backward / forward pairs, then the last backwards, tensor ids made unique per
+    micro-batch.
+
+    What the trace never frees is of two kinds: a forward's (megatron's global buffer for the
+    sequence-parallel all-gather) lives as long as the process and is allocated once, by the
+    first micro-batch (``persistent``); a backward's (the gradient of a stage's input, which
+    1F1B sends to the previous stage) ends with its micro-batch's backward."""
     events = fit.events_at(tokens)
+    freed = {tid for op, tid, _ in events if op == "free"}
     forward, backward = events[: fit.first_backward], events[fit.first_backward :]
+    persistent = {tid for op, tid, _ in forward if op == "alloc" and tid not in freed}
+    sent = [tid for op, tid, _ in backward if op == "alloc" and tid not in freed]
     micro = replayed_microbatches(in_flight)
     order = [("f", m) for m in range(min(in_flight, micro))]
     next_forward = len(order)
@@ -194,8 +205,13 @@ def _schedule(fit: IterationFit, *, tokens: int, in_flight: int) -> list[tuple[s
     out = []
     for part, m in order:
         for op, tid, size in forward if part == "f" else backward:
-            out.append((op, f"{tid}.{m}", size))
-    # tensors never freed in the trace (none in a full iteration) end with it
+            if tid in persistent:
+                if m == 0:
+                    out.append((op, tid, size, True))
+                continue
+            out.append((op, f"{tid}.{m}", size, False))
+        if part == "b":
+            out += [("free", f"{tid}.{m}", 0, False) for tid in sent]
     return out
 
 
@@ -208,28 +224,26 @@ def replay_iteration(
     iterations: int = 2,
 ) -> AllocatorOutcome:
     """Replays ``iterations`` iterations of the stage at ``tokens`` local tokens through the
-    caching-allocator model, with ``limit_bytes`` for the activations (``None``: no limit)."""
+    caching-allocator model, with ``limit_bytes`` for the activations (``None``: no limit).
+    Retries are those of the last iteration: the steady state every later one repeats."""
     model = CachingAllocatorModel(limit_bytes=limit_bytes)
     schedule = _schedule(fit, tokens=tokens, in_flight=in_flight)
     fits = True
     retries = calls = 0
     for it in range(iterations):
         retries_before, calls_before = model.retries, model.segment_calls
-        live = set()
         try:
-            for op, tid, size in schedule:
-                key = f"{tid}/{it}"
-                if op == "alloc":
-                    model.malloc(key, size)
-                    live.add(key)
+            for op, tid, size, persistent in schedule:
+                if persistent:  # allocated once, by the first iteration, and kept
+                    if it == 0 and op == "alloc":
+                        model.malloc(tid, size)
+                elif op == "alloc":
+                    model.malloc(f"{tid}/{it}", size)
                 else:
-                    model.free(key)
-                    live.discard(key)
+                    model.free(f"{tid}/{it}")
         except OutOfMemory:
             fits = False
             break
-        for key in live:  # whatever the iteration leaves is released by its end
-            model.free(key)
         retries, calls = model.retries - retries_before, model.segment_calls - calls_before
     report = model.report
     return AllocatorOutcome(

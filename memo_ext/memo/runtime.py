@@ -292,8 +292,10 @@ class MemoRuntime:
             acts, forward_s = self._measured_forward(layer, kwargs, groups)
         full, scaled = acts.host_bytes(0), acts.host_bytes(n) - acts.host_bytes(0)
         probe = self.pool.scratch(min(full + scaled, BANDWIDTH_PROBE_BYTES))
-        _start_together(layer)  # GPUs behind one host-link uplink measure it shared, as they copy
-        gbps = measure_copy_gbps(self.engine, device=x.device, dst=probe)
+        # GPUs behind one host-link uplink time their copies together, as their layers copy
+        gbps = measure_copy_gbps(
+            self.engine, device=x.device, dst=probe, align=lambda: _start_together(layer)
+        )
         del probe  # back to the budget before the layers' buffers are taken
         self.cost = LayerCost(
             full_bytes=full, tokenwise_bytes=scaled, forward_s=forward_s, copy_gbps=gbps

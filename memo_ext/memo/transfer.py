@@ -23,6 +23,7 @@ import os
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -273,17 +274,29 @@ def build_transfer_engine(device: torch.device) -> SyncTransferEngine | CudaTran
     return SyncTransferEngine()
 
 
-def measure_copy_gbps(engine, *, device: torch.device, dst: Tensor) -> float:
-    """Device → host bandwidth in GB/s (1e9 bytes), measured with one copy into ``dst`` (a
-    ``uint8`` host buffer, pinned where the engine's copies go to pinned memory)."""
+def measure_copy_gbps(
+    engine,
+    *,
+    device: torch.device,
+    dst: Tensor,
+    align: Callable[[], None] | None = None,
+    repeats: int = 3,
+) -> float:
+    """Device → host bandwidth in GB/s (1e9 bytes), measured with ``repeats`` copies into
+    ``dst`` (a ``uint8`` host buffer, pinned where the engine's copies go to pinned memory)
+    after one untimed copy. ``align`` runs between the two (the ranks that share a host link
+    start their timed copies together)."""
     nbytes = dst.numel()
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     engine.to_host([(dst, src)], reuse=[])  # warm-up
     _synchronize(device)
+    if align is not None:
+        align()
     start = time.perf_counter()
-    engine.to_host([(dst, src)], reuse=[])
+    for _ in range(repeats):
+        engine.to_host([(dst, src)], reuse=[])
     _synchronize(device)
-    return nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
+    return repeats * nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
 
 
 def _synchronize(device: torch.device) -> None:

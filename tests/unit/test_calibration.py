@@ -37,6 +37,7 @@ CAL = Calibration(
     matmul_efficiency=0.62,
     attention_efficiency=0.41,
     host_link_gbps=38.5,
+    host_link_gpus=8,  # measured with a node's eight GPUs copying at once
 )
 
 

@@ -215,7 +215,9 @@ def test_memos_alpha_is_charged_the_shared_uplink():
     assert lower
 
 
-def test_a_calibrations_link_is_per_gpu_already_shared():
+def test_a_calibrations_link_is_shared_when_enough_gpus_copied():
+    """Measured with a node's GPUs copying at once, the figure is each GPU's share; measured
+    by one GPU alone (or not recorded, as in older files), it is the uplink's, still shared."""
     from memo_ext.estimate.calibration import apply_calibration
 
     cal = Calibration(
@@ -224,9 +226,39 @@ def test_a_calibrations_link_is_per_gpu_already_shared():
         matmul_efficiency=0.7,
         attention_efficiency=0.5,
         host_link_gbps=11.0,
+        host_link_gpus=8,
     )
-    device, _ = apply_calibration(cal, device=DEVICES["a800-80g"], efficiency=Efficiency())
+    a800 = DEVICES["a800-80g"]
+    device, _ = apply_calibration(cal, device=a800, efficiency=Efficiency())
     assert device.host_copy_gbps(8) == pytest.approx(11.0)
+    for alone in (
+        dataclasses.replace(cal, host_link_gpus=1),
+        dataclasses.replace(cal, host_link_gpus=0),
+    ):
+        device, _ = apply_calibration(alone, device=a800, efficiency=Efficiency())
+        assert device.host_copy_gbps(8) == pytest.approx(5.5)
+
+
+def test_the_bandwidth_probe_aligns_after_its_warm_up():
+    """The ranks line up after the untimed copy, so every rank's timed copies overlap."""
+    import torch
+
+    from memo_ext.memo.transfer import measure_copy_gbps
+
+    calls = []
+
+    class Engine:
+        def to_host(self, pairs, reuse):
+            calls.append("copy")
+            for dst, src in pairs:
+                dst.copy_(src)
+
+    dst = torch.empty(1 << 16, dtype=torch.uint8)
+    gbps = measure_copy_gbps(
+        Engine(), device=torch.device("cpu"), dst=dst, align=lambda: calls.append("align")
+    )
+    assert gbps > 0
+    assert calls == ["copy", "align", "copy", "copy", "copy"]
 
 
 def test_memo_ranks_start_their_bandwidth_probe_together(monkeypatch):
@@ -291,3 +323,11 @@ def test_attention_share_at_576k_above_ninety_percent():
     from benchmarks.paper_table import attention_share
 
     assert attention_share(Efficiency()) > 0.90
+
+
+@pytest.mark.parametrize("field", ["gpus_per_host_link", "numa_nodes", "gpus_per_node"])
+def test_a_topology_of_no_gpus_is_refused(field):
+    from memo_ext.errors import UsageError
+
+    with pytest.raises(UsageError, match=f"--{field.replace('_', '-')} must be at least 1"):
+        dataclasses.replace(DEVICES["a800-80g"], **{field: 0})

@@ -327,13 +327,39 @@ def test_hf_bos_and_eos_come_from_tokenizer_config(hf_dir):
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
     assert (_hf(hf_dir).eod, _hf(hf_dir).bos) == (2, 1)
     assert _hf(hf_dir / "tokenizer.json").eod == 2  # the file's folder is read, too
-    # special_tokens_map.json fills what tokenizer_config.json does not name, and loses otherwise
-    (hf_dir / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"})
-    )
-    assert (_hf(hf_dir).eod, _hf(hf_dir).bos) == (2, 1)
-    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
-    assert (_hf(hf_dir).eod, _hf(hf_dir).bos) == (0, 1)
+
+
+ADDED = {
+    str(i): {"content": w, "special": True, "lstrip": False, "rstrip": False}
+    | {"normalized": False, "single_word": False}
+    for i, w in enumerate(["<|endoftext|>", "<s>", "</s>"])
+}
+
+
+@pytest.mark.parametrize(
+    "config, special_map",
+    [
+        # older exports: special_tokens_map.json wins, tokenizer_config.json fills the rest
+        ({"bos_token": "<s>", "eos_token": "</s>"}, {"eos_token": "<|endoftext|>"}),
+        ({"eos_token": "</s>"}, {"bos_token": "<s>"}),
+        ({}, {"bos_token": "<|endoftext|>", "eos_token": "</s>"}),
+        # current exports (added_tokens_decoder): tokenizer_config.json alone
+        ({"eos_token": "</s>", "added_tokens_decoder": ADDED}, {"bos_token": "<|endoftext|>"}),
+        (
+            {"bos_token": "<s>", "eos_token": "</s>", "added_tokens_decoder": ADDED},
+            {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+        ),
+    ],
+)
+def test_hf_bos_and_eos_as_transformers_reads_them(hf_dir, config, special_map):
+    transformers = pytest.importorskip("transformers")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (hf_dir / "special_tokens_map.json").write_text(json.dumps(special_map))
+    reference = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    ours = _hf(hf_dir)
+    assert ours.bos == reference.bos_token_id
+    assert ours.eod == reference.eos_token_id
 
 
 def test_hf_config_naming_a_token_the_tokenizer_lacks_is_refused(hf_dir):
