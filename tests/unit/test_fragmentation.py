@@ -331,3 +331,31 @@ def test_a_topology_of_no_gpus_is_refused(field):
 
     with pytest.raises(UsageError, match=f"--{field.replace('_', '-')} must be at least 1"):
         dataclasses.replace(DEVICES["a800-80g"], **{field: 0})
+
+
+def test_1f1b_keeps_one_sp_gather_buffer_and_frees_each_input_gradient():
+    """What the trace never frees: megatron's sequence-parallel gather buffer is allocated once
+    (not once per micro-batch in flight); a stage's input gradient goes with its backward."""
+    from memo_ext.estimate.fragmentation import _schedule
+
+    fit = iteration_fit(SMALL, tp=2, sp=True, method="none", layers=2, loss=False)
+    schedule = _schedule(fit, tokens=4 * fit.t1, in_flight=3)
+    kept = [(op, tid) for op, tid, _, persistent in schedule if persistent]
+    assert kept and all(op == "alloc" for op, _ in kept)
+    assert len({tid for _, tid in kept}) == len(kept)  # each once, for all micro-batches
+    allocated = {tid for op, tid, _, persistent in schedule if op == "alloc" and not persistent}
+    freed = {tid for op, tid, _, _ in schedule if op == "free"}
+    assert allocated == freed
+
+
+def test_a_limit_below_the_free_reserved_peak_is_met_by_emptying_the_cache():
+    """32 MiB under the reserved peak of a replay without a limit, the replay empties its cache
+    in the first iteration and fits, reserving no more than the limit."""
+    fit = iteration_fit(SMALL, tp=1, sp=False, method="full", layers=4, loss=True)
+    free = replay_iteration(fit, tokens=65536, in_flight=1, limit_bytes=None)
+    limit = free.reserved_peak_bytes - 32 * MIB
+    assert free.allocated_peak_bytes < limit
+    tight = replay_iteration(fit, tokens=65536, in_flight=1, limit_bytes=limit)
+    assert tight.fits
+    assert tight.reserved_peak_bytes <= limit
+    assert tight.allocated_peak_bytes == free.allocated_peak_bytes
