@@ -298,7 +298,9 @@ def test_fig_1b_crossover_within_a_quarter_of_the_papers():
 
 
 @pytest.mark.slow
-def test_the_7b_1m_mfu_within_three_points_of_the_papers():
+def test_the_fitted_attention_efficiency_still_gives_the_papers_7b_1m_mfu():
+    """A guard on the fitted constant (it was fitted to this figure, so this is not a
+    validation): a change elsewhere in the time model that moves the row shows here."""
     from benchmarks.paper_table import PAPER_MFU_7B_1M, memo_mfu_at_1m
 
     mfu, _ = memo_mfu_at_1m(Efficiency())
