@@ -10,6 +10,17 @@ from memo_ext.mcore.specs import build_block_spec, build_layer_spec
 from memo_ext.mcore.transformer_config import transformer_config
 from memo_ext.shapes import ModelShape
 
+GPT_SMALL = ModelShape(
+    name="small",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=256,
+    vocab_size=512,
+    position_embedding_type="rope",
+)
+"""The estimator tests' GPT: LayerNorm, GeLU, biases, RoPE; sizes that trace in milliseconds."""
+
 LLAMA_TINY = ModelShape(
     num_layers=2,
     hidden_size=48,

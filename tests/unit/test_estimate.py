@@ -18,16 +18,9 @@ from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape
 from tests.launch import cli, run_tool
+from tests.models import GPT_SMALL
 
-SMALL = ModelShape(
-    name="small",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    ffn_hidden_size=256,
-    vocab_size=512,
-    position_embedding_type="rope",
-)
+SMALL = GPT_SMALL
 SMALL_LLAMA = replace(
     SMALL,
     name="small-llama",

@@ -28,18 +28,10 @@ from memo_ext.estimate.fragmentation import (
 from memo_ext.hardware import DEVICES, GIB, Calibration
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.caching_allocator import CachingAllocatorModel, OutOfMemory
-from memo_ext.shapes import ModelShape
+from tests.models import GPT_SMALL
 
 MIB = 1 << 20
-SMALL = ModelShape(
-    name="small",
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=4,
-    ffn_hidden_size=256,
-    vocab_size=512,
-    position_embedding_type="rope",
-)
+SMALL = dataclasses.replace(GPT_SMALL, num_layers=4)
 
 
 # --- the allocator model under a limit ----------------------------------------------------------
