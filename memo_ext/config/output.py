@@ -236,6 +236,9 @@ class CheckpointConfig:
     save_optim: bool = True
     """Checkpoints hold the optimizer's moments and the LR schedule; --no-save-optim leaves them
     out (smaller checkpoints, which load with --finetune or --no-load-optim)."""
+    save_rng: bool = True
+    """Checkpoints hold every process's RNG states; --no-save-rng leaves them out (a run that
+    loads such a checkpoint starts its RNG states afresh, as with --no-load-rng, and says so)."""
     save_interval: int | None = None
     """Save every this many steps (and at the end)."""
     exit_interval: int | None = None
@@ -273,6 +276,8 @@ class CheckpointConfig:
             raise UsageError("--save-interval needs --save DIR")
         if not self.save_optim and not self.save:
             raise UsageError("--no-save-optim applies to the checkpoints of --save DIR; add it")
+        if not self.save_rng and not self.save:
+            raise UsageError("--no-save-rng applies to the checkpoints of --save DIR; add it")
         self._check_loading()
         same = self.save and os.path.abspath(self.load or "") == os.path.abspath(self.save)
         if self.load and os.path.exists(self.load) and not os.path.isdir(self.load):

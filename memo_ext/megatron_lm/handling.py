@@ -313,7 +313,6 @@ HANDLING: dict[str, Handling] = {
     "--warmup": refused("removed from Megatron-LM; use --lr-warmup-fraction"),
     # ---- checkpointing -----------------------------------------------------------------------
     "--save-retain-interval": refused("not implemented here"),
-    "--no-save-rng": refused("checkpoints always hold the RNG state here"),
     "--load-main-params-from-ckpt": refused("not implemented here"),
     "--no-strict-fsdp-dtensor-load": refused(_FSDP),
     "--non-persistent-save-interval": refused(_NONPERSISTENT),

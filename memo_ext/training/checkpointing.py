@@ -726,16 +726,19 @@ def save_checkpoint(
     optimizer,
     scheduler,
     save_optim: bool = True,
+    save_rng: bool = True,
 ) -> Path:
     """Write the checkpoint of ``progress.iteration`` atomically; return its directory. Without
-    ``save_optim`` (--no-save-optim) it holds no optimizer moments and LR schedule.
+    ``save_optim`` (--no-save-optim) it holds no optimizer moments and LR schedule; without
+    ``save_rng`` (--no-save-rng) no RNG states.
 
     Raises:
         CheckpointError: the save failed (a full disk is named as such); the previous checkpoint
             is untouched.
     """
     try:
-        return _save(save_dir, progress, model, optimizer if save_optim else None, scheduler)
+        optimizer = optimizer if save_optim else None
+        return _save(save_dir, progress, model, optimizer, scheduler, rng=save_rng)
     except (OSError, RuntimeError, CheckpointException) as err:
         # torch.distributed.checkpoint reports its writers' OSErrors as "Worker failure: ..."
         reason = _os_reason(err) if isinstance(err, OSError) else _wrapped_reason(err)
@@ -759,7 +762,9 @@ def _wrapped_reason(err: Exception) -> str | None:
     return _os_reason(OSError(number, strerror))
 
 
-def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -> Path:
+def _save(
+    save_dir: str, progress: TrainProgress, model, optimizer, scheduler, *, rng: bool = True
+) -> Path:
     root = Path(save_dir)
     final = iteration_dir(root, progress.iteration)
     staging = final.with_name(final.name + ".tmp")
@@ -771,8 +776,10 @@ def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -
     dist_checkpointing.save(
         _sharded_state(model, optimizer, scheduler, progress), str(staging), strategy
     )
-    rng_name = f"rng/rank_{_rank():05d}.pt"
-    written = {**threaded.checksums, rng_name: _write_rng_state(staging / rng_name)}
+    written = dict(threaded.checksums)
+    if rng:
+        rng_name = f"rng/rank_{_rank():05d}.pt"
+        written[rng_name] = _write_rng_state(staging / rng_name)
     checksums = _gather_checksums(written)
     if _rank() == 0:
         meta = {
@@ -780,6 +787,7 @@ def _save(save_dir: str, progress: TrainProgress, model, optimizer, scheduler) -
             "layout": _layout(),
             "model": _model_identity(model),
             "optimizer": optimizer is not None,
+            "rng": rng,
         }
         _write_manifest(staging, meta, checksums)
         shutil.rmtree(final, ignore_errors=True)
@@ -888,7 +896,7 @@ def load_checkpoint(
         _check_schedule(scheduler, saved_schedule, directory=directory, schedule=schedule)
         scheduler.load_state_dict(saved_schedule)
     if scope.rng:
-        _maybe_restore_rng(directory, layout=layout)
+        _maybe_restore_rng(directory, layout=layout, foreign=foreign)
     saved = (
         TrainProgress(*megatron_lm.progress(loaded))
         if foreign
@@ -899,9 +907,10 @@ def load_checkpoint(
     return saved if scope.progress else TrainProgress()
 
 
-def _check_ours_fits(directory: Path, model, *, optimizer: bool) -> tuple[bool, dict]:
+def _check_ours_fits(directory: Path, model, *, optimizer: bool) -> tuple[bool, dict | None]:
     """Refuse a checkpoint of ours that holds another model, or no optimizer state when one is
-    to be loaded; (whether it records this model, the layout it was written under)."""
+    to be loaded; (whether it records this model, the layout its RNG states were written under,
+    ``None`` when it holds none)."""
     manifest = json.loads((directory / MANIFEST).read_text())
     same_model = _check_model_identity(directory, model, manifest.get("model"))
     if optimizer and manifest.get("optimizer") is False:
@@ -909,7 +918,7 @@ def _check_ours_fits(directory: Path, model, *, optimizer: bool) -> tuple[bool, 
             f"the checkpoint in {directory} holds no optimizer state (it was saved with "
             "--no-save-optim); load it with --no-load-optim or --finetune"
         )
-    return same_model, manifest["layout"]
+    return same_model, None if manifest.get("rng") is False else manifest["layout"]
 
 
 def _verify(directory: Path) -> bool:
@@ -1078,11 +1087,17 @@ def _check_schedule(scheduler, saved: dict, *, directory: Path, schedule: str) -
     logger.warning("LR schedule: %s (checkpoint vs flags: %s)", whose, text)
 
 
-def _maybe_restore_rng(directory: Path, *, layout: dict | None) -> None:
+def _maybe_restore_rng(directory: Path, *, layout: dict | None, foreign: bool) -> None:
     """Restore this rank's RNG states when the checkpoint was written by the same ``layout``
-    (``None``: a Megatron-LM checkpoint, whose RNG states are not read here)."""
+    (``None``: no RNG states to read: Megatron-LM's, or a checkpoint saved with
+    --no-save-rng)."""
     if layout is None:
-        logger.warning("Megatron-LM's RNG states are not read here: RNG states start fresh")
+        why = (
+            "Megatron-LM's RNG states are not read here"
+            if foreign
+            else f"the checkpoint in {directory} holds no RNG states (saved with --no-save-rng)"
+        )
+        logger.warning("%s: RNG states start fresh", why)
         return
     if layout != _layout():
         logger.warning(

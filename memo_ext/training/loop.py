@@ -465,4 +465,5 @@ def _save(s: _Session, progress: TrainProgress) -> None:
             optimizer=s.optimizer,
             scheduler=s.scheduler,
             save_optim=s.run.checkpoint.save_optim,
+            save_rng=s.run.checkpoint.save_rng,
         )

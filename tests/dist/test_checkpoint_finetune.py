@@ -125,6 +125,30 @@ def test_no_load_rng_leaves_the_generators_as_a_fresh_run_has_them(tmp_path):
     assert kept["progress"] == (2, 8) and kept["optimizer_states"] > 0  # the rest loaded
 
 
+def test_no_save_rng_writes_no_rng_states_and_a_resume_starts_them_afresh(tmp_path):
+    save = tmp_path / "ckpt"
+    args = [*MODEL, "--train-iters", "3"]
+    run_pretrain(
+        [*args, "--exit-interval", "2", "--save", str(save), "--no-save-rng"],
+        nproc=1,
+        workdir=tmp_path,
+        name="save",
+    )
+    assert not (save / "iter_0000002" / "rng").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    dump = tmp_path / "resumed.probe"
+    result = run_job([*args, "--load", str(save), "--probe-dump", str(dump)], module=PROBE)
+    assert result.status == 0, result.describe()
+    (resumed,) = read_records(dump)
+    _, (fresh,) = probed([*args, "--load", str(empty)], nproc=1, workdir=tmp_path, name="fresh")
+    assert torch.equal(resumed["torch_rng"], fresh["torch_rng"])
+    assert resumed["progress"] == (2, 8) and resumed["optimizer_states"] > 0  # the rest loaded
+    assert "holds no RNG states (saved with --no-save-rng): RNG states start fresh" in (
+        result.stderr + result.stdout
+    )
+
+
 def test_no_save_optim_writes_weights_that_load_only_without_the_optimizer(tmp_path):
     save = tmp_path / "ckpt"
     run_pretrain(
