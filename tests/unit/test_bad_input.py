@@ -116,7 +116,7 @@ def test_disk_full_names_the_disk_and_keeps_the_last_checkpoint(tmp_path, monkey
 
     (tmp_path / checkpointing.TRACKER).write_text("3\n")
 
-    def full(*args):
+    def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpointing, "_save", full)
