@@ -123,24 +123,24 @@ def concurrent_copy_gbps(
 
     def run(dev: torch.device) -> None:
         try:
-            with torch.cuda.device(dev):
-                source = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                seconds = []
-                for copy in (
-                    lambda: host.copy_(source, non_blocking=True),
-                    lambda: source.copy_(host, non_blocking=True),
-                ):
-                    for _ in range(2):  # warm-up, before the others are waited for
-                        copy()
-                    torch.cuda.synchronize(dev)
-                    together.wait()
-                    start = time.perf_counter()
-                    for _ in range(repeats):
-                        copy()
-                    torch.cuda.synchronize(dev)
-                    seconds.append((time.perf_counter() - start) / repeats)
-                results[dev.index] = nbytes / max(seconds) / 1e9
+            torch.cuda.set_device(dev)  # the current device is per thread
+            source = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            seconds = []
+            for copy in (
+                lambda: host.copy_(source, non_blocking=True),
+                lambda: source.copy_(host, non_blocking=True),
+            ):
+                for _ in range(2):  # warm-up, before the others are waited for
+                    copy()
+                torch.cuda.synchronize(dev)
+                together.wait()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    copy()
+                torch.cuda.synchronize(dev)
+                seconds.append((time.perf_counter() - start) / repeats)
+            results[dev.index] = nbytes / max(seconds) / 1e9
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(err)
             together.abort()
