@@ -80,7 +80,9 @@ def _trace(
     from memo_ext.mcore.transformer_config import traced_transformer_config
     from memo_ext.planner.capture import trace_transformer_layer
 
-    overrides = {k: v for k, v in method_overrides(method).items() if method == "selective"}
+    # full recomputation is traced as megatron-core's checkpoint of each layer (below), so only
+    # selective recomputation reaches the layer's config
+    overrides = method_overrides(method) if method == "selective" else {}
     config = traced_transformer_config(
         model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1, **overrides
     )
