@@ -38,9 +38,8 @@ METHODS = ("none", "full", "selective", "memo")
 #   52.30% MFU for 7B at 1M tokens on 8 × A800 (``python -m benchmarks.paper_table --fit``
 #   finds it, with --loss-chunks 16 so that 1M fits: 52.4% at 0.53). The FlashAttention-2
 #   paper's own A100 benchmark (causal forward + backward, head dim 128, ~190 TFLOP/s) suggests
-#   about 0.60, which predicts 58.9% there; the
-#   difference (kernel in the paper's stack, A800 clocks, 4 heads per GPU at 1M tokens) is not
-#   separated. Only that one figure was used; docs/estimate.md lists what it predicts beside
+#   about 0.60, which predicts 58.9% there; the difference (kernel in the paper's stack, A800
+#   clocks, 4 heads per GPU at 1M tokens) is not separated. Only that one figure was used; docs/estimate.md lists what it predicts beside
 #   the figures not used for fitting. A calibration file replaces both on a real machine.
 DEFAULT_MATMUL_EFFICIENCY = 0.75
 DEFAULT_ATTENTION_EFFICIENCY = 0.53
