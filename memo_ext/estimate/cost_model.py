@@ -39,8 +39,9 @@ METHODS = ("none", "full", "selective", "memo")
 #   finds it, with --loss-chunks 16 so that 1M fits: 52.4% at 0.53). The FlashAttention-2
 #   paper's own A100 benchmark (causal forward + backward, head dim 128, ~190 TFLOP/s) suggests
 #   about 0.60, which predicts 58.9% there; the difference (kernel in the paper's stack, A800
-#   clocks, 4 heads per GPU at 1M tokens) is not separated. Only that one figure was used; docs/estimate.md lists what it predicts beside
-#   the figures not used for fitting. A calibration file replaces both on a real machine.
+#   clocks, 4 heads per GPU at 1M tokens) is not separated. Only that one figure was used;
+#   docs/estimate.md lists what it predicts beside the figures not used for fitting. A
+#   calibration file replaces both on a real machine.
 DEFAULT_MATMUL_EFFICIENCY = 0.75
 DEFAULT_ATTENTION_EFFICIENCY = 0.53
 # Device memory kept free for what no trace sees: the CUDA context, NCCL's buffers, cuBLAS and
