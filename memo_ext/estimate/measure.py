@@ -52,7 +52,6 @@ from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.tracing import (
     fake_parallel_state,
     fake_process_groups,
-    frozen_rng,
     tracing_environment,
 )
 from memo_ext.mcore.transformer_config import traced_transformer_config
@@ -168,7 +167,6 @@ def trace_layer(
         _quiet("memo_ext.memo"),
         fake_process_groups(tp=tp, cp=1) as groups,
         tracing_environment(),
-        frozen_rng(),
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
         warnings.simplefilter("ignore")

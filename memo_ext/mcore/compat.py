@@ -7,8 +7,10 @@ tensors, ``pin_memory=True``, ``torch.cuda.synchronize()`` and the CUDA RNG trac
 
 On a machine without CUDA every one of those calls would raise, so redirecting them to the CPU
 cannot change a result silently: it only lets the same code run. The redirection is applied
-explicitly by the trainer (never at import) through :func:`cpu_compat`, and only when CUDA is
-unavailable. ``tests/unit/test_compat.py`` pins the megatron-core behaviour it relies on.
+explicitly (never at import): by the trainer through :func:`cpu_compat` when CUDA is unavailable,
+and by the estimator's fake-tensor traces through :func:`cpu_placement` on every machine (a
+trace's tensors are CPU fakes, GPU or not). ``tests/unit/test_compat.py`` pins the megatron-core
+behaviour it relies on.
 """
 
 from __future__ import annotations
@@ -125,40 +127,69 @@ def seed_cpu_rng_tracker(*, seed: int, tp_rank: int) -> None:
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 10_000 * (tp_rank + 1))
 
 
+_PLACEMENT_REPLACEMENTS = (
+    # a device object rather than an ordinal: autograd's backward does not see the
+    # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
+    (torch.cuda, "current_device", lambda: torch.device("cpu")),
+    (torch.cuda, "synchronize", lambda device=None: None),
+)
+
+
+@contextlib.contextmanager
+def replaced_attributes(replacements) -> Iterator[None]:
+    """``setattr`` each ``(owner, name, value)`` for the block, then put the originals back."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(originals):
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def cpu_placement() -> Iterator[None]:
+    """megatron-core's CUDA placements served on the CPU for the block, whatever the machine.
+
+    ``torch.cuda.current_device()``, ``device="cuda"`` factories, ``.cuda()``, ``.to("cuda")``
+    and pinned requests land on the CPU, and ``torch.cuda.synchronize`` does nothing. The
+    estimator's fake-tensor traces run under it on every machine: a trace's tensors are CPU
+    fakes, and megatron's own buffers (RoPE tables, sequence-parallel gathers) must join them
+    there rather than on a GPU the machine may have.
+    """
+    check_mcore_version()
+    with (
+        replaced_attributes(_PLACEMENT_REPLACEMENTS),
+        CpuDeviceRedirect(),
+        warnings.catch_warnings(),
+    ):
+        # advice for CUDA's connection queues: there are none on the CPU
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+        yield
+
+
 @contextlib.contextmanager
 def cpu_compat() -> Iterator[None]:
-    """Let megatron-core 0.16 run on the CPU for the duration of the block.
+    """Let megatron-core 0.16 train on the CPU for the duration of the block:
+    :func:`cpu_placement` and megatron's CUDA RNG tracker on the CPU generator.
 
     Raises:
-        RuntimeError: when CUDA is available (the redirection is for CPU-only machines) or the
-            installed megatron-core is a version this shim was not checked against.
+        RuntimeError: when CUDA is available (a training run there uses the GPU's generator) or
+            the installed megatron-core is a version this shim was not checked against.
     """
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat() is for machines without CUDA; CUDA is available here")
-    check_mcore_version()
-    replacements = [
-        # a device object rather than an ordinal: autograd's backward does not see the
-        # CpuDeviceRedirect mode, and megatron's backward functions allocate with it too
-        (torch.cuda, "current_device", lambda: torch.device("cpu")),
-        (torch.cuda, "synchronize", lambda device=None: None),
+    rng = (
         (mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker()),
         (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True),
         # recomputation saves and restores "CUDA" RNG states next to the CPU one it already
         # keeps; with no CUDA generator there is nothing more to keep
         (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
         (mrandom, "_set_cuda_rng_state", lambda *a, **k: None),
-    ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
-    for owner, name, value in replacements:
-        setattr(owner, name, value)
-    try:
-        with CpuDeviceRedirect(), warnings.catch_warnings():
-            # advice for CUDA's connection queues: there are none on the CPU
-            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-            yield
-    finally:
-        for owner, name, value in originals:
-            setattr(owner, name, value)
+    )
+    with replaced_attributes(rng), cpu_placement():
+        yield
 
 
 # TransformerLayer.forward takes (*args, **kwargs) and hands them to _forward_attention, whose

@@ -7,10 +7,15 @@ shapes of any TP / SP / CP layout. What that needs from megatron-core's internal
 - :func:`fake_process_groups`: a ``ProcessGroupCollection`` of a fake ``tp × cp`` world;
 - :func:`fake_parallel_state`: megatron's *global* parallel state on a fake world (its
   vocab-parallel loss reads it);
-- :func:`tracing_environment`: CPU redirections (``memo_ext.mcore.compat``) and a private
-  sequence-parallel gather buffer, so no fake tensor leaks into real runs;
+- :func:`tracing_environment`: megatron's CUDA placements served on the CPU
+  (``memo_ext.mcore.compat.cpu_placement``), random states frozen (:func:`frozen_rng`) and a
+  private sequence-parallel gather buffer, so no fake tensor leaks into real runs;
 - :func:`frozen_rng`: random-state save / restore made no-ops (a fake generator state cannot be
   restored).
+
+A trace takes the same path on every machine: its tensors are CPU fakes whether or not the
+machine has a GPU, so megatron's buffers are placed on the CPU too, and nothing in a trace
+touches a real device (no CUDA context, no generator state) before the trainer picks its GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.utils import GlobalMemoryBuffer
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from memo_ext.mcore.compat import cpu_compat
+from memo_ext.mcore.compat import cpu_placement, replaced_attributes
 
 
 @contextlib.contextmanager
@@ -63,6 +68,8 @@ def frozen_rng() -> Iterator[None]:
 
     Under fake tensors a saved generator state is fake too and cannot be restored; the traced
     layers draw no random numbers (dropout 0), so megatron's checkpoint has nothing to restore.
+    The stand-in tracker counts as initialised, so megatron's ``get_cuda_rng_tracker()`` keeps
+    it instead of building a fresh, empty one; megatron's CUDA generator is never read.
     """
 
     class _NoForkTracker:
@@ -79,14 +86,16 @@ def frozen_rng() -> Iterator[None]:
             return True
 
     state = torch.get_rng_state()
-    saved = (torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER)
-    torch.get_rng_state = lambda: state
-    torch.set_rng_state = lambda new_state: None
-    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
-    try:
+    replacements = (
+        (torch, "get_rng_state", lambda: state),
+        (torch, "set_rng_state", lambda new_state: None),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER", _NoForkTracker()),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True),
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
+        (mrandom, "_set_cuda_rng_state", lambda *a, **k: None),
+    )
+    with replaced_attributes(replacements):
         yield
-    finally:
-        torch.get_rng_state, torch.set_rng_state, mrandom._CUDA_RNG_STATE_TRACKER = saved
 
 
 @contextlib.contextmanager
@@ -109,9 +118,8 @@ def fake_parallel_state(tp: int) -> Iterator[None]:
 def global_parallel_state(tp: int) -> Iterator[None]:
     """megatron's global parallel state (TP ``tp``) on the fake world already initialised, for
     the code that reads it rather than a process-group collection (its loss, its SP gathers)."""
-    compat = cpu_compat() if not torch.cuda.is_available() else contextlib.nullcontext()
     try:
-        with compat:
+        with cpu_placement():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=tp, create_gloo_process_groups=False
             )
@@ -122,8 +130,8 @@ def global_parallel_state(tp: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def tracing_environment() -> Iterator[None]:
-    """For tracing layers on fake tensors: CPU redirections of megatron's CUDA-isms (on
-    machines without CUDA) and a private sequence-parallel gather buffer.
+    """For tracing layers on fake tensors, on any machine: megatron's CUDA placements on the
+    CPU, random states frozen, and a private sequence-parallel gather buffer.
 
     Megatron keeps one global buffer for sequence-parallel all-gathers; a fresh one is installed
     for the trace (so its fake tensor never leaks into real runs) and the old one put back.
@@ -131,10 +139,7 @@ def tracing_environment() -> Iterator[None]:
     saved = parallel_state._GLOBAL_MEMORY_BUFFER
     parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
     try:
-        if torch.cuda.is_available():
+        with cpu_placement(), frozen_rng():
             yield
-        else:
-            with cpu_compat():
-                yield
     finally:
         parallel_state._GLOBAL_MEMORY_BUFFER = saved
