@@ -15,9 +15,13 @@ OUT=${OUT:-runs/compare_7b_8gpu}
 METHODS=(full@tp8 full@tp4cp2 memo@tp8)
 SEARCH=(--seq-lengths 32768 65536 131072 --find-max --granularity 65536
     --max-seq-length 1572864 --job-timeout-s 1800)
+# the output layer and loss over 16 sequence slices, as the paper's 7B figures and the
+# estimator's fit (docs/estimate.md): with the whole-sequence loss its logits, not the
+# activations, cap every method's length (7B at 1M does not fit so on 80 GB)
+LOSS=(--loss-chunks 16)
 # passed to every job: bf16, the paper's 7B GPT (--model gpt-7b), synthetic tokens
 TRAINER_ARGS=(--bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --use-distributed-optimizer)
 
 python -m tools.compare_methods --model gpt-7b --nproc-per-node 8 \
-    --methods "${METHODS[@]}" "${SEARCH[@]}" --warmup-steps 1 --measure-steps 2 \
+    --methods "${METHODS[@]}" "${SEARCH[@]}" "${LOSS[@]}" --warmup-steps 1 --measure-steps 2 \
     --calibrate "$OUT/calibration.json" --out "$OUT" "$@" -- "${TRAINER_ARGS[@]}"

@@ -16,7 +16,8 @@ memory) stands next to every measurement, and the per-layer figures traced on fa
     # one 8-GPU node: the paper's 7B, Megatron full recomputation (TP 8, TP 4 × CP 2) and MEMO
     python -m tools.compare_methods --model gpt-7b --nproc-per-node 8 \\
         --methods full@tp8 full@tp4cp2 memo@tp8 --find-max --granularity 65536 \\
-        --calibrate runs/compare_7b/calibration.json --out runs/compare_7b -- --bf16
+        --loss-chunks 16 --calibrate runs/compare_7b/calibration.json --out runs/compare_7b \\
+        -- --bf16
 
 Methods: ``none``, ``selective``, ``full`` (Megatron's), ``megatron-offload`` (megatron-core's
 fine-grained activation offloading; CUDA and transformer-engine, else each of its rows says

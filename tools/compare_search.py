@@ -18,8 +18,9 @@ from tools.method_jobs import (
 
 def find_longest(comp: Comparison, runner: Runner, method: Method) -> dict:
     """The longest length ``method`` trains at, by real runs over multiples of the granularity:
-    from the longest known to train, double until one fails (out of memory or past the time
-    limit), then halve the gap; a failure of another kind stops the search."""
+    from the longest known to train, double until one fails (out of device memory, MEMO's host
+    budget refusing it, or past the time limit), then halve the gap; a failure of another kind
+    stops the search."""
     unit = comp.granularity
     lo, hi = known_bounds(runner.results.current(), method.label)
     if lo is None and hi is None:

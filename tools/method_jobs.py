@@ -186,10 +186,12 @@ class Launch:
 # --- running one job --------------------------------------------------------------------------
 
 OK, OOM, TIMEOUT, ERROR, REFUSED = "ok", "oom", "timeout", "error", "refused"
-"""A job's status: trained, out of memory, stopped at its time limit, failed otherwise; or the
-method cannot run on this machine and no job started."""
+"""A job's status: trained, out of memory (device memory, or MEMO's host budget), stopped at its
+time limit, failed otherwise; or the method cannot run on this machine and no job started."""
 
 _OUR_OOM = re.compile(r"tried to allocate (\d+) bytes")
+# the sentences of MEMO's HostMemoryError (memo_ext.memo.alpha / runtime / transfer), exit status 2
+_HOST_MEMORY = re.compile(r"\bof host memory\b|\bthe host budget\b")
 _RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception): .*$")
 
 
@@ -313,6 +315,10 @@ def _classify(code: int | None, output: str, *, timed_out: bool) -> JobOutcome:
     requested = _requested_bytes(output)
     if code == OutOfMemory.exit_status or requested is not None or "out of memory" in message:
         return JobOutcome(OOM, code, 0.0, message=message, requested_bytes=requested)
+    if code == UsageError.exit_status and _HOST_MEMORY.search(message):
+        # MEMO refused the length for its host budget: a result like out of device memory (a
+        # shorter sequence needs less), not bad input
+        return JobOutcome(OOM, code, 0.0, message=message)
     return JobOutcome(ERROR, code, 0.0, message=message)
 
 

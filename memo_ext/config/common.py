@@ -63,3 +63,17 @@ def installed(module: str) -> bool:
     if module in sys.modules:
         return sys.modules[module] is not None
     return importlib.util.find_spec(module) is not None
+
+
+def importable(module: str, *names: str) -> bool:
+    """``module`` imports and holds each of ``names``. Being found (:func:`installed`) is not
+    enough for a compiled package: a wheel built for another torch is found but fails to import
+    ("undefined symbol" in its extension), and a run that chose it would die at its first call.
+    """
+    if not installed(module):
+        return False
+    try:
+        loaded = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - ImportError, OSError of a shared library, a wheel's own
+        return False
+    return all(hasattr(loaded, name) for name in names)

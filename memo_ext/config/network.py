@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from memo_ext.config.common import at_least, fraction, installed
+from memo_ext.config.common import at_least, fraction, importable, installed
 from memo_ext.errors import UsageError
 from memo_ext.flags import flag_name
 
@@ -19,7 +19,8 @@ def resolve_attention_backend(backend: str, *, allow_te: bool = True) -> str:
     """Turn ``auto`` into a concrete backend and check that the asked one can run here.
 
     ``auto`` picks transformer-engine on CUDA when installed (unless ``allow_te`` is False, as
-    for layers that MEMO rebuilds from their own modules), then flash-attn, else SDPA.
+    for layers that MEMO rebuilds from their own modules), then flash-attn when it imports,
+    else SDPA.
 
     Raises:
         ValueError: an unknown backend, or one this machine cannot run.
@@ -30,17 +31,25 @@ def resolve_attention_backend(backend: str, *, allow_te: bool = True) -> str:
     if backend == "auto":
         if cuda and allow_te and installed("transformer_engine"):
             return "te"
-        if cuda and installed("flash_attn"):
+        if cuda and flash_attn_imports():
             return "flash"
         return "sdpa"
     if backend in ("te", "flash"):
         package = "transformer_engine" if backend == "te" else "flash_attn"
-        if not cuda or not installed(package):
+        usable = installed(package) if backend == "te" else flash_attn_imports()
+        if not cuda or not usable:
+            broken = cuda and installed(package)  # found, but its import fails
+            why = f" ({package} is installed but does not import)" if broken else ""
             raise ValueError(
-                f"--attention-backend {backend} needs CUDA and the {package} package; "
+                f"--attention-backend {backend} needs CUDA and the {package} package{why}; "
                 "use --attention-backend sdpa here"
             )
     return backend
+
+
+def flash_attn_imports() -> bool:
+    """flash-attn imports with the function our flash backend calls (``mcore/attention.py``)."""
+    return importable("flash_attn", "flash_attn_func")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +103,7 @@ class ModelConfig:
     one slice's logits live at a time (1 = one pass, as megatron)."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Core attention: sdpa (torch), flash (flash-attn), te (transformer-engine), auto (te, then
-    flash on CUDA when installed, else sdpa)."""
+    flash on CUDA when installed and importable, else sdpa)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the embedding table to a multiple of lcm(this, TP)."""
     apply_layernorm_1p: bool = False

@@ -3,10 +3,12 @@ rebuild it with exactly the layout autograd saw.
 
 A saved tensor is described by a :class:`TensorMeta` (size, stride, storage offset, dtype and the
 identity of its storage) so it can be re-created later with the same strides: kernels such as
-matrix products may pick another summation order for another memory layout, and MEMO promises
-bit-identical gradients. :class:`TokenLayout` says which dimension holds the tokens and how they
-are grouped: ``[s, b, h]`` tensors hold this rank's tokens in one block; under sequence
-parallelism, tensors gathered over the TP group hold ``tp`` blocks, rank by rank.
+matrix products may pick another summation order for another memory layout, which would change
+MEMO's gradients (bit-identical to the plain backward in the CPU tests; on a GPU the recompute's
+shorter matrix products may take other cuBLAS kernels, so the last bits can differ).
+:class:`TokenLayout` says which dimension holds the tokens and how they are grouped: ``[s, b, h]``
+tensors hold this rank's tokens in one block; under sequence parallelism, tensors gathered over
+the TP group hold ``tp`` blocks, rank by rank.
 """
 
 from __future__ import annotations

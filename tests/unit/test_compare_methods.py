@@ -4,7 +4,10 @@ the longest length (against a fake runner whose answer is known), and how job ou
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
 import types
 
 import pytest
@@ -286,6 +289,7 @@ def test_every_method_runs_on_one_attention_backend(monkeypatch, extra, installe
 
     monkeypatch.setattr(network.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(network, "installed", lambda module: module in installed)
+    monkeypatch.setattr(network, "flash_attn_imports", lambda: "flash_attn" in installed)
     methods = [cm.parse_method("full"), cm.parse_method("memo")]
     flags, backend = cm._one_attention_backend(extra, methods)
     assert backend == expect
@@ -299,3 +303,177 @@ def test_every_method_runs_on_one_attention_backend(monkeypatch, extra, installe
 def test_transformer_engine_attention_cannot_compare_memo():
     with pytest.raises(UsageError, match="--attention-backend te cannot run MEMO"):
         cm._one_attention_backend(["--attention-backend", "te"], [cm.parse_method("memo")])
+
+
+def _script_argv(tmp_path, script: str, *extra: str) -> list[str]:
+    """What ``scripts/SCRIPT`` passes to ``python -m tools.compare_methods``: the script runs
+    with ``python`` on the PATH standing in, which writes its arguments down and exits."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$ARGV_FILE"\n')
+    python.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "ARGV_FILE": str(tmp_path / "argv"),
+        "OUT": str(tmp_path / "out"),
+    }
+    subprocess.run(["bash", str(ROOT / "scripts" / script), *extra], env=env, check=True)
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert argv[:2] == ["-m", "tools.compare_methods"]
+    return argv[2:]
+
+
+def _resolve_on_gpus(monkeypatch, argv: list[str]) -> cm.Comparison:
+    """``compare_methods``' own resolution of ``argv``, as on an H100 node (no kernels timed;
+    the trainer's parser accepts --bf16 only where CUDA is)."""
+    import torch
+
+    from memo_ext.hardware import device_spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpus = (device_spec("h100-80g"), True, None, [])
+    monkeypatch.setattr(cm, "_device", lambda args, model, launch: gpus)
+    own, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    return cm.resolve(cm.build_parser().parse_args(own), extra)
+
+
+@pytest.mark.parametrize(("extra", "chunks"), [((), 16), (("--loss-chunks", "4"), 4)])
+def test_the_7b_script_runs_and_predicts_with_the_papers_loss_chunks(
+    tmp_path, monkeypatch, extra, chunks
+):
+    """The paper's 7B figures, and the estimator fitted to them, have the loss over 16 slices;
+    with the whole-sequence loss its logits would cap every method's length. Every job and
+    every prediction of the script gets the 16 (a flag given to the script overrides it)."""
+    comp = _resolve_on_gpus(monkeypatch, _script_argv(tmp_path, "compare_7b_8gpu.sh", *extra))
+    assert comp.loss_chunks == chunks and comp.efficiency.loss_chunks == chunks
+    assert [m.label for m in comp.methods] == ["full@tp8", "full@tp4cp2", "memo@tp8"]
+    for method in comp.methods:
+        argv = comparison.job_argv(comp, method, 65536, metrics=tmp_path / "m.jsonl", job_id="x")
+        trainer_args = argv[argv.index(str(ROOT / "pretrain_gpt_memo.py")) + 1 :]
+        run = parse_args(trainer_args, world_size=comp.launch.world_size)
+        assert run.model.loss_chunks == chunks
+
+
+def _host_memory_refusals() -> list[str]:
+    """The sentences MEMO refuses a length with for its host budget, raised by the code that
+    raises them."""
+    from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers, solve_alpha
+    from memo_ext.memo.transfer import HostPool
+
+    gib = 2**30
+    refusals = [
+        lambda: solve_alpha(
+            LayerCost(full_bytes=gib, tokenwise_bytes=gib), budget_bytes=gib, resident_layers=4
+        ),
+        lambda: skeleton_layers(
+            LayerCost(full_bytes=gib, tokenwise_bytes=0), budget_bytes=gib // 2, offloaded_layers=2
+        ),
+        lambda: HostPool(budget_bytes=1, pin_memory=False).acquire(4096),
+    ]
+    sentences = []
+    for refuse in refusals:
+        with pytest.raises(HostMemoryError) as err:
+            refuse()
+        sentences.append(str(err.value))
+    return sentences
+
+
+class _ExitingRunner(_FakeRunner):
+    """Trains the lengths up to ``longest``; a longer job exits with ``code`` after printing
+    ``sentence`` as the launcher prints a failed rank's, and is classified as a real job is."""
+
+    def __init__(self, longest: int, *, code: int, sentence: str) -> None:
+        super().__init__(longest)
+        self.code, self.sentence = code, sentence
+
+    def run(self, method, seq: int) -> dict:
+        self.calls.append(seq)
+        if seq <= self.longest:
+            return {"status": OK, "message": ""}
+        output = f"noise\npretrain_gpt_memo.py: rank 0 failed: {self.sentence}\n"
+        outcome = _classify(self.code, output, timed_out=False)
+        return {"status": outcome.status, "message": outcome.message}
+
+
+@pytest.mark.parametrize("sentence", _host_memory_refusals())
+def test_a_host_memory_refusal_narrows_the_search_as_out_of_memory_does(tmp_path, sentence):
+    """MEMO's limit at long lengths can be its host budget (exit status 2, as bad input): a
+    shorter length needs less host memory, so the search bisects below it instead of stopping
+    at the last length that trained."""
+    comp = _comparison(tmp_path, find_max_start=256)
+    runner = _ExitingRunner(1000, code=UsageError.exit_status, sentence=sentence)
+    found = cm.find_longest(comp, runner, comp.methods[1])
+    assert found == {"longest": 960, "bound": "1,024 does not train"}  # 960 = 1000 // 64 * 64
+    assert len(runner.calls) == len(set(runner.calls)), "a length ran twice"
+
+
+def test_other_refusals_still_stop_the_search(tmp_path):
+    """Bad input fails at every length: bisecting would only rerun it."""
+    comp = _comparison(tmp_path, find_max_start=256)
+    sentence = "--memo-alpha must be in [0, 1], got 1.5"
+    runner = _ExitingRunner(1000, code=UsageError.exit_status, sentence=sentence)
+    found = cm.find_longest(comp, runner, comp.methods[1])
+    assert found["longest"] == 512 and found["bound"].endswith(f"failed: {sentence}")
+    assert runner.calls == [256, 512, 1024]
+
+
+_FLASH_ATTN_STAND_INS = {
+    # a wheel built for another torch: found, but its extension does not load
+    "broken": {
+        "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_func\n",
+        "flash_attn/flash_attn_interface.py": "import flash_attn_2_cuda\n",
+        "flash_attn_2_cuda.py": 'raise ImportError("flash_attn_2_cuda.so: undefined symbol: '
+        '_ZN3c104cuda9SetDeviceEi")\n',
+    },
+    "without flash_attn_func": {"flash_attn/__init__.py": '__version__ = "2.6.3"\n'},
+    "working": {
+        "flash_attn/__init__.py": "def flash_attn_func(q, k, v, dropout_p=0.0, **kw):\n"
+        "    return q\n",
+    },
+}
+
+
+@pytest.fixture
+def flash_attn_on_path(tmp_path, monkeypatch):
+    """``put(name)``: a stand-in ``flash_attn`` (:data:`_FLASH_ATTN_STAND_INS`) first on
+    ``sys.path``, on a machine that says it has CUDA; the imports are forgotten afterwards."""
+    from memo_ext.config import network
+
+    monkeypatch.setattr(network.torch.cuda, "is_available", lambda: True)
+    for name in ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_2_cuda"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    def put(name: str) -> None:
+        for path, source in _FLASH_ATTN_STAND_INS[name].items():
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+
+    yield put
+    for name in ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_2_cuda"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "expect"),
+    [("broken", "sdpa"), ("without flash_attn_func", "sdpa"), ("working", "flash")],
+)
+def test_auto_attention_takes_flash_attn_only_when_it_imports(flash_attn_on_path, stand_in, expect):
+    """A flash-attn that is found but does not import would be chosen for every job, each of
+    which would die at its first attention call."""
+    from memo_ext.config.network import resolve_attention_backend
+
+    flash_attn_on_path(stand_in)
+    assert resolve_attention_backend("auto", allow_te=False) == expect
+    flags, backend = cm._one_attention_backend(["--bf16"], [cm.parse_method("memo")])
+    assert backend == expect and flags == ["--bf16", "--attention-backend", expect]
+
+
+def test_asking_for_a_flash_attn_that_does_not_import_is_refused(flash_attn_on_path):
+    from memo_ext.config.network import resolve_attention_backend
+
+    flash_attn_on_path("broken")
+    with pytest.raises(ValueError, match="flash_attn is installed but does not import"):
+        resolve_attention_backend("flash")
