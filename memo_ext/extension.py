@@ -11,8 +11,9 @@ extensions a run enables and calls their hooks at fixed points of a run:
 3. :meth:`~Extension.layer_spec`, while the model is built (a layer that runs the feature);
 4. :meth:`~Extension.attach`, once the model and optimizer exist (state of its own, hooks);
 5. per step :meth:`~Extension.begin_step`, optionally :meth:`~Extension.forward_backward` (an
-   extension that runs the step's passes itself), :meth:`~Extension.end_backward`, and the
-   figures of :meth:`~Extension.metric_sources`;
+   extension that runs the step's passes itself), :meth:`~Extension.end_backward`, the
+   figures of :meth:`~Extension.metric_sources`, and :meth:`~Extension.excluded_time_s` (one-off
+   work of the feature that the step's measured time leaves out);
 6. :meth:`~Extension.close` when the run ends, failed or not.
 
 Every hook does nothing by default, so an extension overrides only what it needs.
@@ -167,6 +168,12 @@ class Extension(abc.ABC):
     def end_backward(self) -> None:
         """After the step's last backward, before the optimizer."""
         return None  # an optional hook: nothing by default
+
+    def excluded_time_s(self) -> float:
+        """Seconds of the step just run that the feature spent on one-off work of its own
+        (planning, say), to be left out of the step's measured time, throughput and MFU; the
+        feature reports them among its own figures."""
+        return 0.0
 
     def memory(self) -> tuple[int, int] | None:
         """(allocated, reserved) device bytes of the step when the feature serves them."""

@@ -83,26 +83,25 @@ class ChunkedLossGPTModel(GPTModel):
         # rank, so a chunk covers the same local rows of each rank's part of the sequence
         local = hidden_states.size(0)
         ranks = self.pg_collection.tp.size() if self.output_layer.sequence_parallel else 1
-        losses, columns = [], []
+        batch = labels.size(0)
+        # [b, ranks * local] -> [b, ranks, local]: row r is TP rank r's part of the sequence.
+        # Slicing views of it (no index tensors) keeps every chunk on the device: an index
+        # built on the host would be a blocking copy and a stream sync per chunk
+        by_rank = labels.reshape(batch, ranks, local)
+        losses = []
         for start, end in _slices(local, self.loss_chunks):
-            positions = torch.cat(
-                [torch.arange(r * local + start, r * local + end) for r in range(ranks)]
+            # [b, ranks * (end - start)], rank-major as the output layer gathers the chunk
+            chunk_labels = by_rank[:, :, start:end].reshape(batch, -1)
+            loss = checkpoint(
+                self._chunk_loss,
+                hidden_states[start:end],
+                chunk_labels,
+                weight,
+                use_reentrant=False,
             )
-            chunk_labels = labels[:, positions.to(labels.device)]
-            losses.append(
-                checkpoint(
-                    self._chunk_loss,
-                    hidden_states[start:end],
-                    chunk_labels,
-                    weight,
-                    use_reentrant=False,
-                )
-            )
-            columns.append(positions)
-        order = torch.cat(columns)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        return torch.cat(losses, dim=1)[:, inverse.to(hidden_states.device)]
+            losses.append(loss.reshape(batch, ranks, end - start))
+        # back in sequence order: each rank's chunks side by side, the ranks one after another
+        return torch.cat(losses, dim=2).reshape(batch, ranks * local)
 
 
 def _slices(length: int, parts: int) -> list[tuple[int, int]]:

@@ -115,6 +115,10 @@ class Memo(Extension):
         if self.planned is not None:
             self.planned.end_step()  # the last layer pass ends with the backward
 
+    def excluded_time_s(self) -> float:
+        """The step's planning (``plan_time_s``): done once, not part of training."""
+        return self.planned.planning_s if self.planned is not None else 0.0
+
     def memory(self) -> tuple[int, int] | None:
         """The planned allocator's bytes (torch's CUDA statistics are the caching allocator's,
         absent once it is replaced)."""

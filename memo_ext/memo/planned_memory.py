@@ -35,15 +35,22 @@ at the cost of a somewhat larger arena.
 A kind whose passes keep missing (more than :data:`MISS_TOLERANCE` of its requests in two
 consecutive steps) is recorded and planned once more; if it still misses, it falls back for
 good, with a warning that names the dominant reason.
+
+Planning is one-off work inside a training step: its seconds are counted apart
+(:attr:`PlannedMemory.planning_s`, the metrics' ``plan_time_s``) and left out of the step's
+measured time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,6 +257,8 @@ class PlannedMemory:
         self.recording: set[int] = set()
         """Kinds whose passes record in this step (all of them in the recording step)."""
         self.replans = 0
+        self.planning_s = 0.0
+        """Seconds this step spent planning (and loading plans): no part of training."""
         self._ordinal = 0
         self._open: int | None = None
         self._open_stats: dict[str, int] | None = None
@@ -309,6 +318,7 @@ class PlannedMemory:
         self.step += 1
         self._ordinal = 0
         self._recorded_now = []
+        self.planning_s = 0.0
         for state in self.kinds:
             state.requests, state.misses = 0, Counter()
         self.core.reset_stats()
@@ -319,12 +329,27 @@ class PlannedMemory:
         self.core.set_mode("off")
         self._step_stats = self.core.stats()
         if self.step == RECORD_ITERATION:
-            self._learn_kinds()
+            with self._planning():
+                self._learn_kinds()
         elif self.recording:
-            self._replan()
+            with self._planning():
+                self._replan()
         elif self.serving:
             self._absorb_late_frees()
             self._watch_misses()
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Adds the block's wall time to :attr:`planning_s`. The device finishes the step's
+        queued work first: planning then adds to the step's time instead of overlapping it, so
+        leaving it out leaves the training's own time intact."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.planning_s += time.perf_counter() - start
 
     def _learn_kinds(self) -> None:
         by_digest: dict[str, int] = {}
@@ -445,8 +470,9 @@ class PlannedMemory:
             if record == state.record:
                 continue
             state.record = record
-            state.plan = plan_sequence(record, time_limit_s=self.time_limit_s)
-            self._save(state.digest, state.plan)
+            with self._planning():
+                state.plan = plan_sequence(record, time_limit_s=self.time_limit_s)
+                self._save(state.digest, state.plan)
             self.replans += 1
             changed = True
             logger.info(
@@ -457,7 +483,8 @@ class PlannedMemory:
                 state.plan.peak_bytes / 2**20,
             )
         if changed:
-            self._load_all()
+            with self._planning():
+                self._load_all()
 
     def _replan(self) -> None:
         """Plan each re-recorded kind again from the lifetimes of all its passes this step."""
@@ -500,6 +527,7 @@ class PlannedMemory:
             "plan_arena_peak_bytes": s.get("arena_peak_live_bytes", 0),
             "plan_fallback_peak_bytes": s.get("fallback_peak_bytes", 0),
             "plan_replans": self.replans,
+            "plan_time_s": self.planning_s,
         }
         for name in MISS_NAMES:
             metrics[f"plan_{name}"] = s.get(name, 0)

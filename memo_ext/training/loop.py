@@ -413,6 +413,8 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             usable = check_finite(run, iteration, step.loss, step.grad_norm)
             skipped += not (usable and step.updated)
             step_time = time.perf_counter() - start
+            # one-off work inside the step (planning memory, say) is no part of its time
+            step_time -= sum(extension.excluded_time_s() for extension in s.extensions)
             step_tokens = global_batch * run.data.seq_length
             if run.data.variable_seq_lengths:  # documents of any length: count what was trained
                 step_tokens = step.labelled_tokens

@@ -7,6 +7,7 @@ whole path (record, plan, serve, fall back, statistics) runs here as it does on 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -74,3 +75,43 @@ def test_planned_allocator_is_exact_and_serves_the_plan(layout, tmp_path, refere
     for path, (content, stamp) in saved.items():
         assert path.read_bytes() != content or path.stat().st_mtime_ns == stamp, path.name
     assert [r["loss"] for r in again] == [r["loss"] for r in planned]
+
+
+PLANNING_S = 2.0
+"""How long each pass plan takes in :func:`main`'s jobs: far longer than a step of MODEL."""
+
+
+def main(argv: list[str]) -> int:
+    """The trainer with every pass plan taking :data:`PLANNING_S` longer (for this job only)."""
+    from memo_ext.memo import planned_memory
+    from pretrain_gpt_memo import main as pretrain_main
+
+    plan_sequence = planned_memory.plan_sequence
+
+    def slow_plan_sequence(*args, **kwargs):
+        time.sleep(PLANNING_S)
+        return plan_sequence(*args, **kwargs)
+
+    planned_memory.plan_sequence = slow_plan_sequence
+    try:
+        return pretrain_main(argv)
+    finally:
+        planned_memory.plan_sequence = plan_sequence
+
+
+def test_planning_is_left_out_of_the_step_time(tmp_path):
+    """The step that records and plans reports its planning as plan_time_s; its step time,
+    throughput and MFU are its training's alone."""
+    flags = [*MODEL, "--train-iters", "3", "--memo-allocator", "plan"]
+    flags += ["--memo-plan-cache", str(tmp_path / "plans")]  # empty: every kind is planned
+    records = run_pretrain(
+        flags, nproc=1, workdir=tmp_path, name="slow", module="tests.dist.test_planned_allocator"
+    )
+    planning = {r["iteration"]: r["plan_time_s"] for r in records}
+    assert planning[1] == 0 and planning[2] >= PLANNING_S, planning
+    for r in records:
+        # a step of MODEL takes a fraction of a second; a step that kept its planning would
+        # take PLANNING_S per pass kind longer
+        assert r["step_time_s"] < PLANNING_S, (r["iteration"], r["step_time_s"], planning)
+        # MODEL's global batch (4 sequences of 96 tokens) over that time
+        assert r["tokens_per_s"] == pytest.approx(4 * 96 / r["step_time_s"])

@@ -83,3 +83,23 @@ def test_memo_auto_times_the_layer_after_a_warm_up(tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "MEMO auto α" in r.getMessage()]
     forward_ms = float(re.search(r"layer forward ([0-9.]+) ms", line).group(1))
     assert forward_ms < 1000, line  # without the warm-up: 0.5 s per GEMM shape, over 3 s here
+
+
+def test_loss_chunks_copy_nothing_from_the_host(cuda, tmp_path, monkeypatch):
+    """--loss-chunks slices labels and losses on the device: no chunk waits for a copy of its
+    indices from the host (on a GPU, a blocking copy and a stream sync each)."""
+    from memo_ext.mcore.gpt import ChunkedLossGPTModel
+
+    chunked_loss = ChunkedLossGPTModel._chunked_loss
+    copies = []
+
+    def counted(self, *args, **kwargs):
+        before = cuda.blocking_host_copies
+        losses = chunked_loss(self, *args, **kwargs)
+        copies.append(cuda.blocking_host_copies - before)
+        return losses
+
+    monkeypatch.setattr(ChunkedLossGPTModel, "_chunked_loss", counted)
+    summary, _ = train_on(cuda, tmp_path, "--loss-chunks", "4", "--train-iters", "1")
+    assert summary.iterations == 1
+    assert copies == [0, 0], copies  # one chunked loss per micro-batch, none copied
