@@ -22,6 +22,6 @@ LOSS=(--loss-chunks 16)
 # passed to every job: bf16, the paper's 7B GPT (--model gpt-7b), synthetic tokens
 TRAINER_ARGS=(--bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --use-distributed-optimizer)
 
-python -m tools.compare_methods --model gpt-7b --nproc-per-node 8 \
+"${PYTHON:-python}" -m tools.compare_methods --model gpt-7b --nproc-per-node 8 \
     --methods "${METHODS[@]}" "${SEARCH[@]}" "${LOSS[@]}" --warmup-steps 1 --measure-steps 2 \
     --calibrate "$OUT/calibration.json" --out "$OUT" "$@" -- "${TRAINER_ARGS[@]}"

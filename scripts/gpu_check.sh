@@ -1,36 +1,63 @@
 #!/usr/bin/env bash
-# GPU check on one lent GPU (an H200), in at most 6 minutes (BUDGET_S), stages in order of value.
-# Each stage writes its files under $OUT when it ends, so what ran comes back even if a later
-# stage is cut; a stage that would not fit the time left is skipped, with a line saying so in
-# stages.txt. docs/gpu_check.md says what every file shows.
-#   00_machine.txt     GPU, driver, host memory as read, the MEMO host budget used
-#   10_install.log     offline install of the carried wheels and the package
-#   20_gpu_tests.log   tests/gpu without training launches: streams, pinned buffers, the allocator
-#                      core behind CUDA, MEMO layers (pytest, ~1 min)
-#   30_steps.txt       one ~1B GPT (16 layers, h 2048) at $SEQ tokens per method: full
-#                      recomputation, MEMO α auto, MEMO by sub-sequence chunks, MEMO + planned
-#                      allocator; each run's last lines and its summarize_metrics line
-#   30_steps.jsonl     every run's metrics records (key "run" says which)
-#   40_compare.txt     tools.compare_methods on a one-GPU 7B-width proxy (if time is left)
-#   40_compare.json    its runs, measured and predicted; 40_calibration.json the calibration
-#   50_launch_tests.log tests/gpu's training launches (if time is left)
-#   stages.txt         every stage: ran (seconds, exit status) or skipped (why)
-# Hardware: 1 CUDA GPU with >= 48 GiB, a CUDA build of torch preinstalled, Python 3.12.
-# Prepare wheels here first (the device cannot reach PyPI): bash scripts/gpu_wheels.sh, then run
-# with the device tool, carrying wheels/:  OUT=$OUT bash scripts/gpu_check.sh
+# A smoke check of this project on your own GPU machine, in at most BUDGET_S seconds (6 minutes
+# by default), stages in order of value: the CUDA tests, one short training run per memory method
+# on a ~1B GPT, then a one-GPU comparison of Megatron's full recomputation against MEMO with the
+# estimator calibrated on it. Each stage writes its files under $OUT when it ends, so what ran is
+# kept even if a later stage is cut; a stage that would not fit the time left is skipped, with a
+# line saying so. docs/gpu_check.md says what every file shows. At most 8 files:
+#   stages.txt          the machine (GPU, driver, host memory, MEMO's host budget), then every
+#                       stage: ran (seconds, exit status) or skipped (why), and the total
+#   10_install.log      the install of the package (and of wheels/ offline, when there is one)
+#   20_gpu_tests.log    tests/gpu: in-process CUDA tests first, the training launches last
+#   30_steps.txt        per method run: exit status, last lines, summarize_metrics' summary
+#   30_steps.jsonl      every run's metrics records (key "run" says which)
+#   40_compare.txt      tools.compare_methods' table and summary
+#   40_compare.json     its runs, measured and predicted
+#   40_calibration.json the estimator calibrated on those runs (tools.estimate --calibration)
+# Hardware: one CUDA GPU with >= 48 GiB and a CUDA build of torch; the package installed
+# (python -m pip install -e .), or wheels/ from scripts/gpu_wheels.sh for a machine without
+# PyPI. Expected time: 6 minutes.
+#   bash scripts/gpu_check.sh                         # results in runs/gpu_check
+#   OUT=/tmp/check HOST_GB=64 bash scripts/gpu_check.sh
+# REHEARSAL=1 runs the same stages on a tiny model (make test does, on the emulated GPU of
+# tests/emulated: python -m tests.emulated.run -- bash scripts/gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
 OUT=${OUT:-runs/gpu_check}
-SEQ=${SEQ:-32768}
-WORK=${WORK:-runs/gpu_check_work}  # per-job logs and metrics, not carried back
+WORK=${WORK:-runs/gpu_check_work}  # per-job logs and metrics, not results
 BUDGET_S=${BUDGET_S:-360}
-# The lent machine's RAM grows as it is used (MemTotal reads low at start): MEMO's host budget
-# comes from its documented memory, capped, and the check says what it read and what it used.
-DOCUMENTED_HOST_GB=${DOCUMENTED_HOST_GB:-128}
 DEADLINE=$((SECONDS + BUDGET_S))
+
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    2> /dev/null; then
+    echo "gpu_check: no CUDA GPU is visible to $PYTHON's torch (a CUDA build of torch and a" \
+        "GPU are needed); nothing was run" >&2
+    exit 1
+fi
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 : > "$OUT/stages.txt"
+
+if [[ ${REHEARSAL:-0} == 1 ]]; then
+    # every stage reaches its end in a minute or two on any machine
+    SEQ=${SEQ:-512}
+    ITERS=3
+    LM=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256
+        --vocab-size 512 --loss-chunks 2)
+    COMPARE=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 512
+        --loss-chunks 2 --seq-lengths 512 --granularity 512 --max-seq-length 512)
+else
+    SEQ=${SEQ:-32768}
+    ITERS=5
+    # ~1B GPT (16 layers, h 2048, 16 heads)
+    LM=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192
+        --vocab-size 50256 --loss-chunks 8)
+    # the 7B width (h 4096, 32 heads, 4h GeLU MLP, vocabulary 50257, RoPE) with 4 layers, so
+    # each layer costs what one of the 7B's does
+    COMPARE=(--num-layers 4 --loss-chunks 16 --seq-lengths 32768 --granularity 32768
+        --max-seq-length 262144)
+fi
 
 left() { echo $((DEADLINE - SECONDS)); }
 
@@ -53,33 +80,41 @@ stage() {
     echo "$name: ran $((SECONDS - start))s, $how" | tee -a "$OUT/stages.txt"
 }
 
+# MEMO's host budget per process: HOST_GB, else 40% of MemTotal, at most 48 GiB (on machines
+# whose memory grows as it is used, MemTotal reads low at start: set HOST_GB there)
 machine() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     grep -E "MemTotal|MemAvailable" /proc/meminfo
-    local read_gb
-    read_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
-    HOST_GB=$((DOCUMENTED_HOST_GB * 4 / 10))
-    ((HOST_GB > 48)) && HOST_GB=48
-    echo "MEMO host budget: ${HOST_GB} GiB per process (40% of the documented" \
-        "${DOCUMENTED_HOST_GB} GiB, at most 48; MemAvailable read ${read_gb} GiB)"
+    local total_gb
+    total_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
+    if [[ -n ${HOST_GB:-} ]]; then
+        echo "MEMO host budget: ${HOST_GB} GiB per process (HOST_GB)"
+    else
+        HOST_GB=$((total_gb * 4 / 10))
+        ((HOST_GB > 48)) && HOST_GB=48
+        ((HOST_GB < 1)) && HOST_GB=1
+        echo "MEMO host budget: ${HOST_GB} GiB per process (40% of MemTotal, at most 48)"
+    fi
 }
-machine > "$OUT/00_machine.txt" 2>&1
-HOST_GB=$(sed -n 's/^MEMO host budget: \([0-9]*\) GiB.*/\1/p' "$OUT/00_machine.txt")
-echo "machine: $(head -2 "$OUT/00_machine.txt" | tail -1)" | tee -a "$OUT/stages.txt"
+machine > "$WORK/machine.txt" 2>&1
+cat "$WORK/machine.txt" >> "$OUT/stages.txt"
+HOST_GB=$(sed -n 's/^MEMO host budget: \([0-9.]*\) GiB.*/\1/p' "$WORK/machine.txt")
+echo "machine: $(sed -n 2p "$WORK/machine.txt")"
 
 install() {
-    pip install --quiet --no-index --find-links wheels megatron-core ortools highspy absl-py \
-        immutabledict protobuf pandas tzdata ninja 2>&1 | tail -3
-    pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | tail -3
-    python -c "import memo_ext, megatron.core; print('installed', megatron.core.__version__)"
+    if [[ -d wheels ]]; then  # a machine without PyPI: the wheels scripts/gpu_wheels.sh fetched
+        "$PYTHON" -m pip install --quiet --no-index --find-links wheels megatron-core ortools \
+            highspy absl-py immutabledict protobuf pandas tzdata ninja 2>&1 | tail -3
+        "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | tail -3
+    fi
+    "$PYTHON" -c "import memo_ext, megatron.core; print('installed', megatron.core.__version__)"
 }
 
-# ~1B GPT (16 layers, h 2048, 16 heads) at $SEQ tokens, bf16, SDPA's flash kernels (no value
-# below holds a space: the flags travel word-split to the exported functions)
-MODEL_FLAGS="--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192
-    --seq-length $SEQ --position-embedding-type rope --micro-batch-size 1 --global-batch-size 1
-    --train-iters 5 --lr 1e-4 --bf16 --mock-data --tokenizer-type NullTokenizer
-    --vocab-size 50256 --loss-chunks 8 --log-interval 1 --no-create-attention-mask-in-dataloader
+# bf16, SDPA's flash kernels, synthetic tokens (no value below holds a space: the flags travel
+# word-split to the exported functions)
+MODEL_FLAGS="${LM[*]} --seq-length $SEQ --position-embedding-type rope --micro-batch-size 1
+    --global-batch-size 1 --train-iters $ITERS --lr 1e-4 --bf16 --mock-data
+    --tokenizer-type NullTokenizer --log-interval 1 --no-create-attention-mask-in-dataloader
     --log-throughput --attention-backend sdpa"
 MEMO_FLAGS="--memo --memo-alpha auto --memo-host-memory-gb $HOST_GB"
 
@@ -87,15 +122,15 @@ step() {  # name, extra flags...: one run, its lines and records appended to the
     local name=$1
     shift
     # shellcheck disable=SC2086
-    python -m memo_ext.launch --nproc-per-node 1 pretrain_gpt_memo.py $MODEL_FLAGS "$@" \
+    "$PYTHON" -m memo_ext.launch --nproc-per-node 1 pretrain_gpt_memo.py $MODEL_FLAGS "$@" \
         --metrics-file "$WORK/$name.jsonl" > "$WORK/$name.log" 2>&1
     local status=$?
     {
         echo "[$name] exit $status"
         tail -6 "$WORK/$name.log" | sed "s/^/[$name] /"
-        python -m tools.summarize_metrics "$WORK/$name.jsonl" 2>&1 | sed "s/^/[$name] /"
+        "$PYTHON" -m tools.summarize_metrics "$WORK/$name.jsonl" 2>&1 | sed "s/^/[$name] /"
     } >> "$OUT/30_steps.txt"
-    python -c 'import json, pathlib, sys
+    "$PYTHON" -c 'import json, pathlib, sys
 path = pathlib.Path(sys.argv[1])
 for line in path.read_text().splitlines() if path.exists() else []:
     print(json.dumps({"run": sys.argv[2], **json.loads(line)}))' "$WORK/$name.jsonl" "$name" \
@@ -103,25 +138,26 @@ for line in path.read_text().splitlines() if path.exists() else []:
     return $status
 }
 
-# The 7B-width proxy (h 4096, 32 heads, 4h GeLU MLP, vocabulary 50257, RoPE, 4 layers, so each
-# layer costs what one of the paper's 7B costs): Megatron's full recomputation against MEMO at
-# 32K tokens and their longest under a 40 GiB cap, then the estimator calibrated on the steps.
+# Megatron's full recomputation against MEMO at the first length and their longest under a
+# 40 GiB cap, then the estimator calibrated on the steps.
 compare() {  # seconds it may take
-    python -m tools.compare_methods --model gpt-7b --num-layers 4 --loss-chunks 16 \
-        --memo-keep-last-layers 1 --methods full memo --seq-lengths 32768 --find-max \
-        --granularity 32768 --max-seq-length 262144 --memory-limit-gb 40 --job-timeout-s 60 \
-        --time-budget-s "$(($1 - 40))" --calibrate "$OUT/40_calibration.json" \
-        --out "$WORK/compare" -- --bf16 > "$OUT/40_compare.txt" 2> "$WORK/compare.err"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m tools.compare_methods --model gpt-7b $COMPARE_FLAGS \
+        --memo-keep-last-layers 1 --methods full memo --find-max --memory-limit-gb 40 \
+        --job-timeout-s 60 --time-budget-s "$(($1 - 40))" \
+        --calibrate "$OUT/40_calibration.json" --out "$WORK/compare" -- --bf16 \
+        > "$OUT/40_compare.txt" 2> "$WORK/compare.err"
     local status=$?
-    cp "$WORK/compare/compare.json" "$OUT/40_compare.json" 2>/dev/null
+    cp "$WORK/compare/compare.json" "$OUT/40_compare.json" 2> /dev/null
     tail -5 "$WORK/compare.err" >> "$OUT/40_compare.txt"
     return $status
 }
+COMPARE_FLAGS="${COMPARE[*]}"
 export -f install step compare
-export OUT WORK MODEL_FLAGS
+export OUT WORK PYTHON MODEL_FLAGS COMPARE_FLAGS
 
 stage install 30 120 bash -c install > "$OUT/10_install.log" 2>&1
-stage gpu_tests 60 100 python -m pytest -q -rs -p no:cacheprovider tests/gpu -m "not launch" \
+stage gpu_tests 60 100 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/gpu -m "not launch" \
     > "$OUT/20_gpu_tests.log" 2>&1
 tail -3 "$OUT/20_gpu_tests.log"
 
@@ -136,6 +172,7 @@ stage step_memo_plan 45 90 bash -c "step memo_plan $MEMO_FLAGS --memo-allocator 
 grep -h "exit\|loss" "$OUT/30_steps.txt" | head -12
 
 stage compare 90 240 bash -c "compare $(left)"
-stage launch_tests 60 240 python -m pytest -q -rs -p no:cacheprovider tests/gpu -m launch \
-    > "$OUT/50_launch_tests.log" 2>&1
+echo "--- training launches ---" >> "$OUT/20_gpu_tests.log"
+stage launch_tests 60 240 bash -c "'$PYTHON' -m pytest -q -rs -p no:cacheprovider tests/gpu \
+    -m launch >> '$OUT/20_gpu_tests.log' 2>&1"
 echo "gpu_check: ${SECONDS}s" | tee -a "$OUT/stages.txt"

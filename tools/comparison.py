@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from tools.method_jobs import (
     Launch,
     Method,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,11 +135,17 @@ def run_key(comp: Comparison, method: Method, seq: int) -> str:
 
 
 def predict(comp: Comparison, method: Method, seq: int, *, efficiency=None, device=None) -> dict:
-    """The estimator's figures for one configuration (``error`` when it cannot estimate it)."""
+    """The estimator's figures for one configuration (``error`` when it cannot estimate it).
+
+    A prediction is a side figure of a measured run: whatever stops the estimator, the run's
+    record is still written (with the error), and the comparison goes on."""
     try:
         est = estimate_configuration(comp, method, seq, efficiency=efficiency, device=device)
     except (EstimateError, UsageError) as err:
-        return {"step_time_s": None, "mfu": None, "peak_memory_bytes": None, "error": str(err)}
+        return _no_prediction(str(err))
+    except Exception as err:  # noqa: BLE001 - a defect of the estimator, reported with the run
+        logger.warning("no prediction for %s @ %s: %s", method.label, seq, err, exc_info=True)
+        return _no_prediction(f"the estimator failed: {type(err).__name__}: {err}")
     return {
         "step_time_s": est.step_time_s,
         "mfu": est.mfu,
@@ -150,6 +159,10 @@ def predict(comp: Comparison, method: Method, seq: int, *, efficiency=None, devi
         "exposed_comm_s": est.exposed_comm_s,
         "exposed_host_copy_s": est.exposed_host_copy_s,
     }
+
+
+def _no_prediction(error: str) -> dict:
+    return {"step_time_s": None, "mfu": None, "peak_memory_bytes": None, "error": error}
 
 
 def estimate_configuration(
@@ -196,6 +209,10 @@ def traced_figures(comp: Comparison, method: Method, seq: int, alpha: float | No
     from memo_ext.estimate.measure import trace_layer  # megatron-core: not for --help
 
     kw = dict(tp=layout.tp, sp=layout.sp, tokens=seq, micro_batch_size=comp.micro_batch_size)
-    layers = {m: trace_layer(comp.model, method=m, fp32=comp.fp32, **kw) for m in {"none", key}}
+    try:
+        layers = {m: trace_layer(comp.model, method=m, fp32=comp.fp32, **kw) for m in {"none", key}}
+    except Exception as err:  # noqa: BLE001 - as predict: the run's record is written regardless
+        logger.warning("no traced figures for %s @ %s: %s", method.label, seq, err, exc_info=True)
+        return {"note": f"the trace failed: {type(err).__name__}: {err}"}
     figures = dataclasses.asdict(method_figures(setup, layers)[key])
     return {**figures, "traced_as": key, "dtype": "fp32" if comp.fp32 else "bf16"}

@@ -89,6 +89,10 @@ def frozen_rng() -> Iterator[None]:
     replacements = (
         (torch, "get_rng_state", lambda: state),
         (torch, "set_rng_state", lambda new_state: None),
+        # a GPU's generator is never read: on a CUDA machine that would make a context on the
+        # current device before the trainer has picked its own
+        (torch.cuda, "get_rng_state", lambda device="cuda": state),
+        (torch.cuda, "set_rng_state", lambda new_state, device="cuda": None),
         (mrandom, "_CUDA_RNG_STATE_TRACKER", _NoForkTracker()),
         (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True),
         (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),

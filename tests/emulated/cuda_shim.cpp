@@ -19,6 +19,7 @@
 //     of a pluggable allocator's `alloc` that behaves as torch's CUDAPluggableAllocator does.
 // Everything is reached from Python through ctypes (the extern "C" functions at the end).
 #include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/empty.h>
@@ -64,7 +65,10 @@ struct EmulatedGenerator final : c10::GeneratorImpl {
     std::memcpy(&offset_, bytes + 8, 8);
   }
   c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
-    auto state = at::empty({16}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+    // below the dispatcher, as CUDA's generator makes it: a tensor mode active in the caller
+    // (a FakeTensorMode tracing) must not turn the state into a tensor without data
+    auto state = at::detail::empty_cpu({16}, at::kByte, std::nullopt, std::nullopt, std::nullopt,
+                                       std::nullopt);
     auto* bytes = static_cast<uint8_t*>(state.data_ptr());
     std::memcpy(bytes, &seed_, 8);
     std::memcpy(bytes + 8, &offset_, 8);
@@ -146,6 +150,11 @@ bool is_pinned(const void* data) {
 
 // ---- hooks -----------------------------------------------------------------------------------
 
+// GPUs of the emulated machine. The current device is FakeGuardImpl's, per thread as CUDA's is:
+// autograd's device thread for GPU i sets it to i, as it does on a GPU.
+std::atomic<int> device_count{1};
+using CudaGuard = c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>;
+
 struct EmulatedCUDAHooks final : at::CUDAHooksInterface {
   explicit EmulatedCUDAHooks(at::CUDAHooksArgs) {}
   bool isBuilt() const override { return true; }
@@ -153,10 +162,10 @@ struct EmulatedCUDAHooks final : at::CUDAHooksInterface {
   bool hasCUDA() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   void init() const override {}
-  c10::DeviceIndex deviceCount() const override { return 1; }
-  c10::DeviceIndex getCurrentDevice() const override { return 0; }
-  c10::DeviceIndex current_device() const override { return 0; }
-  int getNumGPUs() const override { return 1; }
+  c10::DeviceIndex deviceCount() const override { return device_count; }
+  c10::DeviceIndex getCurrentDevice() const override { return CudaGuard::getDeviceIndex(); }
+  c10::DeviceIndex current_device() const override { return CudaGuard::getDeviceIndex(); }
+  int getNumGPUs() const override { return device_count; }
   bool isPinnedPtr(const void* data) const override { return is_pinned(data); }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
   const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
@@ -341,8 +350,18 @@ int cudaFree(void* ptr) {
 }
 
 int cudaGetDevice(int* device) {
-  *device = 0;
+  *device = CudaGuard::getDeviceIndex();
   return 0;
+}
+
+// The emulated machine's GPU count (at most c10's fake guard's 8).
+void memo_emulated_set_device_count(int count) { device_count = count; }
+
+// This thread's current device, as cudaGetDevice / cudaSetDevice see it.
+int memo_emulated_current_device() { return CudaGuard::getDeviceIndex(); }
+
+void memo_emulated_set_current_device(int index) {
+  CudaGuard::setDeviceIndex(static_cast<c10::DeviceIndex>(index));
 }
 
 int cudaGetLastError() {

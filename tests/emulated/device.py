@@ -45,7 +45,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from memo_ext.mcore import attention
 from tests.emulated import runtime
 
 aten = torch.ops.aten
@@ -165,7 +164,7 @@ class Stream:
 
     def __init__(self, device=None, priority: int = 0, **_: object) -> None:
         self.id = next(_ids)
-        self.device = torch.device("cuda", 0)
+        self.device = torch.device("cuda", _current_index() if device is None else _index(device))
         self.priority = priority
         self.cuda_stream = 0x5000 + 16 * self.id
         """The ``cudaStream_t`` a pluggable allocator sees."""
@@ -267,6 +266,19 @@ def set_stream(s: Stream) -> None:
     _local.stream = s
 
 
+def _current_index() -> int:
+    """This thread's current device (CUDA's is per thread; autograd's device threads set it)."""
+    return runtime.loaded().memo_emulated_current_device()
+
+
+def _index(device) -> int:
+    """A device argument (``1``, ``"cuda:1"``, ``torch.device``) as an ordinal."""
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else _current_index()
+
+
 def synchronize(device=None) -> None:
     timeline = _device().timeline
     for key in list(timeline.clocks):
@@ -319,12 +331,27 @@ class CudaRuntime:
         return runtime.loaded().memo_emulated_host_unregister(ptr)
 
 
-class _Properties:
-    name = "emulated CUDA device"
-    total_memory = 80 * 2**30
-    major, minor = 9, 0
-    multi_processor_count = 132
-    gcnArchName = ""  # noqa: N815 (torch's name)
+@dataclass(frozen=True)
+class EmulatedGpu:
+    """What ``torch.cuda.get_device_properties`` reports for one GPU model."""
+
+    name: str
+    """The device name, as ``nvidia-smi`` and ``torch.cuda.get_device_name`` give it."""
+    total_memory: int
+    """Bytes, as torch reports them (nvidia-smi's MiB)."""
+    major: int = 9
+    minor: int = 0
+    multi_processor_count: int = 132
+    gcnArchName: str = ""  # noqa: N815 (torch's name)
+
+
+GPUS = {
+    "h100": EmulatedGpu("NVIDIA H100 80GB HBM3", 81559 * 2**20),
+    "h200": EmulatedGpu("NVIDIA H200", 143771 * 2**20),
+}
+"""The parts the device can be (``emulated_cuda(gpu=...)``; ``h100`` by default): real names, so
+every path that recognises its GPU (device presets, the preflight's traces, calibration, ``auto``
+choices) runs as it does on that GPU."""
 
 
 # ---- the dispatch mode -----------------------------------------------------------------------
@@ -390,6 +417,8 @@ class EmulatedCudaMode(FakeTensorMode):
         device.device_op(func, args, kwargs, outputs=tree_leaves(out))
         if _blocking_copy_to_host(func, kwargs):
             device.host_waits_for_current_stream()
+        if _blocking_copy_from_host(func, *inputs):
+            device.blocking_host_copies += 1
         return out
 
 
@@ -487,18 +516,34 @@ def _blocking_copy_to_host(func, kwargs) -> bool:
     return False
 
 
+def _blocking_copy_from_host(func, args, kwargs) -> bool:
+    """A host → device copy without ``non_blocking`` (``.to("cuda")`` of a host tensor): CUDA
+    copies it and synchronizes the stream before the host goes on."""
+    if func is aten._to_copy.default:
+        target = kwargs.get("device")
+        from_host = not isinstance(args[0], FakeTensor) and args[0].device.type == "cpu"
+        return _is_cuda(target) and from_host and not kwargs.get("non_blocking")
+    return False
+
+
 # ---- the device --------------------------------------------------------------------------------
 
 
 class EmulatedCuda:
     """The state of the emulated device while :func:`emulated_cuda` is active."""
 
-    def __init__(self, *, first_gemm_s: float = 0.0) -> None:
+    def __init__(self, *, first_gemm_s: float = 0.0, gpu: str = "h100", gpus: int = 1) -> None:
         self.shim = runtime.loaded()
         if self.shim is None:
             raise RuntimeError(
                 "the emulated CUDA shim is not loaded: run `python -m tests.emulated`"
             )
+        if gpu not in GPUS:
+            raise ValueError(f"the emulated GPU is one of {', '.join(GPUS)}, got {gpu!r}")
+        if not 1 <= gpus <= 8:
+            raise ValueError(f"an emulated machine has 1 to 8 GPUs, got {gpus}")
+        self.gpu, self.gpus = GPUS[gpu], gpus
+        self.shim.memo_emulated_set_device_count(gpus)
         self.shim.memo_emulated_init()  # as CUDA's first use does
         self.shim.memo_emulated_registered_peak(1)
         self.timeline = Timeline()
@@ -511,13 +556,16 @@ class EmulatedCuda:
         self.initialized = False
         """A device tensor existed or a device was set: the allocator can no longer change."""
         self.scalar_reads = 0
+        self.blocking_host_copies = 0
+        """Host → device copies the host waited for (each a stream sync on a GPU)."""
         self.first_gemm_s = first_gemm_s
         """Host seconds a matrix product of shapes not seen before takes (CUDA loads kernels
         lazily, cuBLAS makes its handle and workspace at first use)."""
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
         self.lock = threading.RLock()
-        self.generator = torch.Generator(device="cuda")
+        self.generators = tuple(torch.Generator(device=f"cuda:{i}") for i in range(gpus))
+        """One generator per GPU, as CUDA has (``torch.cuda.default_generators``)."""
         self.mode = EmulatedCudaMode(self)
 
     # -- accesses -------------------------------------------------------------------------
@@ -670,19 +718,36 @@ class EmulatedCuda:
         return []
 
     def set_device(self, device) -> None:
+        index = _index(device)
+        if not 0 <= index < self.gpus:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        self.shim.memo_emulated_set_current_device(index)
         self.initialized = True
+
+    def properties(self, device=None) -> EmulatedGpu:
+        if device is not None and not 0 <= _index(device) < self.gpus:
+            raise AssertionError("Invalid device id")
+        return self.gpu
 
     # -- installation ---------------------------------------------------------------------
 
     def patches(self) -> list[tuple[object, str, object]]:
-        c, generator = torch.cuda, self.generator
+        c, generators = torch.cuda, self.generators
+
+        def generator(device="cuda"):
+            return generators[_index(device)]
+
+        def seed_all(seed):
+            for g in generators:
+                g.manual_seed(seed)
+
         return [
             (c, "is_available", lambda: True),
             (c, "is_initialized", lambda: True),
             (c, "_lazy_init", lambda: None),
             (c, "_lazy_call", lambda fn, **_: fn()),
-            (c, "device_count", lambda: 1),
-            (c, "current_device", lambda: 0),
+            (c, "device_count", lambda: self.gpus),
+            (c, "current_device", _current_index),
             (c, "set_device", self.set_device),
             (c, "synchronize", synchronize),
             (c, "Stream", Stream),
@@ -691,9 +756,9 @@ class EmulatedCuda:
             (c, "default_stream", lambda device=None: self.default),
             (c, "stream", stream),
             (c, "set_stream", set_stream),
-            (c, "get_device_properties", lambda device=None: _Properties()),
-            (c, "get_device_capability", lambda device=None: (9, 0)),
-            (c, "get_device_name", lambda device=None: _Properties.name),
+            (c, "get_device_properties", self.properties),
+            (c, "get_device_capability", lambda device=None: (self.gpu.major, self.gpu.minor)),
+            (c, "get_device_name", lambda device=None: self.properties(device).name),
             (c, "is_bf16_supported", lambda *a, **k: True),
             (c, "memory_allocated", self.memory_allocated),
             (c, "max_memory_allocated", self.max_memory_allocated),
@@ -703,20 +768,22 @@ class EmulatedCuda:
             (c, "memory_stats", self.memory_stats),
             (c, "memory_snapshot", self.memory_snapshot),
             (c, "empty_cache", lambda: None),
-            (c, "mem_get_info", lambda device=None: (_Properties.total_memory,) * 2),
+            (c, "mem_get_info", lambda device=None: (self.gpu.total_memory,) * 2),
             (c, "set_per_process_memory_fraction", lambda fraction, device=None: None),
             (c, "cudart", lambda: CudaRuntime),
-            (c, "default_generators", (generator,)),
-            (c, "manual_seed", lambda seed: generator.manual_seed(seed) and None),
-            (c, "manual_seed_all", lambda seed: generator.manual_seed(seed) and None),
-            (c, "get_rng_state", lambda device="cuda": generator.get_state()),
-            (c, "set_rng_state", lambda state, device="cuda": generator.set_state(state)),
-            (c.random, "get_rng_state", lambda device="cuda": generator.get_state()),
-            (c.random, "set_rng_state", lambda state, device="cuda": generator.set_state(state)),
+            (c, "default_generators", generators),
+            (c, "manual_seed", lambda seed: generator().manual_seed(seed) and None),
+            (c, "manual_seed_all", seed_all),
+            (c, "get_rng_state", lambda device="cuda": generator(device).get_state()),
+            (c, "set_rng_state", lambda state, device="cuda": generator(device).set_state(state)),
+            (c.random, "get_rng_state", lambda device="cuda": generator(device).get_state()),
+            (c.random, "set_rng_state", lambda s, device="cuda": generator(device).set_state(s)),
             (c.memory, "CUDAPluggableAllocator", PluggableAllocator),
             (c.memory, "change_current_allocator", self.change_current_allocator),
             (torch.utils, "swap_tensors", _swap_tensors),
-            (attention, "causal_lower_right", _dense_causal_lower_right),
+            (torch, "tensor", _on_current_device(_real_tensor)),
+            (torch, "as_tensor", _on_current_device(_real_as_tensor)),
+            *[(module, "causal_lower_right", _dense_causal_lower_right) for module in _biases()],
             (dist, "init_process_group", _init_process_group),
             (dist, "new_group", _new_group),
             (dist, "all_gather_object", _all_gather_object),
@@ -754,6 +821,7 @@ def _written_arguments(func, args, kwargs) -> set[int]:
 # ---- torch functions that cannot work unchanged on a device without data ----------------------
 
 _real_swap_tensors = torch.utils.swap_tensors
+_real_tensor, _real_as_tensor = torch.tensor, torch.as_tensor
 _real_init_process_group = dist.init_process_group
 _real_new_group = dist.new_group
 
@@ -766,6 +834,29 @@ def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
         return _real_swap_tensors(t1, t2)
     with torch.no_grad():
         t1.data = t2.detach()
+
+
+def _on_current_device(construct):
+    """``torch.tensor`` / ``torch.as_tensor`` with ``device="cuda"`` give a tensor on the current
+    device, as they do on a GPU: the CPU build's C++ constructor names device 0 instead."""
+
+    def on_current_device(*args, device=None, **kwargs):
+        if _is_cuda(device) and torch.device(device).index is None:
+            device = torch.device("cuda", _current_index())
+        return construct(*args, device=device, **kwargs)
+
+    return on_current_device
+
+
+def _biases() -> list:
+    """Where ``causal_lower_right`` is looked up: torch's module, and the attention module once
+    it imported the name (a later import picks up the stand-in)."""
+    import sys
+
+    import torch.nn.attention.bias
+
+    loaded = sys.modules.get("memo_ext.mcore.attention")
+    return [torch.nn.attention.bias, *([loaded] if loaded is not None else [])]
 
 
 def _dense_causal_lower_right(queries: int, keys: int) -> torch.Tensor:
@@ -816,21 +907,34 @@ def _broadcast_object_list(object_list: list, src: int | None = None, group=None
 
 @contextlib.contextmanager
 def emulated_cuda(
-    *, rank: int = 0, world_size: int = 1, first_gemm_s: float = 0.0
+    *,
+    rank: int | None = 0,
+    world_size: int | None = 1,
+    first_gemm_s: float = 0.0,
+    gpu: str = "h100",
+    gpus: int = 1,
 ) -> Iterator[EmulatedCuda]:
     """Run the block on the emulated CUDA device as rank ``rank`` of ``world_size``; each first
     matrix product of new shapes takes ``first_gemm_s`` host seconds (a kernel's first use).
 
+    Args:
+        rank: this process's rank; ``None`` (with ``world_size=None``): the launcher's, from the
+            environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), left as it is.
+        world_size: ranks of the job (the others are emulated: collectives move nothing).
+        gpu: the part the device is (:data:`GPUS`).
+        gpus: GPUs of the emulated machine (``torch.cuda.device_count()``).
+
     Raises:
         RuntimeError: when the shim was not loaded before torch (``python -m tests.emulated``).
     """
-    device = EmulatedCuda(first_gemm_s=first_gemm_s)
+    device = EmulatedCuda(first_gemm_s=first_gemm_s, gpu=gpu, gpus=gpus)
     _local.stream = None
     patches = device.patches()
     saved = [(owner, name, getattr(owner, name, None)) for owner, name, _ in patches]
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    if rank is not None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
     for owner, name, value in patches:
         setattr(owner, name, value)
     _active.append(device)
@@ -841,6 +945,7 @@ def emulated_cuda(
         device.collect_released()
     finally:
         _active.pop()
+        device.shim.memo_emulated_set_current_device(0)
         for owner, name, value in saved:
             setattr(owner, name, value)
         for key, value in env.items():
@@ -852,4 +957,4 @@ def emulated_cuda(
             dist.destroy_process_group()
 
 
-__all__ = ["EmulatedCuda", "Event", "OrderError", "Stream", "emulated_cuda"]
+__all__ = ["GPUS", "EmulatedCuda", "EmulatedGpu", "Event", "OrderError", "Stream", "emulated_cuda"]

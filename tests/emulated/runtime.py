@@ -105,6 +105,8 @@ def _declare(shim: ctypes.CDLL) -> None:
     shim.memo_emulated_bind_block.argtypes = [size_t, ptr, ptr, size_t, ptr]
     shim.memo_emulated_set_device_capacity.argtypes = [size_t]
     shim.memo_emulated_device_in_use.restype = size_t
+    shim.memo_emulated_set_device_count.argtypes = [ctypes.c_int]
+    shim.memo_emulated_set_current_device.argtypes = [ctypes.c_int]
     shim.memo_emulated_pluggable_alloc.argtypes = [
         ptr,
         size_t,

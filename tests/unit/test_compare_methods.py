@@ -477,3 +477,23 @@ def test_asking_for_a_flash_attn_that_does_not_import_is_refused(flash_attn_on_p
     flash_attn_on_path("broken")
     with pytest.raises(ValueError, match="flash_attn is installed but does not import"):
         resolve_attention_backend("flash")
+
+
+def test_a_failing_estimator_leaves_the_run_recorded(tmp_path, monkeypatch, caplog):
+    """A prediction is a side figure: an estimator that raises (any error, not only a refusal)
+    gives a record with the error, and the comparison goes on to its next job."""
+    from tools import comparison
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(comparison, "estimate_configuration", broken)
+    monkeypatch.setattr(comparison, "trace_layer", broken, raising=False)
+    comp = _comparison(tmp_path)
+    method = comp.methods[0]
+    predicted = comparison.predict(comp, method, 128)
+    assert predicted["step_time_s"] is None
+    assert predicted["error"] == (
+        "the estimator failed: RuntimeError: Expected all tensors to be on the same device"
+    )
+    assert "no prediction for none @ 128" in caplog.text

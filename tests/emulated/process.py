@@ -1,0 +1,125 @@
+"""The emulated device in a whole process: what ``python -m tests.emulated.run`` puts into every
+Python process the command starts.
+
+The launcher sets ``MEMO_EMULATED_GPU`` and puts ``tests/emulated/site`` first on
+``PYTHONPATH``; that folder's ``sitecustomize`` calls :func:`install` when Python starts. It loads
+the C++ half before torch (which must come first) and, once ``import torch`` has finished, enters
+:func:`tests.emulated.device.emulated_cuda` for the rest of the process: rank and world from the
+launcher's environment (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``), the part from
+``MEMO_EMULATED_GPU`` and the GPU count from ``MEMO_EMULATED_GPUS``. A process that never imports
+torch (a shell tool, ``pip``) pays nothing but the shim's load.
+
+At exit the device checks what the process left on it (a block freed under a copy still running
+is an :class:`~tests.emulated.device.OrderError`); an error there ends the process with status 70,
+so a script that ran on the device fails where a GPU run could have gone wrong.
+
+This module imports neither torch nor the package at import time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import sys
+import traceback
+
+GPU_VARIABLE = "MEMO_EMULATED_GPU"
+GPUS_VARIABLE = "MEMO_EMULATED_GPUS"
+ORDER_ERROR_STATUS = 70
+"""A process whose device work broke an ordering rule ends with this status (EX_SOFTWARE)."""
+
+
+def install() -> None:
+    """Load the shim now and the device after ``import torch`` (idempotent; a no-op without
+    ``MEMO_EMULATED_GPU``)."""
+    if not os.environ.get(GPU_VARIABLE) or any(isinstance(f, _AfterTorch) for f in sys.meta_path):
+        return
+    from tests.emulated import runtime
+
+    runtime.load()
+    sys.meta_path.insert(0, _AfterTorch())
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Finds ``torch`` through the other finders and runs :func:`_activate` once its module has
+    executed (every ``torch`` submodule it imports is then importable). A look-up that does not
+    import (``importlib.util.find_spec("torch")``) leaves it in place for the real import."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        index = sys.meta_path.index(self)
+        for finder in sys.meta_path[index + 1 :]:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                spec.loader = _ActivatingLoader(spec.loader, self)
+                return spec
+        return None
+
+
+class _ActivatingLoader(importlib.abc.Loader):
+    """``torch``'s own loader, then the device (once; the finder leaves ``sys.meta_path``)."""
+
+    def __init__(self, loader, finder: _AfterTorch) -> None:
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+            _activate()
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ... of the real loader
+        return getattr(self.loader, name)
+
+
+_held: list = []
+
+
+def _activate() -> None:
+    from tests.emulated.device import emulated_cuda
+
+    context = emulated_cuda(
+        rank=None,
+        world_size=None,
+        gpu=os.environ[GPU_VARIABLE],
+        gpus=int(os.environ.get(GPUS_VARIABLE, "1")),
+    )
+    device = context.__enter__()
+    _held.append(context)  # a generator context closed by the collector would leave the device
+    _threads_on_the_device(device)
+    atexit.register(_check_at_exit, device)
+
+
+def _threads_on_the_device(device) -> None:
+    """Every thread started from now on has the device, as every thread of a CUDA process has
+    the GPU (the emulated device is a dispatch mode, and modes are per thread)."""
+    import threading
+
+    bootstrap = threading.Thread._bootstrap_inner
+
+    def bootstrap_on_device(self) -> None:
+        with device.mode:
+            bootstrap(self)
+
+    threading.Thread._bootstrap_inner = bootstrap_on_device
+
+
+def _check_at_exit(device) -> None:
+    """What the process dropped dies on the device, checked as :func:`emulated_cuda`'s end of
+    block checks it. The device stays in place: finalizers that run after this one (pinned
+    pages unregistered, process groups destroyed) still find it."""
+    import gc
+
+    try:
+        gc.collect()
+        device.collect_released()
+    except AssertionError:  # an OrderError: device work a GPU could run in the wrong order
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(ORDER_ERROR_STATUS)
