@@ -219,6 +219,11 @@ class LayerActivations:
         """Autograd's pack hook: classify ``t`` and return a reference to it."""
         if isinstance(t, torch.nn.Parameter) or storage_key(t) in self._param_storages:
             return t
+        if t.device != self.input_meta.device:
+            # a host tensor saved by a device layer (SDPA's memory-efficient kernel keeps its
+            # philox seed and offset on the host, and its backward reads them there): it stays
+            # as it is, where it is
+            return t
         meta = TensorMeta.of(t)
         position = None
         if self._in_attention:
@@ -434,7 +439,8 @@ class LayerActivations:
             groups=self.groups,
             requires_grad=self.input_requires_grad,
             stand_in=stand_in,
-            on_save=lambda t: saved.append(t.detach()),
+            # host tensors the forward kept as they were are not among its positions
+            on_save=lambda t: saved.append(t.detach()) if t.device == x.device else None,
         )
         if len(saved) != self.positions:
             raise RecomputeMismatch(

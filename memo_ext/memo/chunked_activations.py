@@ -224,7 +224,10 @@ class ChunkedActivations:
         save = _Save("own", meta)
         if record.phase == "attention" and key in {m.storage for m in self.qkv_metas}:
             save.kind = "qkv"
-        elif key in self._external:
+        elif key in self._external or t.device != self.input_meta.device:
+            # inputs from outside the layer, and host tensors of a device layer (SDPA's
+            # memory-efficient kernel keeps its philox seed and offset on the host, and its
+            # backward reads them there), stay as they are, where they are
             save.kind, save.device = "device", t.detach()
         elif key in self.full_sources or record.phase == "attention":
             save.kind = "full"

@@ -407,6 +407,8 @@ class EmulatedCudaMode(FakeTensorMode):
             device.scalar_reads += 1
             known = self.values.get(args[0])
             return known.item() if known is not None else _zero_of(args[0].dtype)
+        if func is aten._scaled_dot_product_efficient_attention_backward.default:
+            _check_philox_on_the_host(*args, **kwargs)
         inputs = (args, kwargs)
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.from_tensor(t),
@@ -419,7 +421,65 @@ class EmulatedCudaMode(FakeTensorMode):
             device.host_waits_for_current_stream()
         if _blocking_copy_from_host(func, *inputs):
             device.blocking_host_copies += 1
+        if func is aten._scaled_dot_product_efficient_attention.default:
+            # the kernel keeps its philox seed and offset as host scalars (outside CUDA graph
+            # capture), and its backward reads them there
+            with no_dispatch():
+                out = (
+                    *out[:2],
+                    torch.zeros((), dtype=torch.long),
+                    torch.zeros((), dtype=torch.long),
+                )
         return out
+
+
+_real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa_kernels(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False,
+):  # fmt: skip
+    """``scaled_dot_product_attention`` as it runs on an H100: the CPU build's composite takes
+    the math path for any device, so the choice of torch's ``sdp_utils`` is made here (in
+    short: flash in half precision without a mask, head dims up to 256 in steps of 8; the
+    memory-efficient kernel otherwise; math for grouped-query attention outside flash) and the
+    kernel's own op is called, with what it saves for its backward."""
+    if not _on_device(query):
+        return _real_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                          enable_gqa=enable_gqa)  # fmt: skip
+    head_dim, grouped = query.size(-1), enable_gqa and query.size(-3) != key.size(-3)
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if half and attn_mask is None and not grouped and head_dim <= 256 and head_dim % 8 == 0:
+        return aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if grouped:
+        return _real_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                          enable_gqa=enable_gqa)  # fmt: skip
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as sdp_utils converts it
+        bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+        attn_mask = bias.masked_fill(~attn_mask, float("-inf"))
+    return aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+def _check_philox_on_the_host(
+    grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+    dropout_p, *args, **kwargs,
+) -> None:  # fmt: skip
+    """The memory-efficient backward reads its philox seed and offset on the host when it drops
+    out (``*philox_seed.data_ptr<int64_t>()``): a device tensor there is a host read of a device
+    address, a segmentation fault on a GPU."""
+    if dropout_p > 0 and any(
+        isinstance(t, FakeTensor) or t.device.type != "cpu" for t in (philox_seed, philox_offset)
+    ):
+        raise OrderError(
+            "the memory-efficient attention backward got its philox seed / offset on the device; "
+            "it reads them on the host (a segmentation fault on a GPU): keep saved host tensors "
+            "on the host"
+        )
 
 
 class HostKnownValues:
@@ -782,6 +842,7 @@ class EmulatedCuda:
             (c.memory, "change_current_allocator", self.change_current_allocator),
             (torch.utils, "swap_tensors", _swap_tensors),
             (torch, "tensor", _on_current_device(_real_tensor)),
+            (torch.nn.functional, "scaled_dot_product_attention", _sdpa_kernels),
             (torch, "as_tensor", _on_current_device(_real_as_tensor)),
             *[(module, "causal_lower_right", _dense_causal_lower_right) for module in _biases()],
             (dist, "init_process_group", _init_process_group),

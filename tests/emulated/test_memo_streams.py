@@ -77,3 +77,18 @@ def test_a_source_freed_under_its_copy_is_caught(tmp_path, monkeypatch):
 def test_memo_training_keeps_every_copy_ordered(cuda, tmp_path):
     summary, _ = _memo_training(cuda, tmp_path)
     assert summary.iterations == 3
+
+
+@pytest.mark.parametrize("chunk", [[], ["--memo-chunk-tokens", "24"]], ids=["whole", "chunked"])
+def test_attention_host_scalars_stay_on_the_host(cuda, tmp_path, chunk):
+    """In fp32 SDPA runs its memory-efficient kernel, which keeps its philox seed and offset on
+    the host and, with dropout, reads them there in backward: MEMO must give them back as they
+    were, not copied to the device with the rest of the layer. (No preflight: pricing 24-token
+    chunks traces hundreds of chunks, a minute of CPU, and is not what is checked here.)"""
+    from tests.emulated.test_training import train_on
+
+    summary, records = train_on(
+        cuda, tmp_path, "--memo", "--memo-alpha", "0.5", "--memo-keep-last-layers", "1",
+        "--attention-dropout", "0.1", "--train-iters", "1", "--skip-preflight", *chunk,
+    )  # fmt: skip
+    assert summary.iterations == 1 and records[-1]["host_offload_bytes"] > 0

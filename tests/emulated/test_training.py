@@ -50,7 +50,8 @@ def test_plain_steps(cuda, tmp_path):
     [
         ["--memo-alpha", "0.5"],
         ["--memo-alpha", "auto"],
-        ["--memo-alpha", "0.5", "--memo-chunk-tokens", "24"],
+        # no preflight: pricing 24-token chunks traces hundreds of chunks (a minute of CPU)
+        ["--memo-alpha", "0.5", "--memo-chunk-tokens", "24", "--skip-preflight"],
     ],
     ids=["whole", "auto", "chunked"],
 )
