@@ -204,6 +204,7 @@ class MemoRuntime:
         if previous is not None:
             self.engine.wait(previous.completion)
         reuse = [buf.last_read for buf in acts.host_buffers]
+        pairs = self.engine.stage(pairs)
         acts.offloaded = self.engine.to_host(pairs, reuse=reuse)
         sources = [src for _, src in pairs]
         self._slots[slot_index] = _Slot(acts.offloaded, sources, acts.layer_index)
@@ -218,6 +219,7 @@ class MemoRuntime:
         first."""
         while len(self._copies) >= Chunks.COPIES_IN_FLIGHT:
             self.engine.wait(self._copies.popleft().completion)
+        pairs = self.engine.stage(pairs)
         completion = self.engine.to_host(pairs, reuse=reuse)
         self._copies.append(_Slot(completion, [src for _, src in pairs], layer_index))
         self.slot_bytes = max(self.slot_bytes, self.in_flight_source_bytes())

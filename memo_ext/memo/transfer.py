@@ -172,6 +172,10 @@ class SyncTransferEngine:
     device_type = "cpu"
     pin_memory = False
 
+    def stage(self, pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """The pairs :meth:`to_host` copies from (here: as they are)."""
+        return pairs
+
     def to_host(self, pairs: list[tuple[Tensor, Tensor]], *, reuse: list[Completion]) -> Completion:
         """Copy each ``(host destination, device source)`` pair."""
         with torch.no_grad():
@@ -221,14 +225,33 @@ class CudaTransferEngine:
         event.record(stream)
         return Completion(event)
 
+    def stage(self, pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """The pairs :meth:`to_host` copies from: a source a DMA copy cannot read as it is (a
+        strided head: V's view of the fused QKV output, a tensor gathered over TP) is gathered
+        here, on the compute stream. Left to the copy, CUDA would gather it into a temporary on
+        the copy stream, memory the compute stream's pool (and a planned allocator) never sees.
+        The caller holds the returned sources until the copies are waited for."""
+        staged = []
+        with torch.no_grad():
+            for dst, src in pairs:
+                if _dma_pieces(dst, src) is None:
+                    src = src.contiguous()  # [head shape], contiguous; on the compute stream
+                staged.append((dst, src))
+        return staged
+
     def to_host(self, pairs: list[tuple[Tensor, Tensor]], *, reuse: list[Completion]) -> Completion:
+        """Copy each staged ``(host destination, device source)`` pair (:meth:`stage`)."""
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         for previous in reuse:  # the host buffers' last H2D reads
             if previous.event is not None:
                 self.d2h.wait_event(previous.event)
         with torch.cuda.stream(self.d2h), torch.no_grad():
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+                pieces = _dma_pieces(dst, src)
+                if pieces is None:
+                    raise ValueError("a strided source reached the copy stream; stage() it first")
+                for d, s in pieces:
+                    d.copy_(s, non_blocking=True)
         return self._event(self.d2h)
 
     def to_device(
@@ -265,6 +288,20 @@ class CudaTransferEngine:
         total_ms = sum(start.elapsed_time(end) for start, end in self._waits)
         self._waits.clear()
         return total_ms / 1e3
+
+
+def _dma_pieces(dst: Tensor, src: Tensor) -> list[tuple[Tensor, Tensor]] | None:
+    """``(dst, src)`` as copies a DMA engine takes as they are (same dtype, both contiguous):
+    the pair itself, or one pair per index of the first dimension (the heads of a tensor
+    gathered over TP: ``[tp, kept, ...]``, each rank's block contiguous); ``None`` when some
+    piece is strided."""
+    if dst.dtype != src.dtype:
+        return None
+    if dst.is_contiguous() and src.is_contiguous():
+        return [(dst, src)]
+    if src.dim() > 1 and all(d.is_contiguous() and s.is_contiguous() for d, s in zip(dst, src)):
+        return list(zip(dst, src))
+    return None
 
 
 def build_transfer_engine(device: torch.device) -> SyncTransferEngine | CudaTransferEngine:

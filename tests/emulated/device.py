@@ -409,6 +409,8 @@ class EmulatedCudaMode(FakeTensorMode):
             return known.item() if known is not None else _zero_of(args[0].dtype)
         if func is aten._scaled_dot_product_efficient_attention_backward.default:
             _check_philox_on_the_host(*args, **kwargs)
+        if func is aten.copy_.default and _copy_needs_temporaries(*args):
+            args = self._through_temporaries(types, *args)
         inputs = (args, kwargs)
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.from_tensor(t),
@@ -431,6 +433,17 @@ class EmulatedCudaMode(FakeTensorMode):
                     torch.zeros((), dtype=torch.long),
                 )
         return out
+
+    def _through_temporaries(self, types, dst, src, *rest) -> tuple:
+        """What CUDA's copy kernel does for a copy it cannot hand to ``cudaMemcpyAsync``: a
+        contiguous device temporary made on the current stream (the source gathered for a
+        device → host copy; the destination's staging for a host → device one)."""
+        contiguous = {"memory_format": torch.contiguous_format}
+        if _on_device(src):
+            src = self.__torch_dispatch__(aten.clone.default, types, (src,), contiguous)
+        else:
+            self.__torch_dispatch__(aten.empty_like.default, types, (dst,), contiguous)
+        return (dst, src, *rest)
 
 
 _real_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -480,6 +493,14 @@ def _check_philox_on_the_host(
             "it reads them on the host (a segmentation fault on a GPU): keep saved host tensors "
             "on the host"
         )
+
+
+def _copy_needs_temporaries(dst, src, *_) -> bool:
+    """``copy_requires_temporaries`` of torch's ``Copy.cu`` for a host ↔ device copy: anything
+    but a same-dtype copy between contiguous tensors."""
+    if not isinstance(src, torch.Tensor) or _on_device(dst) == _on_device(src):
+        return False
+    return not (dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous())
 
 
 class HostKnownValues:
@@ -623,6 +644,9 @@ class EmulatedCuda:
         lazily, cuBLAS makes its handle and workspace at first use)."""
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
+        self.allocations_by_stream: dict[int, int] = {}
+        """Device storages allocated per stream id (a copy stream's own allocations show
+        here: on a GPU they come from that stream's pool, and a planned allocator misses)."""
         self.lock = threading.RLock()
         self.generators = tuple(torch.Generator(device=f"cuda:{i}") for i in range(gpus))
         """One generator per GPU, as CUDA has (``torch.cuda.default_generators``)."""
@@ -702,6 +726,7 @@ class EmulatedCuda:
                 token, self.allocator.free_fn, storage.ptr, storage.nbytes, s.cuda_stream
             )
         self.storages[token] = storage
+        self.allocations_by_stream[stream] = self.allocations_by_stream.get(stream, 0) + 1
         self.allocated_bytes += storage.nbytes
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
 

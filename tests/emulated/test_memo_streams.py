@@ -66,6 +66,7 @@ def test_a_source_freed_under_its_copy_is_caught(tmp_path, monkeypatch):
     from memo_ext.memo import runtime
 
     def drop_sources(self, acts, pairs):
+        pairs = self.engine.stage(pairs)
         acts.offloaded = self.engine.to_host(pairs, reuse=[b.last_read for b in acts.host_buffers])
         self.track(acts)
 
@@ -92,3 +93,27 @@ def test_attention_host_scalars_stay_on_the_host(cuda, tmp_path, chunk):
         "--attention-dropout", "0.1", "--train-iters", "1", "--skip-preflight", *chunk,
     )  # fmt: skip
     assert summary.iterations == 1 and records[-1]["host_offload_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+    ids=["tp1", "tp2-sp"],
+)
+@pytest.mark.parametrize("chunk", [[], ["--memo-chunk-tokens", "32"]], ids=["whole", "chunked"])
+def test_no_device_memory_is_taken_on_the_copy_streams(tmp_path, layout, chunk):
+    """Token-wise heads are strided (V is a view of the fused QKV output; under SP the gathered
+    tensors' heads have a gap per rank): a device ↔ host copy of a strided tensor makes CUDA
+    gather it into a temporary on the current stream, which would be MEMO's copy stream, whose
+    memory the compute stream's pool (and a planned allocator) never sees. Every device
+    allocation of a MEMO step happens on the compute stream."""
+    from tests.emulated.test_training import train_on
+
+    with emulated_cuda(world_size=2 if layout else 1) as cuda:
+        summary, records = train_on(
+            cuda, tmp_path, "--memo", "--memo-alpha", "0.5", "--memo-keep-last-layers", "1",
+            "--train-iters", "1", "--skip-preflight", *layout, *chunk,
+        )  # fmt: skip
+        streams = dict(cuda.allocations_by_stream)
+    assert records[-1]["memo_recomputed_tokens"] > 0  # α = 0.5: token-wise heads were copied
+    assert set(streams) == {cuda.default.id}, streams
