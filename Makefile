@@ -33,7 +33,11 @@ XDIST := -n $(or $(JOBS),$(shell nproc)) --dist worksteal
 
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
-	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider $(XDIST)
+	$(MAKE) --no-print-directory test-emulated
+
+# the emulated tier measured by coverage.py (every process it starts), then the share of the
+# program's GPU-only branches it ran
+EMULATED_COVERAGE := COVERAGE_PROCESS_START=$(CURDIR)/.coveragerc
 
 # the edit-test loop: the unit tier without the slow tests and the launches
 test-fast: $(STAMP)
@@ -41,7 +45,9 @@ test-fast: $(STAMP)
 
 # the program's CUDA branch on this CPU machine (its own processes: see tests/emulated)
 test-emulated: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider $(XDIST)
+	rm -rf build/coverage && mkdir -p build/coverage
+	$(EMULATED_COVERAGE) OMP_NUM_THREADS=1 $(PY) -m tests.emulated -q -p no:cacheprovider $(XDIST)
+	$(PY) -m tests.emulated.cuda_coverage --fail-under 90
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from memo_ext.device import on_gpu
+
 MODEL_FLAGS = [
     "--num-layers", "2",
     "--hidden-size", "96",
@@ -253,7 +255,7 @@ class _MegatronLMOptimizer:
 def _cuda_rng_state_on_cpu() -> Iterator[None]:
     """Megatron-LM's save reads ``torch.cuda.get_rng_state()``, which fails without CUDA; on a
     CPU it gets the empty state that our save writes there."""
-    if torch.cuda.is_available():
+    if on_gpu():
         yield
         return
     original = torch.cuda.get_rng_state

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def device_spec(name: str, **overrides) -> DeviceSpec:
 def cuda_device() -> DeviceSpec | None:
     """This process's CUDA device as a preset with its real memory, or ``None`` (no CUDA, or a
     device the table does not know)."""
-    if not torch.cuda.is_available():
+    if not on_gpu():
         return None
     name = torch.cuda.get_device_name().upper()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -156,7 +157,7 @@ def device_peak_tflops(override: float | None = None) -> float | None:
     CUDA device (``None`` on the CPU or for an unknown device, with a warning for the latter)."""
     if override is not None:
         return override
-    if not torch.cuda.is_available():
+    if not on_gpu():
         return None
     spec = cuda_device()
     if spec is None:

@@ -48,11 +48,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")  # megatron-core's import-time notices about optional kernels
 
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from memo_ext.config import MemoConfig, ModelConfig  # noqa: E402
 from memo_ext.config.network import resolve_attention_backend  # noqa: E402
+from memo_ext.device import on_gpu  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.estimate.calibration import (  # noqa: E402
     KernelRates,
@@ -380,7 +380,7 @@ def _device(args, model: ModelShape, launch: Launch):
     """(device for the predictions, CUDA?, kernel rates, notes). On CPU the kernels are timed
     here (the CPU's peak is its measured square-matrix rate); on CUDA only for --calibrate, in
     a process of its own so that this one never holds GPU memory while the jobs run."""
-    cuda = torch.cuda.is_available()
+    cuda = on_gpu()
     kernels, notes = None, []
     if not cuda:
         kernels = measure_kernels(model, device="cpu")

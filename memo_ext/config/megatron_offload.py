@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from memo_ext.config.common import installed
+from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ def megatron_offload_missing() -> str | None:
     ``cpu_offload`` module when it enters a module.
     """
     present = {
-        "CUDA": torch.cuda.is_available(),
+        "CUDA": on_gpu(),
         "transformer-engine": installed("transformer_engine"),
     }
     missing = [name for name, here in present.items() if not here]

@@ -9,9 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-
 from memo_ext.config.common import AUTO, check_writable_directory
+from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 
@@ -195,9 +194,7 @@ class MemoConfig:
                 "packed documents (--variable-seq-lengths, --hotspa) change it every step; drop "
                 "one of them"
             )
-        if torch.cuda.is_available() and "expandable_segments" in os.environ.get(
-            "PYTORCH_CUDA_ALLOC_CONF", ""
-        ):
+        if on_gpu() and "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             raise UsageError(
                 "--memo-allocator plan replaces PyTorch's caching allocator, so "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot apply; unset it"

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
-import torch
-
 from memo_ext.config.common import at_least, fraction, importable, installed
+from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.flags import flag_name
 
@@ -27,7 +26,7 @@ def resolve_attention_backend(backend: str, *, allow_te: bool = True) -> str:
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {backend}")
-    cuda = torch.cuda.is_available()
+    cuda = on_gpu()
     if backend == "auto":
         if cuda and allow_te and installed("transformer_engine"):
             return "te"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from memo_ext.config.common import check_writable_directory
 from memo_ext.config.data import DataConfig
 from memo_ext.config.hotspa import HotSPaConfig
@@ -21,6 +19,7 @@ from memo_ext.config.output import (
     ProfileConfig,
 )
 from memo_ext.config.train import TrainConfig
+from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -64,7 +63,7 @@ class RunConfig:
         """--cross-entropy-loss-fusion where megatron-core's fused loss runs: on CUDA, and not
         under HotSPa (its bucket models take explicit process groups, the fused loss does not)."""
         fusion = self.model.cross_entropy_loss_fusion
-        return fusion and torch.cuda.is_available() and not self.hotspa.enabled
+        return fusion and on_gpu() and not self.hotspa.enabled
 
     @property
     def profile_dir(self) -> str:

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from memo_ext.config.common import at_least
+from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -212,7 +213,7 @@ class TrainConfig:
         self._check_loss_scale()
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 are exclusive; choose one")
-        cuda = torch.cuda.is_available()
+        cuda = on_gpu()
         if (self.bf16 or self.fp16) and not cuda:
             raise UsageError(
                 "--bf16 / --fp16 need CUDA (megatron's mixed-precision optimizer); drop the flag"

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from memo_ext.arguments import parse_args
 from memo_ext.config import RunConfig
+from memo_ext.device import compute_device, on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.hf.weights import (
     VOCAB_DIVISIBLE_BY,
@@ -80,7 +81,7 @@ def single_process() -> Iterator[None]:
     (an already initialised process group is used as it is)."""
     owned = not dist.is_initialized()
     init_distributed()
-    compat = contextlib.nullcontext() if torch.cuda.is_available() else cpu_compat()
+    compat = contextlib.nullcontext() if on_gpu() else cpu_compat()
     owned_groups = not parallel_state.model_parallel_is_initialized()
     try:
         with compat:
@@ -108,8 +109,7 @@ def build_model(
         shape=dataclasses.replace(run.shape, vocab_size=vocab_size),
         model=dataclasses.replace(run.model, padded_vocab_size=padded, attention_backend="sdpa"),
     )
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model = build_gpt_model(run=run, config=run_transformer_config(run), device=device)
+    model = build_gpt_model(run=run, config=run_transformer_config(run), device=compute_device())
     return run, model
 
 

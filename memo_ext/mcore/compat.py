@@ -28,6 +28,8 @@ from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.overrides import TorchFunctionMode
 
+from memo_ext.device import on_gpu
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MCORE = ("0.16.",)
@@ -178,7 +180,7 @@ def cpu_compat() -> Iterator[None]:
         RuntimeError: when CUDA is available (a training run there uses the GPU's generator) or
             the installed megatron-core is a version this shim was not checked against.
     """
-    if torch.cuda.is_available():
+    if on_gpu():
         raise RuntimeError("cpu_compat() is for machines without CUDA; CUDA is available here")
     rng = (
         (mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker()),

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 
 from memo_ext.config import RecomputeConfig, RunConfig
+from memo_ext.device import on_gpu
 from memo_ext.mcore.rotary import YarnTransformerConfig, yarn_fields
 from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
 from memo_ext.parallel import ParallelLayout
@@ -115,7 +116,7 @@ def run_transformer_config(
         # of the parallel layout. megatron's own draw still runs: with it off, its layers
         # also skip tagging weights as tensor-parallel, which gradient norms and checkpoints
         # need.
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not on_gpu(),
         perform_initialization=True,
         **(yarn_fields(m) if run.shape.position_embedding_type == "yarn" else {}),
     )

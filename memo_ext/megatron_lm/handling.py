@@ -25,11 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from memo_ext.config.common import installed
 from memo_ext.config.data import TOKENIZER_TYPES
 from memo_ext.config.network import resolve_attention_backend
+from memo_ext.device import on_gpu
 from memo_ext.megatron_lm.flag_table import MegatronFlag
 
 Status = Literal["same", "mapped", "no effect", "refused"]
@@ -87,7 +86,7 @@ def _attention_backend(values: list[str], given: Given) -> list[str]:
     (value,) = values
     if value == "local":
         return ["--attention-backend", "sdpa"]
-    if torch.cuda.is_available() and installed("transformer_engine"):
+    if on_gpu() and installed("transformer_engine"):
         return ["--attention-backend", "te"]
     return ["--attention-backend", "sdpa"]
 

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from memo_ext import device
 from memo_ext.allocator.core import MISS_NAMES, UNPLANNED, AllocatorCore
 from memo_ext.planner.plan import validate
 from memo_ext.planner.planning import plan_trace
@@ -343,8 +344,7 @@ class PlannedMemory:
         """Adds the block's wall time to :attr:`planning_s`. The device finishes the step's
         queued work first: planning then adds to the step's time instead of overlapping it, so
         leaving it out leaves the training's own time intact."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        device.synchronize()
         start = time.perf_counter()
         try:
             yield
@@ -558,7 +558,7 @@ def format_plan_metrics(metrics: dict) -> str:
 def install_allocator(core: AllocatorCore) -> None:
     """Route this process's allocations through the core, before the first tensor of the run:
     the CUDA pluggable allocator on a GPU, the c10 CPU-allocator shim otherwise."""
-    if torch.cuda.is_available():
+    if device.on_gpu():
         from memo_ext.allocator.cuda import install_cuda_allocator
 
         install_cuda_allocator(core)
@@ -578,7 +578,7 @@ def shape_key(run) -> str:
         "layout": run.layout.describe(),
         "memo": repr(run.memo),
         "dtype": str(run.train.params_dtype),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": device.compute_device().type,
         "torch": torch.__version__,
     }
     return json.dumps(parts, sort_keys=True)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from memo_ext.collectives import all_reduce_values
 from memo_ext.config import MemoConfig
+from memo_ext.device import gpu_rng_state, set_gpu_rng_state
 from memo_ext.mcore.chunked import sp_groups
 from memo_ext.memo.activations import (
     LayerActivations,
@@ -459,14 +460,13 @@ def _shape_of(rope) -> tuple | None:
 def _preserved_rng():
     """Run a pass that must not move any random stream (CPU, CUDA, megatron's tracker)."""
     cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    gpu = gpu_rng_state()
     tracker = mrandom.get_cuda_rng_tracker()
     tracked = tracker.get_states() if tracker.is_initialized() else None
     try:
         yield
     finally:
         torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
+        set_gpu_rng_state(gpu)
         if tracked is not None:
             tracker.set_states(tracked)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from memo_ext.device import on_gpu
 from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.trace import Alloc, Event, Free, Trace
 
@@ -114,7 +115,7 @@ def trace_cuda_step(step: Callable[[], object], *, max_entries: int = 1_000_000)
     The current device's history is converted; blocks allocated before ``step`` (weights,
     optimizer state) are not in it.
     """
-    if not torch.cuda.is_available():
+    if not on_gpu():
         raise RuntimeError("trace_cuda_step needs CUDA; trace on CPU with fake tensors instead")
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=max_entries)

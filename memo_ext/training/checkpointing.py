@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from memo_ext.config import CheckpointConfig
+from memo_ext.device import gpu_rng_state, set_gpu_rng_state
 from memo_ext.errors import ReportedError, UsageError
 from memo_ext.training import megatron_lm_checkpoint as megatron_lm
 
@@ -259,7 +260,7 @@ def _rng_state() -> dict:
     tracker = mrandom.get_cuda_rng_tracker()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0),
+        "cuda": gpu_rng_state(),
         "numpy": {
             "keys": torch.from_numpy(keys.astype(np.int64)),
             "pos": pos,
@@ -273,8 +274,7 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"].numel():
-        torch.cuda.set_rng_state(state["cuda"])
+    set_gpu_rng_state(state["cuda"])
     n = state["numpy"]
     np.random.set_state(
         (

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from memo_ext import device
 from memo_ext.config import CleanupConfig, ProfileConfig, RunConfig
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,8 @@ def maybe_empty_cache(cleanup: CleanupConfig, *, level: int) -> None:
     """``torch.cuda.empty_cache()`` when --empty-unused-memory-level is at least ``level``
     (1: after the forward / backward passes and each validation batch; 2: also after the
     optimizer step), as Megatron-LM. There is no caching allocator to empty on CPU."""
-    if cleanup.empty_unused_memory_level >= level and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if cleanup.empty_unused_memory_level >= level:
+        device.empty_cache()
 
 
 class ManualGC:
@@ -171,7 +172,7 @@ class Housekeeping:
 
     def __init__(self, run: RunConfig, *, rank: int):
         self.gc = ManualGC(run.cleanup)
-        cuda = torch.cuda.is_available()
+        cuda = device.on_gpu()
         self.profiler = StepProfiler(run.profile, rank=rank, trace_dir=run.profile_dir, cuda=cuda)
         profile = run.profile
         if profile.enabled and rank == 0:  # the other ranks' own lines are not shown

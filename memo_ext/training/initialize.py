@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from memo_ext import device
 from memo_ext.errors import UsageError
 from memo_ext.mcore.compat import check_mcore_version, cpu_compat, seed_cpu_rng_tracker
 from memo_ext.parallel import ParallelLayout
@@ -51,10 +52,10 @@ class ParallelContext:
 @contextlib.contextmanager
 def device_environment() -> Iterator[torch.device]:
     """The device for this process; on CPU, megatron-core's CUDA assumptions are redirected."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        yield torch.device("cuda", local_rank)
+    local = device.local_device()
+    if local.type == "cuda":
+        torch.cuda.set_device(local)
+        yield local
         return
     if "OMP_NUM_THREADS" not in os.environ:
         # oversubscribed OpenMP threads spin against each other: share the cores out
@@ -73,8 +74,9 @@ def init_distributed(*, timeout_minutes: float = 10.0) -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(
+        backend=device.collective_backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
 
 
 def init_model_parallel(
@@ -98,19 +100,14 @@ def init_model_parallel(
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
+    if device.on_gpu():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         seed_cpu_rng_tracker(seed=seed, tp_rank=tp_rank)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else (torch.device("cpu"))
-    )
     return ParallelContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        device=device,
+        device=device.compute_device(),
         tp_rank=tp_rank,
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         cp_rank=parallel_state.get_context_parallel_rank(),

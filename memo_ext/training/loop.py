@@ -34,6 +34,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from memo_ext import device
 from memo_ext.collectives import loss_pair, mean_loss, world_loss_pair
 from memo_ext.config import RunConfig
 from memo_ext.data.datasets import close_batch_iterator
@@ -207,7 +208,7 @@ def _train(
 
     model = build_model(config=config)
     log_setup(run, ctx, model)
-    for notice in notices_for_this_machine(run, cuda=torch.cuda.is_available()):
+    for notice in notices_for_this_machine(run, cuda=device.on_gpu()):
         logger.info(notice)
     optimizer = build_optimizer(
         model_chunks=[model],
@@ -333,8 +334,7 @@ def _train_one_step(s: _Session, *, global_batch: int) -> StepResult:
         # a sample-based schedule counts samples (Megatron-LM), an iteration-based one steps
         s.scheduler.step(increment=global_batch if s.run.train.sample_based else 1)
     maybe_empty_cache(s.run.cleanup, level=2)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    device.synchronize()
     return StepResult(
         loss=loss,
         grad_norm=grad_norm,

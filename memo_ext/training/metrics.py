@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from memo_ext.allocator.cuda import cuda_allocator_installed
+from memo_ext.device import on_gpu
 from memo_ext.errors import ReportedError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def cuda_memory() -> tuple[int | None, int | None]:
     """(allocated, reserved) peak bytes on this device since the last call, from torch's caching
     allocator: CUDA only, and not under the allocator core (torch's statistics raise there; the
     core reports its own)."""
-    if not torch.cuda.is_available() or cuda_allocator_installed():
+    if not on_gpu() or cuda_allocator_installed():
         return None, None
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()

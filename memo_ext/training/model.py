@@ -17,6 +17,7 @@ from megatron.core.transformer.module import Float16Module
 
 from memo_ext.config import RunConfig
 from memo_ext.config.network import resolve_attention_backend
+from memo_ext.device import on_gpu
 from memo_ext.extension import Extension
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
@@ -117,7 +118,7 @@ def wrap_for_data_parallel(
         config,
         ddp_config,
         model,
-        disable_bucketing=not torch.cuda.is_available(),
+        disable_bucketing=not on_gpu(),
         pg_collection=pg_collection,
     )
 
@@ -126,8 +127,7 @@ def data_parallel_overlap(run: RunConfig) -> bool:
     """--overlap-grad-reduce where megatron-core DDP can overlap: on CUDA (gloo on CPU has one
     bucket and nothing to hide the reduction behind) and not under HotSPa, which reduces each
     layout's gradients itself once all its buckets have run."""
-    cuda = torch.cuda.is_available()
-    return run.distributed.overlap_grad_reduce and cuda and not run.hotspa.enabled
+    return run.distributed.overlap_grad_reduce and on_gpu() and not run.hotspa.enabled
 
 
 @contextmanager

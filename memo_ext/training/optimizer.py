@@ -33,6 +33,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from memo_ext.collectives import collective_device
 from memo_ext.config import TrainConfig
+from memo_ext.device import on_gpu
 from memo_ext.training.model_stats import count_zeros_in_grad
 
 
@@ -258,7 +259,7 @@ def build_optimizer(
     """megatron's optimizer on CUDA, :class:`TorchAdamW` on CPU; both group the parameters by
     megatron-core's rules (weight-decay skips, --decoupled-lr). With ``log_num_zeros_in_grad``
     each step counts the gradient's zeros into ``optimizer.num_zeros_in_grad``."""
-    if not torch.cuda.is_available():
+    if not on_gpu():
         return TorchAdamW(
             model_chunks=model_chunks, train=train, log_num_zeros_in_grad=log_num_zeros_in_grad
         )

@@ -79,6 +79,8 @@ class _Storage:
     accesses: list[_Access] = field(default_factory=list)
     recorded: set[int] = field(default_factory=set)
     """Streams named by ``record_stream`` (the caching allocator defers reuse past them)."""
+    device: int = 0
+    """The GPU it lives on."""
 
 
 class Timeline:
@@ -389,7 +391,13 @@ class EmulatedCudaMode(FakeTensorMode):
         return True  # no device to initialise: never materialise a tensor on it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # one op at a time: FakeTensorMode keeps its in-kernel state on the mode, not per
+        # thread, and the threads of a process (a copy thread per GPU, autograd's device
+        # threads) share this one mode
+        with self.device.lock:
+            return self._dispatch(func, types, args, kwargs or {})
+
+    def _dispatch(self, func, types, args, kwargs):
         device = self.device
         device.collect_released()
         if func is aten.record_stream.default:
@@ -440,9 +448,9 @@ class EmulatedCudaMode(FakeTensorMode):
         device → host copy; the destination's staging for a host → device one)."""
         contiguous = {"memory_format": torch.contiguous_format}
         if _on_device(src):
-            src = self.__torch_dispatch__(aten.clone.default, types, (src,), contiguous)
+            src = self._dispatch(aten.clone.default, types, (src,), contiguous)
         else:
-            self.__torch_dispatch__(aten.empty_like.default, types, (dst,), contiguous)
+            self._dispatch(aten.empty_like.default, types, (dst,), contiguous)
         return (dst, src, *rest)
 
 
@@ -644,6 +652,8 @@ class EmulatedCuda:
         lazily, cuBLAS makes its handle and workspace at first use)."""
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
+        self.history: list[list[dict]] | None = None
+        """The allocator history per GPU while it is recorded (``_record_memory_history``)."""
         self.allocations_by_stream: dict[int, int] = {}
         """Device storages allocated per stream id (a copy stream's own allocations show
         here: on a GPU they come from that stream's pool, and a planned allocator misses)."""
@@ -718,7 +728,10 @@ class EmulatedCuda:
         if token in self.storages:
             return
         self.initialized = True
-        storage = _Storage(nbytes=t.untyped_storage().nbytes(), stream=stream)
+        storage = _Storage(
+            nbytes=t.untyped_storage().nbytes(), stream=stream, device=t.device.index
+        )
+        self._log("alloc", token, storage)
         if self.allocator is not None and storage.nbytes:
             s = current_stream()
             storage.ptr = self.allocator.alloc(storage.nbytes, s)
@@ -739,8 +752,25 @@ class EmulatedCuda:
                 for token in buffer[:n]:
                     storage = self.storages.pop(token, None)
                     if storage is not None:
+                        self._log("free_requested", token, storage)
                         self.allocated_bytes -= storage.nbytes
                         self.timeline.released(storage, "a device block")
+
+    def _log(self, action: str, token: int, storage: _Storage) -> None:
+        if self.history is not None:  # the token stands for the block's address
+            entry = {"action": action, "addr": token, "size": storage.nbytes, "frames": []}
+            self.history[storage.device].append(entry)
+
+    def record_memory_history(self, enabled="all", *args, **kwargs) -> None:
+        """``torch.cuda.memory._record_memory_history``: every device block handed out and
+        released is logged from now on (``enabled=None`` stops)."""
+        self._stats_under_pluggable("recordHistory")
+        self.history = None if enabled is None else [[] for _ in range(self.gpus)]
+
+    def snapshot(self, *args, **kwargs) -> dict:
+        """``torch.cuda.memory._snapshot``: the logged history per device, as torch gives it."""
+        self._stats_under_pluggable("snapshot")
+        return {"segments": [], "device_traces": [list(h) for h in self.history or []]}
 
     def record_stream(self, t: torch.Tensor, s) -> None:
         """``Tensor.record_stream``: the caching allocator defers the block's reuse past ``s``'s
@@ -864,6 +894,8 @@ class EmulatedCuda:
             (c.random, "get_rng_state", lambda device="cuda": generator(device).get_state()),
             (c.random, "set_rng_state", lambda s, device="cuda": generator(device).set_state(s)),
             (c.memory, "CUDAPluggableAllocator", PluggableAllocator),
+            (c.memory, "_record_memory_history", self.record_memory_history),
+            (c.memory, "_snapshot", self.snapshot),
             (c.memory, "change_current_allocator", self.change_current_allocator),
             (torch.utils, "swap_tensors", _swap_tensors),
             (torch, "tensor", _on_current_device(_real_tensor)),

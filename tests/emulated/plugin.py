@@ -5,6 +5,13 @@ it imports conftest files, in its own process and in every pytest-xdist worker (
 the environment): each process of the tier then has the device before torch.
 """
 
+import os
+
 from tests.emulated import runtime
 
 runtime.load()
+
+if os.environ.get("COVERAGE_PROCESS_START"):  # the tier measured (make test): each worker too
+    import coverage
+
+    coverage.process_startup()

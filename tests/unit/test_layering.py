@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"errors"}),
+    frozenset({"errors", "device"}),
     frozenset({"shapes", "parallel", "hardware", "flags", "collectives", "extension"}),
     frozenset({"config"}),
     frozenset({"mcore", "data"}),

@@ -1,0 +1,70 @@
+"""Where this process computes, decided in one place.
+
+A process computes on its GPU when torch sees one (``cuda:LOCAL_RANK``), else on the CPU. Every
+question the package asks about that goes through this module, and only this module asks torch
+(:func:`on_gpu`): the device's placement, its collective backend, waiting for its queued work,
+its cache and its random states. Code elsewhere calls these functions rather than branching on
+CUDA itself, so a GPU-only line lives here once, and the emulated-device tier (``tests/emulated``,
+where the device is a GPU the code recognises) runs it.
+
+The answer is read from torch at each call, never cached: the emulated device comes and goes
+within one test process.
+
+This module imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def on_gpu() -> bool:
+    """True when this process computes on a CUDA GPU."""
+    return torch.cuda.is_available()
+
+
+def local_device() -> torch.device:
+    """The device this process is to use: its local rank's GPU (``LOCAL_RANK``, torchrun's), or
+    the CPU."""
+    if on_gpu():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def compute_device() -> torch.device:
+    """The device tensors of this process are made on now: the current GPU, or the CPU."""
+    if on_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def collective_backend() -> str:
+    """``torch.distributed``'s backend for this process's tensors: NCCL on a GPU, gloo on CPU."""
+    return "nccl" if on_gpu() else "gloo"
+
+
+def synchronize() -> None:
+    """Wait for the work queued on the device (nothing is queued on the CPU)."""
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    """Give the caching allocator's free blocks back to the GPU (no cache on the CPU)."""
+    if on_gpu():
+        torch.cuda.empty_cache()
+
+
+def gpu_rng_state() -> torch.Tensor:
+    """The current GPU's generator state; an empty tensor on the CPU (there is none)."""
+    if on_gpu():
+        return torch.cuda.get_rng_state()
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def set_gpu_rng_state(state: torch.Tensor) -> None:
+    """Restore :func:`gpu_rng_state`'s state (an empty one, saved on the CPU, restores nothing)."""
+    if on_gpu() and state.numel():
+        torch.cuda.set_rng_state(state)
