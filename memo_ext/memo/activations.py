@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -139,7 +140,7 @@ class _Restore:
     tokenwise_heads: dict[int, Tensor] = field(default_factory=dict)
     recomputed: list[Tensor | None] = field(default_factory=list)
     stand_in_inputs: list[Tensor] = field(default_factory=list)
-    input_storages: dict[int, Tensor] = field(default_factory=dict)
+    input_storages: dict[object, Tensor] = field(default_factory=dict)
     scratch_storages: dict[int, Tensor] = field(default_factory=dict)
 
 
@@ -458,8 +459,32 @@ class LayerActivations:
         if p.role is Role.FULL:
             return self.full_view(st, p.meta)
         if p.role is Role.ATTN_INPUT:
-            return view_of(self._input_storage(st, p.meta.storage), p.meta)
+            return self._attention_input_view(st, p.meta)
         return self._build_tokenwise(st, p)
+
+    def _attention_input_view(self, st: _Restore, meta: TensorMeta) -> Tensor:
+        """A saved view of a core-attention input, rebuilt. An input alone on its storage (V:
+        a view of the fused QKV output, whose query and key thirds RoPE replaced) is rebuilt
+        alone and dense, not the whole fused buffer around it; inputs that share a storage are
+        rebuilt on a storage like the forward's."""
+        inputs = [i for i, a in enumerate(self.attention_inputs) if a.meta.storage == meta.storage]
+        if len(inputs) == 1:
+            strides = _strides_within(meta, self.attention_inputs[inputs[0]].meta)
+            if strides is not None:
+                return self._dense_input(st, inputs[0]).as_strided(meta.size, strides, 0)
+        return view_of(self._input_storage(st, meta.storage), meta)
+
+    def _dense_input(self, st: _Restore, index: int) -> Tensor:
+        """Attention input ``index`` as a contiguous tensor of its shape: host head and
+        recomputed tail merged."""
+        key = ("dense", index)
+        if key not in st.input_storages:
+            inp = self.attention_inputs[index]
+            dense = torch.empty(inp.meta.size, dtype=inp.meta.dtype, device=_dev(st))
+            tail = st.stand_in_inputs[index] if self.host_tokens < self.tokens else None
+            self._merge(dense, inp.layout, st.input_heads.get(index), tail)
+            st.input_storages[key] = dense
+        return st.input_storages[key]
 
     def _input_storage(self, st: _Restore, key: int) -> Tensor:
         """A storage like the forward's, holding every attention input that lived on it."""
@@ -507,6 +532,26 @@ class LayerActivations:
             layout.head(target, a).copy_(head)
             tail_blocks = tail.unflatten(layout.dim, (layout.groups, n - a))
             layout.tail(target, a).copy_(tail_blocks)
+
+
+def _strides_within(view: TensorMeta, base: TensorMeta) -> tuple[int, ...] | None:
+    """``view``'s strides on a contiguous copy of ``base``, when ``view`` is ``base`` with its
+    dimensions permuted (SDPA's ``[s, b, heads, hn] -> [b, heads, s, hn]``); else ``None``."""
+    if view.offset != base.offset or math.prod(view.size) != math.prod(base.size):
+        return None
+    dense = [math.prod(base.size[i + 1 :]) for i in range(len(base.size))]
+    free = [i for i, n in enumerate(base.size) if n > 1]
+    strides = []
+    for size, stride in zip(view.size, view.stride):
+        if size == 1:
+            strides.append(0)
+            continue
+        match = next((i for i in free if (base.size[i], base.stride[i]) == (size, stride)), None)
+        if match is None:
+            return None
+        free.remove(match)
+        strides.append(dense[match])
+    return tuple(strides) if not free else None
 
 
 def _nbytes(t: Tensor) -> int:

@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from memo_ext.arguments import parse_args
 from memo_ext.data.tokenizers import tokenizer_for
@@ -287,7 +288,7 @@ def test_every_method_runs_on_one_attention_backend(monkeypatch, extra, installe
     MEMO flash-attn's: the comparison picks one backend for all, MEMO's, and passes it."""
     from memo_ext.config import network
 
-    monkeypatch.setattr(network.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(network, "installed", lambda module: module in installed)
     monkeypatch.setattr(network, "flash_attn_imports", lambda: "flash_attn" in installed)
     methods = [cm.parse_method("full"), cm.parse_method("memo")]
@@ -439,9 +440,8 @@ _FLASH_ATTN_STAND_INS = {
 def flash_attn_on_path(tmp_path, monkeypatch):
     """``put(name)``: a stand-in ``flash_attn`` (:data:`_FLASH_ATTN_STAND_INS`) first on
     ``sys.path``, on a machine that says it has CUDA; the imports are forgotten afterwards."""
-    from memo_ext.config import network
 
-    monkeypatch.setattr(network.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_2_cuda"):
         monkeypatch.delitem(sys.modules, name, raising=False)
 

@@ -239,3 +239,22 @@ def test_auto_alpha_is_solved_once_and_exact():
     assert 0.0 <= runtime.alpha <= 1.0
     assert runtime.cost.forward_s > 0 and runtime.cost.copy_gbps > 0
     assert memo_step_metrics(mem)["memo_alpha"] == runtime.alpha
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_v_is_rebuilt_alone_not_with_its_fused_buffer(alpha, monkeypatch):
+    """With RoPE, q and k are new tensors and V stays a view of the fused QKV output, alone on
+    it: its backward gets V rebuilt by itself (V's bytes), not the whole fused buffer (three
+    times V's bytes under MHA), with the same gradients."""
+    from memo_ext.memo.activations import LayerActivations
+
+    def whole_fused_buffer(self, st, key):
+        raise AssertionError("V was rebuilt with its whole fused QKV buffer")
+
+    monkeypatch.setattr(LayerActivations, "_input_storage", whole_fused_buffer)
+    config = make_config(**SHAPES["rms-swiglu-gqa-rope"])
+    ref, mem = build_pair(config, alpha=alpha)
+    s = 12
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(s)
+    x0 = torch.randn(s, 2, 32, generator=torch.Generator().manual_seed(3))
+    assert_same(run_stack(ref, x0, rope), run_stack(mem, x0, rope))
