@@ -83,6 +83,26 @@ def flag_name(f: dataclasses.Field, *, prefix: str | None = None) -> str:
     return f"--{words}"
 
 
+def argv_of(config: object, *, only: tuple[str, ...] | None = None) -> list[str]:
+    """The flags that give ``config`` (a section instance) its values: one per field that
+    differs from its default, in declaration order (``only``: these fields)."""
+    argv: list[str] = []
+    for f in cli_fields(type(config), only):
+        value = getattr(config, f.name)
+        if value == _default(f) or (value is None and f.default is dataclasses.MISSING):
+            continue
+        if isinstance(value, bool):
+            if f.metadata.get("negatable") and not value:
+                argv.append("--no-" + flag_name(f)[2:])
+            else:
+                argv.append(flag_name(f))
+        elif isinstance(value, (tuple, list)):
+            argv += [flag_name(f), *map(str, value)] if value else []
+        else:
+            argv += [flag_name(f), str(value)]
+    return argv
+
+
 def _dest(section: str, f: dataclasses.Field) -> str:
     return f"{section}.{f.name}"
 

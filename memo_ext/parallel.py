@@ -106,7 +106,8 @@ class ParallelLayout:
         self.check_positive()
         length = length or f"--seq-length {seq_length}"
         groups = shape.num_query_groups or shape.num_attention_heads
-        ffn = shape.ffn_hidden_size or 4 * shape.hidden_size
+        # a ModelShape completes an unset width as Megatron-LM does; a TransformerConfig has it
+        ffn = getattr(shape, "ffn_size", None) or shape.ffn_hidden_size
         sp_split = self.tp if self.sp else 1
         rules = [
             (shape.num_attention_heads, self.tp, "attention heads", "TP"),

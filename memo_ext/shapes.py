@@ -29,7 +29,8 @@ class ModelShape:
     num_attention_heads: int
     """Query heads."""
     ffn_hidden_size: int | None = None
-    """MLP width (per branch with --swiglu); 4h if unset."""
+    """MLP width (per branch with --swiglu); if unset, Megatron-LM's: 4h, and with --swiglu
+    8h/3 rounded down to a multiple of 64."""
     num_query_groups: int | None = None
     """Key/value heads (GQA); as many as the query heads if unset."""
     kv_channels: int | None = None
@@ -43,7 +44,8 @@ class ModelShape:
     add_bias_linear: bool = field(default=True, metadata={"flag": "--disable-bias-linear"})
     """Biases in the linear layers; --disable-bias-linear drops them."""
     add_qkv_bias: bool = False
-    """Biases in the query / key / value projection even with --disable-bias-linear (Qwen2)."""
+    """Biases in the query / key / value projection even with --disable-bias-linear (Qwen2);
+    implied by the linear layers' biases, as Megatron-LM's ``validate_args`` sets it."""
     position_embedding_type: Literal["learned_absolute", "rope", "yarn"] = "learned_absolute"
     """Learned absolute positions (a [seq, h] table), rotary embeddings, or rotary embeddings
     with YaRN's frequency and attention scaling for context extension (--rotary-scaling-factor,
@@ -58,8 +60,20 @@ class ModelShape:
 
     @property
     def ffn_size(self) -> int:
-        """MLP width: ``ffn_hidden_size``, or 4h."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """MLP width: ``ffn_hidden_size``, else Megatron-LM's default (``validate_args``): 4h,
+        and with SwiGLU two thirds of it (the same parameters in three matrices as the GeLU
+        MLP's in two) rounded down to a multiple of 64."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query / key / value projection has a bias (megatron-core gives it one
+        when ``add_bias_linear or add_qkv_bias``)."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def query_groups(self) -> int:

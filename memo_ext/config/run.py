@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from memo_ext.config.common import check_writable_directory
@@ -21,8 +22,23 @@ from memo_ext.config.output import (
 from memo_ext.config.train import TrainConfig
 from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
+from memo_ext.flags import argv_of
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
+
+MODEL_DEFINING_FIELDS = (
+    "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor", "rotary_scaling_factor",
+    "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+    "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim", "norm_epsilon",
+    "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "apply_layernorm_1p",
+)  # fmt: skip
+"""The fields of ``ModelConfig`` that change what the weights compute (not how they train)."""
+TOKENIZER_FIELDS = (
+    "tokenizer_type", "vocab_size", "tokenizer_model", "tiktoken_pattern",
+    "tiktoken_num_special_tokens", "tiktoken_special_tokens", "vocab_file", "merge_file",
+)  # fmt: skip
+"""The fields of ``DataConfig`` that choose the tokenizer (and so the vocabulary)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +80,20 @@ class RunConfig:
         under HotSPa (its bucket models take explicit process groups, the fused loss does not)."""
         fusion = self.model.cross_entropy_loss_fusion
         return fusion and on_gpu() and not self.hotspa.enabled
+
+    def model_flags(self) -> list[str]:
+        """The trainer flags that define this run's model, tokenizer included: what a later run
+        (``--finetune``, ``tools.convert_hf export``) needs to build the same model again.
+        A learned position table's length is written out (its default follows --seq-length,
+        and the table is part of the weights)."""
+        model = self.model
+        if not self.shape.rotary and model.max_position_embeddings is None:
+            model = dataclasses.replace(model, max_position_embeddings=self.data.seq_length)
+        return [
+            *argv_of(self.shape),
+            *argv_of(model, only=MODEL_DEFINING_FIELDS),
+            *argv_of(self.data, only=TOKENIZER_FIELDS),
+        ]
 
     @property
     def profile_dir(self) -> str:

@@ -45,6 +45,7 @@ from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import padded_vocab_size
 from memo_ext.training.checkpointing import (
+    MODEL_FLAGS_FILE,
     WEIGHTS_ONLY,
     TrainProgress,
     load_checkpoint,
@@ -55,7 +56,7 @@ from memo_ext.training.model import build_gpt_model
 
 logger = logging.getLogger(__name__)
 
-FLAGS_FILE = "model_flags.txt"
+FLAGS_FILE = MODEL_FLAGS_FILE
 """In an imported checkpoint's folder: the trainer flags of its model, one line."""
 SOURCE_CONFIG = "hf_config.json"
 """In an imported checkpoint's folder: the HF config.json it came from."""

@@ -34,7 +34,7 @@ def transformer_config(
     sizes = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size,
+        ffn_hidden_size=shape.ffn_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels,
@@ -42,7 +42,7 @@ def transformer_config(
         gated_linear_unit=shape.swiglu,
         activation_func=_activation(shape),
         add_bias_linear=shape.add_bias_linear,
-        add_qkv_bias=shape.add_qkv_bias,
+        add_qkv_bias=shape.qkv_bias,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
@@ -143,7 +143,8 @@ def model_shape_of(
         swiglu=bool(config.gated_linear_unit),
         openai_gelu=config.activation_func is openai_gelu,
         add_bias_linear=bool(config.add_bias_linear),
-        add_qkv_bias=bool(config.add_qkv_bias),
+        # what the weights are: a QKV bias the linear layers' biases imply is not a flag of its own
+        add_qkv_bias=bool(config.add_qkv_bias and not config.add_bias_linear),
         position_embedding_type=position_embedding_type,
         vocab_size=vocab_size,
     )

@@ -45,9 +45,10 @@ import os
 import pickle
 import random
 import re
+import shlex
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,8 @@ from memo_ext.training import megatron_lm_checkpoint as megatron_lm
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FLAGS_FILE = "model_flags.txt"
+"""Beside the checkpoints: the trainer flags of their model (:meth:`RunConfig.model_flags`)."""
 MANIFEST = "manifest.json"
 FORMAT = "memo-checkpoint/1"
 
@@ -202,7 +205,9 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _model_identity(model: torch.nn.Module) -> dict:
     """What a checkpoint's weights are the weights of, beyond their shapes: written to its
     manifest and compared on load, so that weights that happen to fit another model (a padded
-    vocabulary, a norm without its bias) are not loaded into it."""
+    vocabulary, a norm without its bias) are not loaded into it. Facts of the model the weights
+    define, not how its flags were spelt: a QKV bias is there or not (``--add-qkv-bias`` with
+    the linear layers' biases on changes nothing)."""
     gpt = model
     while not hasattr(gpt, "position_embedding_type") and hasattr(gpt, "module"):
         gpt = gpt.module
@@ -219,7 +224,7 @@ def _model_identity(model: torch.nn.Module) -> dict:
         "activation": getattr(c.activation_func, "__name__", str(c.activation_func)),
         "gated_linear_unit": bool(c.gated_linear_unit),
         "add_bias_linear": bool(c.add_bias_linear),
-        "add_qkv_bias": bool(c.add_qkv_bias),
+        "qkv_bias": bool(c.add_bias_linear or c.add_qkv_bias),
         # YaRN rescales RoPE's table, not its weights: a RoPE checkpoint extends to YaRN
         "position_embedding_type": (
             "rope" if gpt.position_embedding_type == "yarn" else gpt.position_embedding_type
@@ -236,8 +241,9 @@ def _check_model_identity(directory: Path, model: torch.nn.Module, saved: dict |
     here = _model_identity(model)
     if not isinstance(saved, dict):
         return False
+    saved = normalized_identity(saved)
     differences = [
-        f"{key} {saved[key]} there, {here[key]} here"
+        f"{key} {saved[key]} there, {here[key]} here ({_IDENTITY_FLAGS[key](saved[key])})"
         for key in here
         if key in saved and saved[key] != here[key]
     ]
@@ -247,6 +253,46 @@ def _check_model_identity(directory: Path, model: torch.nn.Module, saved: dict |
             "load it with the model flags it was trained with"
         )
     return True
+
+
+def normalized_identity(record: dict) -> dict:
+    """A model record as :func:`_model_identity` writes it now: one written before it recorded
+    whether QKV has a bias (``add_qkv_bias``, a flag's value) says it the current way."""
+    record = dict(record)
+    if "add_qkv_bias" in record and "qkv_bias" not in record:
+        record["qkv_bias"] = bool(record.pop("add_qkv_bias") or record.get("add_bias_linear"))
+    record.pop("add_qkv_bias", None)
+    return record
+
+
+def _switch(flag: str, *, on: bool = True) -> Callable[[bool], str]:
+    """The hint for a model fact a switch sets: add it where the checkpoint has the fact."""
+    return lambda there: f"{'give' if bool(there) == on else 'drop'} {flag}"
+
+
+_IDENTITY_FLAGS: dict[str, Callable[[object], str]] = {
+    "num_layers": lambda v: f"--num-layers {v}",
+    "hidden_size": lambda v: f"--hidden-size {v}",
+    "ffn_hidden_size": lambda v: f"--ffn-hidden-size {v}",
+    "num_attention_heads": lambda v: f"--num-attention-heads {v}",
+    "num_query_groups": lambda v: f"--group-query-attention --num-query-groups {v}",
+    "kv_channels": lambda v: f"--kv-channels {v}",
+    "normalization": lambda v: f"--normalization {v}",
+    "layernorm_zero_centered_gamma": _switch("--apply-layernorm-1p"),
+    "activation": lambda v: {"silu": "give --swiglu", "openai_gelu": "give --openai-gelu"}.get(
+        v, "drop --swiglu / --openai-gelu"
+    ),  # fmt: skip
+    "gated_linear_unit": _switch("--swiglu"),
+    "add_bias_linear": _switch("--disable-bias-linear", on=False),
+    "qkv_bias": _switch("--add-qkv-bias"),
+    "position_embedding_type": lambda v: f"--position-embedding-type {v}",
+    "padded_vocab_size": lambda v: (
+        f"{v} rows: the vocabulary comes from the tokenizer, padded to "
+        "--make-vocab-size-divisible-by; use the tokenizer it was trained with"
+    ),
+    "tied_embeddings": _switch("--untie-embeddings-and-output-weights", on=False),
+}
+"""Per identity key, what to change so that a run builds the checkpoint's model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -727,10 +773,12 @@ def save_checkpoint(
     scheduler,
     save_optim: bool = True,
     save_rng: bool = True,
+    model_flags: list[str] | None = None,
 ) -> Path:
     """Write the checkpoint of ``progress.iteration`` atomically; return its directory. Without
     ``save_optim`` (--no-save-optim) it holds no optimizer moments and LR schedule; without
-    ``save_rng`` (--no-save-rng) no RNG states.
+    ``save_rng`` (--no-save-rng) no RNG states. ``model_flags`` (the run's
+    :meth:`~memo_ext.config.RunConfig.model_flags`) go to ``MODEL_FLAGS_FILE`` in ``save_dir``.
 
     Raises:
         CheckpointError: the save failed (a full disk is named as such); the previous checkpoint
@@ -738,7 +786,9 @@ def save_checkpoint(
     """
     try:
         optimizer = optimizer if save_optim else None
-        return _save(save_dir, progress, model, optimizer, scheduler, rng=save_rng)
+        return _save(
+            save_dir, progress, model, optimizer, scheduler, rng=save_rng, model_flags=model_flags
+        )
     except (OSError, RuntimeError, CheckpointException) as err:
         # torch.distributed.checkpoint reports its writers' OSErrors as "Worker failure: ..."
         reason = _os_reason(err) if isinstance(err, OSError) else _wrapped_reason(err)
@@ -763,7 +813,14 @@ def _wrapped_reason(err: Exception) -> str | None:
 
 
 def _save(
-    save_dir: str, progress: TrainProgress, model, optimizer, scheduler, *, rng: bool = True
+    save_dir: str,
+    progress: TrainProgress,
+    model,
+    optimizer,
+    scheduler,
+    *,
+    rng: bool = True,
+    model_flags: list[str] | None = None,
 ) -> Path:
     root = Path(save_dir)
     final = iteration_dir(root, progress.iteration)
@@ -795,9 +852,20 @@ def _save(
         tracker_tmp = root / (TRACKER + ".tmp")
         tracker_tmp.write_text(f"{progress.iteration}\n")
         os.replace(tracker_tmp, root / TRACKER)
+        if model_flags is not None:
+            _write_model_flags(root, model_flags)
     _barrier()
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _write_model_flags(root: Path, flags: list[str]) -> None:
+    """``MODEL_FLAGS_FILE`` beside the checkpoints: the flags that build their model, so that
+    ``--finetune`` into a new run and ``tools.convert_hf export`` need no retyping (written
+    whole or not at all)."""
+    partial = root / (MODEL_FLAGS_FILE + ".tmp")
+    partial.write_text(shlex.join(flags) + "\n")
+    os.replace(partial, root / MODEL_FLAGS_FILE)
 
 
 def latest_iteration(load_dir: Path) -> int | None:

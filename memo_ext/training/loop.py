@@ -468,4 +468,5 @@ def _save(s: _Session, progress: TrainProgress) -> None:
             scheduler=s.scheduler,
             save_optim=s.run.checkpoint.save_optim,
             save_rng=s.run.checkpoint.save_rng,
+            model_flags=s.run.model_flags(),
         )

@@ -108,9 +108,18 @@ def _activation(args) -> tuple[str, bool]:
         return "quick_gelu", True
     if _arg(args, "squared_relu"):
         return "squared_relu", False
-    if _arg(args, "openai_gelu"):
-        return "openai_gelu", False  # megatron-core's function of that name
+    # --openai-gelu reaches Megatron-LM's legacy models only: its megatron-core GPT (the one a
+    # torch_dist checkpoint holds) runs the exact GeLU whatever the flag says
     return "gelu", False
+
+
+def _qkv_bias(args) -> bool | None:
+    """Whether QKV has a bias: megatron-core gives it one when ``add_bias_linear or
+    add_qkv_bias`` (Megatron-LM's ``validate_args`` also sets the latter from the former)."""
+    linear, qkv = _arg(args, "add_bias_linear"), _arg(args, "add_qkv_bias")
+    if linear is None and qkv is None:
+        return None
+    return bool(linear or qkv)
 
 
 def model_identity(args, *, embedding_rows: int | None) -> dict:
@@ -142,7 +151,7 @@ def model_identity(args, *, embedding_rows: int | None) -> dict:
         "activation": activation,
         "gated_linear_unit": gated,
         "add_bias_linear": _arg(args, "add_bias_linear"),
-        "add_qkv_bias": _arg(args, "add_qkv_bias"),
+        "qkv_bias": _qkv_bias(args),
         "position_embedding_type": position,
         "padded_vocab_size": embedding_rows or _arg(args, "padded_vocab_size"),
         "tied_embeddings": None if untied is None else not untied,

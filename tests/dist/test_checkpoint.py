@@ -282,3 +282,22 @@ def test_a_damaged_common_file_of_this_model_is_named_damaged(saved_checkpoint, 
     _refresh_manifest(directory)  # re-checksummed: only the reader can tell
     message = load_fails(saved_checkpoint, tmp_path)
     assert "cannot be read although it holds this model" in message and "damaged" in message
+
+
+def test_a_save_records_the_flags_that_build_its_model(saved_checkpoint, tmp_path):
+    """``model_flags.txt`` beside the checkpoints: the model and tokenizer flags, enough for a
+    new run to ``--finetune`` from it with none of them retyped (and for
+    ``tools.convert_hf export``, which reads the same file)."""
+    import shlex
+
+    from memo_ext.arguments import parse_args
+
+    flags = shlex.split((saved_checkpoint / "model_flags.txt").read_text())
+    training = ["--seq-length", "28", "--micro-batch-size", "2", "--global-batch-size", "4"]
+    training += ["--lr", "1e-3", "--mock-data", "--train-iters", "3"]
+    assert parse_args(flags + training).shape == parse_args(MODEL + ITERS).shape
+    records = run_pretrain(
+        [*flags, *training, "--load", str(saved_checkpoint), "--finetune"],
+        nproc=1, workdir=tmp_path, name="finetune",
+    )  # fmt: skip
+    assert [r["iteration"] for r in records] == [1, 2, 3]

@@ -17,7 +17,7 @@ import torch
 
 from tests.dist.checkpoint_probe import read_checkpoint_tensors, read_records
 from tests.dist.test_checkpoint import MODEL
-from tests.launch import reference_run, run_job, run_pretrain, train_fails
+from tests.launch import cli, reference_run, run_job, run_pretrain, train_fails
 
 pytestmark = pytest.mark.dist
 
@@ -298,3 +298,49 @@ def test_a_checkpoint_written_by_megatron_lm_itself_loads(tmp_path):
     # its args are its parser's (no global batch): its schedule, in samples, cannot go on in steps
     resume = [*MODEL_FLAGS, *RUN_FLAGS, "--load", str(ckpt)]
     assert "start from its weights with --finetune" in train_fails(resume, status=2)
+
+
+MEGATRON_LM_STYLES = {
+    # Megatron-LM's default GPT: LayerNorm, GeLU MLP of 4h, biases (its validate_args sets
+    # add_qkv_bias with them), learned positions, tied embeddings
+    "gpt3": cli(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=28,
+                micro_batch_size=2, mock_data=True, seed=11),
+    # a Llama 2 / 3: SwiGLU at Megatron-LM's default width (no --ffn-hidden-size), GQA, RoPE,
+    # RMSNorm, untied, no biases
+    "llama": cli(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                 num_query_groups=2, swiglu=True, normalization="RMSNorm",
+                 position_embedding_type="rope", disable_bias_linear=True,
+                 untie_embeddings_and_output_weights=True, seq_length=28, micro_batch_size=2,
+                 mock_data=True, seed=11),
+    # zero-centred norm gains (--apply-layernorm-1p), RoPE, biases
+    "layernorm-1p": cli(num_layers=2, hidden_size=32, num_attention_heads=4,
+                        apply_layernorm_1p=True, position_embedding_type="rope", seq_length=28,
+                        micro_batch_size=2, mock_data=True, seed=11),
+}  # fmt: skip
+SCHEDULE = cli(global_batch_size=4, lr="2e-3", lr_warmup_iters=2)
+
+
+@pytest.mark.parametrize("style", list(MEGATRON_LM_STYLES))
+def test_megatron_lm_checkpoints_of_its_own_model_styles_load_and_train(style, tmp_path):
+    """A checkpoint in Megatron-LM's layout (megatron-core's dist_checkpointing, its common
+    state and args as its validate_args leaves them) of each model style loads with the same
+    flags, weights only (--finetune) and whole (--load), and trains."""
+    flags = [*MEGATRON_LM_STYLES[style], *SCHEDULE]
+    out = tmp_path / "ckpt"
+    result = run_job(
+        [*flags, "--train-iters", "8", "--writer-out", str(out), "--writer-iteration", "5"],
+        nproc=1, entry=f"{PROBE}:write_megatron_lm",
+    )  # fmt: skip
+    assert result.status == 0, result.describe()
+    stored = read_checkpoint_tensors(out / "iter_0000005")
+    finetuned, (probe,) = probed(
+        [*flags, *ITERS, "--load", str(out), "--finetune"], nproc=1, workdir=tmp_path,
+        name="finetuned",
+    )  # fmt: skip
+    assert assert_loaded([probe], stored, "weights") == len(model_keys(stored))
+    assert [r["iteration"] for r in finetuned][0] == 1
+    resumed = run_pretrain(
+        [*flags, "--train-iters", "8", "--load", str(out)], nproc=1, workdir=tmp_path,
+        name="resumed",
+    )  # fmt: skip
+    assert [r["iteration"] for r in resumed] == [6, 7, 8]

@@ -57,18 +57,32 @@ def test_the_model_of_megatron_lm_args_is_completed_as_megatron_lm_does():
         "activation": "silu",
         "gated_linear_unit": True,
         "add_bias_linear": False,
+        "qkv_bias": False,
         "position_embedding_type": "rope",
         "padded_vocab_size": 32768,
         "tied_embeddings": False,
     }
-    # --num-query-groups counts only with --group-query-attention; GeLU MLPs are 4h wide
+    # --num-query-groups counts only with --group-query-attention; GeLU MLPs are 4h wide; its
+    # megatron-core GPT runs the exact GeLU whatever --openai-gelu says (a legacy-model flag)
     plain = megatron_lm.model_identity(
         llama_args(group_query_attention=False, swiglu=False, openai_gelu=True),
         embedding_rows=None,
     )
     assert plain["num_query_groups"] == 8 and plain["ffn_hidden_size"] == 1024
-    assert (plain["activation"], plain["gated_linear_unit"]) == ("openai_gelu", False)
+    assert (plain["activation"], plain["gated_linear_unit"]) == ("gelu", False)
     assert "padded_vocab_size" not in plain
+
+
+@pytest.mark.parametrize("qkv_flag", [True, False])
+def test_a_qkv_bias_is_what_the_weights_have_not_how_it_was_asked_for(qkv_flag):
+    """Megatron-LM's validate_args sets add_qkv_bias whenever the linear layers have biases
+    (its default GPT): the QKV projection has a bias either way, and so does the record."""
+    biased = megatron_lm.model_identity(
+        llama_args(add_bias_linear=True, add_qkv_bias=qkv_flag), embedding_rows=None
+    )
+    assert biased["qkv_bias"] is True
+    qwen = megatron_lm.model_identity(llama_args(add_qkv_bias=True), embedding_rows=None)
+    assert qwen["qkv_bias"] is True and qwen["add_bias_linear"] is False
 
 
 def common(**scheduler) -> dict:
