@@ -50,6 +50,7 @@ MODEL_FLAGS = [
     "--hidden-size", "96",
     "--ffn-hidden-size", "144",
     "--num-attention-heads", "4",
+    "--group-query-attention",
     "--num-query-groups", "2",
     "--seq-length", "128",
     "--position-embedding-type", "rope",
@@ -216,9 +217,7 @@ def megatron_lm_args(save_dir: Path, nproc: int) -> argparse.Namespace:
     from megatron.training.arguments import parse_args
 
     argv = sys.argv
-    # --num-query-groups counts in Megatron-LM only with --group-query-attention (it is the GQA
-    # model both save, and its args in the checkpoint say so)
-    sys.argv = ["pretrain_gpt.py", *MODEL_FLAGS, "--group-query-attention"]
+    sys.argv = ["pretrain_gpt.py", *MODEL_FLAGS]
     try:
         args = parse_args(ignore_unknown_args=True)
     finally:

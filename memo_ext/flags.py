@@ -16,7 +16,9 @@ Every flag of the trainer and of the tools is a field of a dataclass, and only t
 A dataclass may name its flag prefix in a ``FLAG_PREFIX`` class variable. Field metadata keys:
 ``flag`` (spelling), ``cli`` (``False``: not a flag, a derived or internal
 value), ``parse`` (a ``str -> value`` function for argparse), ``choices``, ``metavar``,
-``negatable`` (a switch with both ``--x`` and ``--no-x``).
+``negatable`` (a switch with both ``--x`` and ``--no-x``), ``requires`` (a switch that must come
+with the flag, as Megatron-LM's ``--group-query-attention`` with ``--num-query-groups``:
+:func:`argv_of` writes it before the flag).
 
 :func:`add_flags` adds a dataclass's flags to a parser (or group), :func:`from_flags` builds the
 dataclass back from the parsed namespace. With ``overrides=True`` every flag is optional and
@@ -39,7 +41,7 @@ import types
 import typing
 from typing import Any, Literal
 
-METADATA_KEYS = frozenset({"flag", "cli", "parse", "choices", "metavar", "negatable"})
+METADATA_KEYS = frozenset({"flag", "cli", "parse", "choices", "metavar", "negatable", "requires"})
 """Field metadata this module reads; anything else in a field's metadata is a mistake."""
 
 
@@ -99,8 +101,13 @@ def argv_of(config: object, *, only: tuple[str, ...] | None = None) -> list[str]
         elif isinstance(value, (tuple, list)):
             argv += [flag_name(f), *map(str, value)] if value else []
         else:
-            argv += [flag_name(f), str(value)]
+            argv += [*_required_switches(f), flag_name(f), str(value)]
     return argv
+
+
+def _required_switches(f: dataclasses.Field) -> list[str]:
+    required = f.metadata.get("requires")
+    return [required] if required else []
 
 
 def _dest(section: str, f: dataclasses.Field) -> str:

@@ -31,8 +31,11 @@ class ModelShape:
     ffn_hidden_size: int | None = None
     """MLP width (per branch with --swiglu); if unset, Megatron-LM's: 4h, and with --swiglu
     8h/3 rounded down to a multiple of 64."""
-    num_query_groups: int | None = None
-    """Key/value heads (GQA); as many as the query heads if unset."""
+    num_query_groups: int | None = field(
+        default=None, metadata={"requires": "--group-query-attention"}
+    )
+    """Key/value heads (GQA), given with --group-query-attention as in Megatron-LM (where the
+    number counts only with that switch); as many as the query heads if unset."""
     kv_channels: int | None = None
     """Head dim; h / heads if unset."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"

@@ -21,6 +21,7 @@ MODEL_ARGS=(
     --hidden-size 128
     --ffn-hidden-size 352
     --num-attention-heads 4
+    --group-query-attention
     --num-query-groups 2
     --seq-length 256
     --position-embedding-type rope

@@ -53,6 +53,7 @@ TINY_LLAMA = cli(
     hidden_size=36,
     ffn_hidden_size=50,
     num_attention_heads=6,
+    group_query_attention=True,
     num_query_groups=2,
     seq_length=28,
     position_embedding_type="rope",

@@ -17,7 +17,7 @@ from memo_ext.estimate.calibration import (
     KernelRates,
 )
 from memo_ext.estimate.cost_model import Batch, Efficiency, EstimateError, estimate
-from memo_ext.flags import cli_fields, flag_name
+from memo_ext.flags import argv_of
 from memo_ext.hardware import (
     DeviceSpec,
 )
@@ -90,14 +90,8 @@ class Comparison:
 def model_flags(model: ModelShape) -> list[str]:
     """The trainer's flags for ``model`` (its vocabulary through ``NullTokenizer``, which adds
     one token for end-of-document)."""
-    argv = []
-    for f in cli_fields(ModelShape):
-        value = getattr(model, f.name)
-        if isinstance(value, bool):
-            argv += [flag_name(f)] if value != f.default else []
-        elif value is not None:
-            argv += [flag_name(f), str(value)]
-    return argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model.vocab_size - 1)]
+    tokenizer = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(model.vocab_size - 1)]
+    return argv_of(model) + tokenizer
 
 
 def layout_flags(layout: ParallelLayout) -> list[str]:

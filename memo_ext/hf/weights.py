@@ -179,6 +179,7 @@ def trainer_flags(config: dict) -> list[str]:
         "--hidden-size", str(shape.hidden_size),
         "--ffn-hidden-size", str(config["intermediate_size"]),
         "--num-attention-heads", str(shape.heads),
+        "--group-query-attention",
         "--num-query-groups", str(shape.groups),
     ]  # fmt: skip
     if shape.head_dim * shape.heads != shape.hidden_size:

@@ -173,7 +173,8 @@ HANDLING: dict[str, Handling] = {
     "--encoder-num-layers": refused("encoder-decoder models are not supported here"),
     "--decoder-num-layers": refused("encoder-decoder models are not supported here"),
     "--group-query-attention": mapped(
-        "GQA is on whenever --num-query-groups is given (without it: one group, as Megatron-LM)",
+        "grouped-query attention: --num-query-groups counts only with it (alone: one group, "
+        "Megatron-LM's default)",
         _group_query_attention,
     ),
     "--softmax-type": same(

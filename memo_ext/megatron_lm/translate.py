@@ -43,15 +43,20 @@ class Translation:
     notices: list[str] = field(default_factory=list)
     """One line per flag accepted without effect or mapped onto ours."""
     refusals: list[Refusal] = field(default_factory=list)
+    ambiguities: list[str] = field(default_factory=list)
+    """Flags that would build another model here than in Megatron-LM: one sentence each, saying
+    which flag to add."""
 
     def check(self) -> None:
-        """Raise one :class:`UsageError` naming every refused flag, if there is any."""
-        if not self.refusals:
-            return
-        count = len(self.refusals)
-        head = f"{count} Megatron-LM flag{'s' if count > 1 else ''} cannot run here"
-        lines = [f"  {r.flag}: {r.reason}." for r in self.refusals]
-        raise UsageError("\n".join([f"{head}; drop {'them' if count > 1 else 'it'}:", *lines]))
+        """Raise one :class:`UsageError` naming every refused flag and every ambiguity, if any."""
+        lines = list(self.ambiguities)
+        if self.refusals:
+            count = len(self.refusals)
+            head = f"{count} Megatron-LM flag{'s' if count > 1 else ''} cannot run here"
+            lines.append(f"{head}; drop {'them' if count > 1 else 'it'}:")
+            lines += [f"  {r.flag}: {r.reason}." for r in self.refusals]
+        if lines:
+            raise UsageError("\n".join(lines))
 
 
 def lookup(name: str) -> MegatronFlag | None:
@@ -90,7 +95,21 @@ def translate(argv: list[str], *, ours: Mapping[str, argparse.Action]) -> Transl
             _megatron(out, flag, name, values, given, ours)
         else:  # neither ours nor Megatron-LM's: argparse reports it
             out.argv += [name, *values]
+    _check_same_model(out, given)
     return out
+
+
+def _check_same_model(out: Translation, given: Mapping[str, list[str]]) -> None:
+    """Flags that Megatron-LM reads otherwise than they read alone: refused unless the flag
+    that settles it is there, so one script builds one model in both programs."""
+    if "--num-query-groups" in given and "--group-query-attention" not in given:
+        groups = " ".join(given["--num-query-groups"])
+        out.ambiguities.append(
+            f"--num-query-groups {groups} needs --group-query-attention: Megatron-LM reads the "
+            "number only with that switch (without it its model has one key/value head per "
+            "query head); add --group-query-attention for grouped-query attention, or drop "
+            "--num-query-groups for full multi-head attention."
+        )
 
 
 def _ours(

@@ -23,6 +23,7 @@ MODEL = cli(
     num_layers=2,
     hidden_size=32,
     num_attention_heads=4,
+    group_query_attention=True,
     num_query_groups=2,
     swiglu=True,
     ffn_hidden_size=128,  # 4h: the byte counts below are counted by hand for it

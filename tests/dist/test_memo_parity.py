@@ -25,6 +25,7 @@ LLAMA = cli(
     hidden_size=48,
     ffn_hidden_size=70,
     num_attention_heads=6,
+    group_query_attention=True,
     num_query_groups=2,
     seq_length=44,
     position_embedding_type="rope",

@@ -12,6 +12,7 @@ ARGS = cli(
     num_layers=2,
     hidden_size=36,
     num_attention_heads=6,
+    group_query_attention=True,
     num_query_groups=2,
     seq_length=52,
     micro_batch_size=1,

@@ -20,6 +20,7 @@ ARGS = cli(
     num_layers=2,
     hidden_size=64,
     num_attention_heads=4,
+    group_query_attention=True,
     num_query_groups=2,
     swiglu=True,
     normalization="RMSNorm",

@@ -22,6 +22,7 @@ def parse(*extra: str, world_size: int = 1):
 def test_megatron_flags_reach_transformer_config():
     run = parse(
         *cli(
+            group_query_attention=True,
             num_query_groups=2,
             ffn_hidden_size=100,
             swiglu=True,
@@ -61,8 +62,16 @@ def test_sequence_parallel_is_dropped_without_tp():
     ("extra", "world_size", "message"),
     [
         (["--tensor-model-parallel-size", "3"], 4, "world size 4 is not divisible"),
-        (["--tensor-model-parallel-size", "2", "--num-query-groups", "1"], 2, "query groups (1)"),
-        (["--num-query-groups", "3"], 1, "not divisible by --num-query-groups 3"),
+        (
+            ["--tensor-model-parallel-size", "2", "--group-query-attention"],
+            2,
+            "query groups (1)",
+        ),
+        (
+            ["--group-query-attention", "--num-query-groups", "3"],
+            1,
+            "not divisible by --num-query-groups 3",
+        ),
         (
             ["--context-parallel-size", "3", "--seq-length", "124"],
             3,
@@ -168,7 +177,7 @@ def test_cpu_runs_without_the_distributed_optimizer(caplog):
 def test_entry_point_exits_2_with_the_message(capsys):
     from pretrain_gpt_memo import main
 
-    assert main([*BASE, "--num-query-groups", "3"]) == 2
+    assert main([*BASE, "--group-query-attention", "--num-query-groups", "3"]) == 2
     assert "not divisible by --num-query-groups 3" in capsys.readouterr().err
 
 

@@ -93,8 +93,8 @@ def test_cli_prints_and_writes_the_trainer_flags(tmp_path, capsys, megatron_cpu)
     assert " ".join(flags) in printed
     expected = (
         "--num-layers 3 --hidden-size 48 --ffn-hidden-size 40 --num-attention-heads 6 "
-        "--num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-05 --swiglu "
-        "--disable-bias-linear --position-embedding-type rope --rotary-base 500000 "
+        "--group-query-attention --num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-05 "
+        "--swiglu --disable-bias-linear --position-embedding-type rope --rotary-base 500000 "
         "--use-rope-scaling --rope-scaling-factor 8.0"
     )
     assert " ".join(flags).startswith(expected)

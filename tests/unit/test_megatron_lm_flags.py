@@ -183,11 +183,30 @@ def test_megatron_default_values_ask_for_nothing():
             ["--group-query-attention", "--num-query-groups", "2"],
             lambda r: r.shape.num_query_groups == 2,
         ),
-        (["--num-query-groups", "2"], lambda r: r.shape.num_query_groups == 2),
     ],
 )
 def test_mapped_flags_reach_our_settings(extra, check):
     assert check(parse_args([*SMALL_GPT, *extra], world_size=1))
+
+
+def test_query_groups_without_the_gqa_switch_are_refused():
+    # Megatron-LM builds full multi-head attention from "--num-query-groups 2" alone
+    # (arguments.py: num_query_groups reaches the config only with --group-query-attention);
+    # reading it as GQA here would train another model from the same script
+    with pytest.raises(UsageError) as err:
+        parse_args([*SMALL_GPT, "--num-query-groups", "2"], world_size=1)
+    message = str(err.value)
+    assert message.startswith("--num-query-groups 2 needs --group-query-attention")
+    assert "drop --num-query-groups for full multi-head attention" in message
+
+
+def test_the_gqa_ambiguity_is_reported_with_the_refused_flags():
+    with pytest.raises(UsageError) as err:
+        parse_args([*SMALL_GPT, "--num-query-groups", "2", "--num-experts", "4"], world_size=1)
+    first, *rest = str(err.value).splitlines()
+    assert first.startswith("--num-query-groups 2 needs --group-query-attention")
+    assert rest[0] == "1 Megatron-LM flag cannot run here; drop it:"
+    assert rest[1].startswith("  --num-experts: ")
 
 
 def test_transformer_engine_attention_falls_back_to_sdpa_without_it():

@@ -46,6 +46,7 @@ MODEL = cli(
     hidden_size=48,
     ffn_hidden_size=40,
     num_attention_heads=6,
+    group_query_attention=True,
     num_query_groups=2,
     seq_length=32,
     normalization="RMSNorm",
