@@ -228,7 +228,7 @@ def megatron_lm_args(save_dir: Path, nproc: int) -> argparse.Namespace:
     args.use_dist_ckpt = True
     args.async_save = False
     args.non_persistent_ckpt_type = None
-    args.use_distributed_optimizer = False  # as ours on the CPU: plain Adam, replicated
+    args.use_distributed_optimizer = False  # as ours here: megatron-core's FP32Optimizer
     args.data_parallel_random_init = False
     args.no_save_optim = False
     args.no_save_rng = False
@@ -237,9 +237,8 @@ def megatron_lm_args(save_dir: Path, nproc: int) -> argparse.Namespace:
 
 
 class _MegatronLMOptimizer:
-    """Our optimizer as Megatron-LM's ``save_checkpoint`` calls it: on the CPU the trainer's
-    optimizer is torch's AdamW (``TorchAdamW``), not megatron-core's, so both saves write the
-    same Adam moments."""
+    """Our optimizer as Megatron-LM's ``save_checkpoint`` calls it (with its metadata, which
+    our save passes too), so both saves write the same Adam moments."""
 
     is_stub_optimizer = False
 
@@ -247,7 +246,7 @@ class _MegatronLMOptimizer:
         self.optimizer = optimizer
 
     def sharded_state_dict(self, state_dict: dict, metadata: dict | None = None) -> dict:
-        return self.optimizer.sharded_state_dict(state_dict["model"])
+        return self.optimizer.sharded_state_dict(state_dict["model"], metadata=metadata)
 
 
 @contextlib.contextmanager

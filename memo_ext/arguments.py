@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from memo_ext import config as c
 from memo_ext.config.train import parse_step_schedule
 from memo_ext.data.input_files import check_inputs
-from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.flags import add_flags, from_flags
 from memo_ext.megatron_lm.translate import translate
@@ -102,15 +101,6 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     run = c.RunConfig(**_with_derived_defaults(sections), world_size=world_size)
     run.check()
     run = check_inputs(run)
-    if run.train.use_distributed_optimizer and not on_gpu():
-        # a memory saving of CUDA's optimizer: the same updates without it
-        logger.info(
-            "--use-distributed-optimizer is not applicable on CPU; training goes on with the "
-            "plain optimizer"
-        )
-        run = dataclasses.replace(
-            run, train=dataclasses.replace(run.train, use_distributed_optimizer=False)
-        )
     # a sample-based run's optimizer steps, derived once: every reader of train_iters sees them
     run = dataclasses.replace(run, train=run.train.with_derived_iters())
     if run.hotspa.enabled:

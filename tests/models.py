@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
@@ -63,3 +64,13 @@ def build_gpt(
     )
     init_weights_layout_independent(model, config=config, seed=seed, tp=1, tp_rank=0)
     return model
+
+
+def ddp_wrapped(module: torch.nn.Module, config: TransformerConfig | None = None):
+    """``module`` in megatron-core DDP (one bucket, fp32 gradient buffers), as the trainer hands
+    its model to megatron's optimizer; ``config``: the model's, else a one-layer placeholder."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = config or getattr(module, "config", None) or cpu_config(GPT_SMALL)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    return DistributedDataParallel(config, ddp_config, module)

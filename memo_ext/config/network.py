@@ -211,10 +211,14 @@ class DistributedConfig:
     hanging it (Megatron-LM's default, 10)."""
     overlap_grad_reduce: bool = field(default=False, metadata={"flag": "--overlap-grad-reduce"})
     """Overlap the data-parallel gradient reduction with the backward pass, bucket by bucket
-    (megatron-core DDP; CUDA only: on CPU, and with --hotspa, the log says it does not apply)."""
+    (megatron-core DDP; with --hotspa, which reduces each layout's gradients itself, the log says
+    it does not apply)."""
     overlap_param_gather: bool = field(default=False, metadata={"flag": "--overlap-param-gather"})
-    """Overlap the distributed optimizer's parameter all-gather with the next forward pass (CUDA;
-    needs --use-distributed-optimizer and --overlap-grad-reduce)."""
+    """Overlap the distributed optimizer's parameter all-gather with the next forward pass (needs
+    --use-distributed-optimizer and --overlap-grad-reduce)."""
+    ddp_bucket_size: int | None = field(default=None, metadata={"flag": "--ddp-bucket-size"})
+    """Gradient elements per reduction bucket with --overlap-grad-reduce (megatron-core DDP's
+    default if unset: max(40M, 1M × DP)); without overlap the gradients reduce in one bucket."""
     grad_reduce_in_bf16: bool = field(default=False, metadata={"flag": "--grad-reduce-in-bf16"})
     """With --bf16, accumulate and reduce gradients in bf16 instead of fp32: half the DP traffic,
     the optimizer still keeps fp32 master weights (fp32 weights make it a no-op)."""
@@ -225,6 +229,8 @@ class DistributedConfig:
             raise UsageError(
                 f"--distributed-timeout-minutes must be positive, got {self.timeout_minutes}"
             )
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise UsageError(f"--ddp-bucket-size must be positive, got {self.ddp_bucket_size}")
         if self.overlap_param_gather and not (distributed_optimizer and self.overlap_grad_reduce):
             raise UsageError(
                 "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"

@@ -11,7 +11,6 @@ from typing import Literal
 import torch
 
 from memo_ext.config.common import at_least
-from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -180,9 +179,11 @@ class TrainConfig:
     skip_iterations_with_nan: bool = False
     """Skip the update of a step with a non-finite loss or grad norm instead of stopping."""
     bf16: bool = False
-    """bf16 weights and activations (CUDA)."""
+    """bf16 weights and activations, fp32 master weights in megatron's mixed-precision optimizer
+    (on CPU too, through its bf16 kernels: slower than fp32 there)."""
     fp16: bool = False
-    """fp16 with loss scaling (CUDA)."""
+    """fp16 weights and activations with loss scaling (dynamic unless --loss-scale): a step whose
+    gradients overflow is skipped and the scale lowered, as Megatron-LM does."""
     loss_scale: float | None = None
     """--fp16: a fixed loss scale (a power of 2); dynamic loss scaling if unset."""
     initial_loss_scale: float = 2.0**32
@@ -194,8 +195,8 @@ class TrainConfig:
     hysteresis: int = 2
     """--fp16, dynamic scaling: overflowing steps tolerated before the scale halves."""
     use_distributed_optimizer: bool = field(default=False, metadata={"negatable": True})
-    """Shard optimizer state over DP ranks (megatron's distributed optimizer, CUDA; not applicable
-    on CPU, where the run goes on with the plain optimizer, the same numbers)."""
+    """Shard the fp32 master weights and Adam moments over the DP ranks (megatron-core's
+    distributed optimizer): gradients are reduce-scattered, updated shards all-gathered."""
     iters_from_samples: bool = field(default=False, metadata={"cli": False})
     """``train_iters`` was derived from --train-samples (:meth:`with_derived_iters`), not given."""
     seq_length_for_schedule: int = field(default=1, metadata={"cli": False})
@@ -213,11 +214,6 @@ class TrainConfig:
         self._check_loss_scale()
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 are exclusive; choose one")
-        cuda = on_gpu()
-        if (self.bf16 or self.fp16) and not cuda:
-            raise UsageError(
-                "--bf16 / --fp16 need CUDA (megatron's mixed-precision optimizer); drop the flag"
-            )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise UsageError(
                 f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min-lr={self.min_lr}"

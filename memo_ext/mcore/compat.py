@@ -3,7 +3,8 @@
 megatron-core assumes a GPU in a handful of places that have nothing to do with the maths:
 buffers created with ``device=torch.cuda.current_device()`` or ``device="cuda"`` (sequence-parallel
 gathers, pipeline p2p shapes, the per-token loss counter, RoPE tables), ``.cuda()`` on index
-tensors, ``pin_memory=True``, ``torch.cuda.synchronize()`` and the CUDA RNG tracker.
+tensors, ``pin_memory=True``, ``torch.cuda.synchronize()``, the CUDA RNG tracker, and the
+optimizers' checks of ``Tensor.type()`` against CUDA type names.
 
 On a machine without CUDA every one of those calls would raise, so redirecting them to the CPU
 cannot change a result silently: it only lets the same code run. The redirection is applied
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from megatron.core import package_info
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.overrides import TorchFunctionMode
@@ -54,11 +56,18 @@ def _is_cuda_device(device: object) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+def _cuda_type_name(name: str) -> str:
+    """``torch.BFloat16Tensor`` → ``torch.cuda.BFloat16Tensor``; a CUDA name stays."""
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
 class CpuDeviceRedirect(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while active.
 
     Factory calls (``torch.empty(..., device="cuda")``), ``Tensor.cuda()``, ``Tensor.to("cuda")``
-    and ``pin_memory`` requests are served on the CPU; everything else passes through unchanged.
+    and ``pin_memory`` requests are served on the CPU, and ``Tensor.type()`` names a tensor's
+    type as CUDA would (megatron-core's mixed-precision and distributed optimizers sort their
+    parameters by those names); everything else passes through unchanged.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -67,6 +76,9 @@ class CpuDeviceRedirect(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers sort parameters by their CUDA type names
+            return _cuda_type_name(func(*args))
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
@@ -192,6 +204,104 @@ def cpu_compat() -> Iterator[None]:
     )
     with replaced_attributes(rng), cpu_placement():
         yield
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core 0.16's distributed optimizer: checkpoint fixes, on every machine
+# ---------------------------------------------------------------------------------------------
+
+_fully_reshardable = DistributedOptimizer.sharded_param_state_fully_reshardable
+_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+_load_state_dict = DistributedOptimizer.load_state_dict
+
+
+def _with_bucket_padding(unpadded: torch.Tensor, buffer) -> torch.Tensor:
+    """A buffer's gathered state without the padding at its buckets' ends → laid out as the
+    buffer is, padding included, where ``param_index_map``'s offsets point."""
+    padded = unpadded.new_zeros(buffer.numel)
+    start = 0
+    for bucket in buffer.buckets:
+        padded[bucket.offset : bucket.offset + bucket.numel_unpadded] = unpadded[
+            start : start + bucket.numel_unpadded
+        ]
+        start += bucket.numel_unpadded
+    return padded
+
+
+def _fully_reshardable_state(self, model_sharded_state_dict, is_loading=False, metadata=None):
+    """``sharded_param_state_fully_reshardable`` over world tensors laid out as the buffers are.
+
+    megatron-core 0.16's ``get_parameter_state_dp_zero`` drops the padding at the end of each
+    bucket, and the fully reshardable format then slices that state at the parameters'
+    ``param_index_map`` offsets, which count the padding: with more than one bucket every
+    parameter after the first bucket's end saves another parameter's moments and main weights
+    (fixed upstream after core_v0.16.1). The gathered state is put back at the buffers'
+    offsets first.
+    """
+    gather = self.get_parameter_state_dp_zero
+
+    def gather_padded(**kwargs):
+        state = gather(**kwargs)
+        for index, by_dtype in (state or {}).items():
+            if not isinstance(index, int):  # "buckets_coalesced"
+                continue
+            for world in by_dtype.values():
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    if key in world:  # ranks that get no state hold {}
+                        world[key] = _with_bucket_padding(world[key], self.buffers[index])
+        return state
+
+    self.get_parameter_state_dp_zero = gather_padded
+    try:
+        return _fully_reshardable(self, model_sharded_state_dict, is_loading, metadata)
+    finally:
+        del self.get_parameter_state_dp_zero
+
+
+def _set_states_keeping_torch_step(self, model_param, tensors) -> None:
+    """megatron-core 0.16's checkpoint loaders restore Adam's step from the parameter groups
+    (``load_state_dict``) and then copy the other states into every state the optimizer holds
+    (``_set_main_param_and_optimizer_states``). torch's AdamW keeps a step per parameter there
+    (Apex's and transformer-engine's Adam do not): the copy then fails on a step the loader left
+    out (fully_reshardable), or overwrites the restored step with the placeholder of the state
+    the load was read into (dp_reshardable). Copy the rest; the step stays as restored."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+    step = state.pop("step", None)
+    try:
+        _set_states(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
+    finally:
+        if step is not None:
+            state["step"] = step
+
+
+def _load_state_dict_with_own_steps(self, state_dict) -> None:
+    """megatron-core 0.16's ``DistributedOptimizer.load_state_dict`` gives torch's AdamW one
+    step tensor for all its parameters; torch's AdamW adds 1 to each parameter's step in place,
+    so the shared tensor would count every parameter's update and skew Adam's bias correction
+    from the first resumed step on. Each parameter gets its own copy."""
+    _load_state_dict(self, state_dict)
+    for state in self.optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
+DISTRIBUTED_OPTIMIZER_FIXES = (
+    (DistributedOptimizer, "sharded_param_state_fully_reshardable", _fully_reshardable_state),
+    # torch's AdamW, megatron-core's Adam without Apex or transformer-engine (every CPU run)
+    (DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_states_keeping_torch_step),
+    (DistributedOptimizer, "load_state_dict", _load_state_dict_with_own_steps),
+)
+"""``(owner, name, replacement)``: what :func:`fix_distributed_optimizer` installs."""
+
+
+def fix_distributed_optimizer() -> None:
+    """Install :data:`DISTRIBUTED_OPTIMIZER_FIXES` for the process (idempotent): the
+    distributed optimizer's checkpoints then resume exactly and reshard, on CUDA and on the CPU.
+    ``tests/unit/test_compat.py`` pins the megatron-core code each one stands in for."""
+    check_mcore_version()
+    for owner, name, replacement in DISTRIBUTED_OPTIMIZER_FIXES:
+        setattr(owner, name, replacement)
 
 
 # TransformerLayer.forward takes (*args, **kwargs) and hands them to _forward_attention, whose

@@ -396,7 +396,6 @@ HANDLING: dict[str, Handling] = {
     "--wgrad-deferral-limit": refused("not wired here"),
     "--no-align-grad-reduce": refused("not wired here"),
     "--ddp-num-buckets": refused("not wired here; megatron-core's default buckets are used"),
-    "--ddp-bucket-size": refused("not wired here; megatron-core's default buckets are used"),
     "--ddp-pad-buckets-for-high-nccl-busbw": refused("not wired here"),
     "--ddp-reduce-scatter-with-fp32-accumulation": refused("not wired here"),
     "--ddp-average-in-collective": refused("not wired here"),

@@ -673,11 +673,31 @@ def _gather_checksums(checksums: dict[str, str]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 
+CONTENT_METADATA = {
+    # the distributed optimizer's state in the parameters' own shapes, gathered per DP group on
+    # save: it loads into any TP / PP / DP layout (Megatron-LM's
+    # --dist-ckpt-optim-fully-reshardable; its default, dp_reshardable, reshards over DP only)
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": False,
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+"""How megatron-core lays out the optimizer's sharded state in our checkpoints; written into
+each (``content_metadata``), and read back from each on load, as Megatron-LM does."""
+
+
 def _sharded_state(
-    model, optimizer, scheduler, progress: TrainProgress, *, is_loading: bool = False
+    model,
+    optimizer,
+    scheduler,
+    progress: TrainProgress,
+    *,
+    is_loading: bool = False,
+    metadata: dict | None = None,
 ) -> dict:
-    """What a checkpoint of ours holds; without ``optimizer`` (--no-save-optim, or a load of the
-    weights alone) neither the moments nor the LR schedule."""
+    """What a checkpoint holds; without ``optimizer`` (--no-save-optim, or a load of the weights
+    alone) neither the moments nor the LR schedule. ``metadata``: the optimizer state's layout
+    (the checkpoint's content metadata on load, :data:`CONTENT_METADATA` on save)."""
     model_sharded = _unwrap(model).sharded_state_dict()
     state = {
         "model": model_sharded,
@@ -686,7 +706,9 @@ def _sharded_state(
         "format": FORMAT,
     }
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sharded, is_loading=is_loading, metadata=metadata or CONTENT_METADATA
+        )
         state["scheduler"] = scheduler.state_dict()
     return state
 
@@ -831,7 +853,10 @@ def _save(
     _barrier()
     strategy, threaded = _save_strategy()
     dist_checkpointing.save(
-        _sharded_state(model, optimizer, scheduler, progress), str(staging), strategy
+        _sharded_state(model, optimizer, scheduler, progress),
+        str(staging),
+        strategy,
+        content_metadata=CONTENT_METADATA,
     )
     written = dict(threaded.checksums)
     if rng:
@@ -844,6 +869,7 @@ def _save(
             "layout": _layout(),
             "model": _model_identity(model),
             "optimizer": optimizer is not None,
+            **({"optimizer_format": optimizer.state_format} if optimizer is not None else {}),
             "rng": rng,
         }
         _write_manifest(staging, meta, checksums)
@@ -944,7 +970,14 @@ def load_checkpoint(
     directory = iteration_dir(root, iteration)
     foreign = _verify(directory)
     wanted = optimizer if scope.optimizer else None
-    template = _sharded_state(model, wanted, scheduler, TrainProgress(), is_loading=True)
+    template = _sharded_state(
+        model,
+        wanted,
+        scheduler,
+        TrainProgress(),
+        is_loading=True,
+        metadata=_content_metadata(directory),
+    )
     saved_schedule, layout = None, None  # layout None: RNG states not read (Megatron-LM's)
     if foreign:
         common = megatron_lm.read_common(directory)
@@ -954,7 +987,9 @@ def load_checkpoint(
                 common, counts_samples=counts_samples, directory=directory
             )
     else:
-        same_model, layout = _check_ours_fits(directory, model, optimizer=wanted is not None)
+        same_model, layout = _check_ours_fits(
+            directory, model, optimizer=None if wanted is None else wanted.state_format
+        )
     loaded = _load_sharded(directory, template, model, same_model=same_model, foreign=foreign)
     if wanted is None:
         optimizer.reload_model_params()  # mixed precision: main params from the loaded weights
@@ -975,18 +1010,34 @@ def load_checkpoint(
     return saved if scope.progress else TrainProgress()
 
 
-def _check_ours_fits(directory: Path, model, *, optimizer: bool) -> tuple[bool, dict | None]:
-    """Refuse a checkpoint of ours that holds another model, or no optimizer state when one is
-    to be loaded; (whether it records this model, the layout its RNG states were written under,
-    ``None`` when it holds none)."""
+def _check_ours_fits(directory: Path, model, *, optimizer: dict | None) -> tuple[bool, dict | None]:
+    """Refuse a checkpoint of ours that holds another model, or no optimizer state, or state of
+    another format, when ``optimizer`` (this run's state format) is to be loaded; (whether it
+    records this model, the layout its RNG states were written under, ``None`` when it holds
+    none)."""
     manifest = json.loads((directory / MANIFEST).read_text())
     same_model = _check_model_identity(directory, model, manifest.get("model"))
-    if optimizer and manifest.get("optimizer") is False:
+    if optimizer is not None and manifest.get("optimizer") is False:
         raise UsageError(
             f"the checkpoint in {directory} holds no optimizer state (it was saved with "
             "--no-save-optim); load it with --no-load-optim or --finetune"
         )
+    saved = manifest.get("optimizer_format")
+    if optimizer is not None and isinstance(saved, dict) and saved != optimizer:
+        raise UsageError(
+            f"the optimizer state in {directory} was saved by {_optimizer_flags(saved)}, this "
+            f"run's optimizer is {_optimizer_flags(optimizer)}: give the same flags to resume, "
+            "or start from its weights with --no-load-optim (or --finetune)"
+        )
     return same_model, None if manifest.get("rng") is False else manifest["layout"]
+
+
+def _optimizer_flags(state_format: dict) -> str:
+    """``{"distributed": True, "precision": "bf16"}`` → ``--use-distributed-optimizer --bf16``."""
+    flags = ["--use-distributed-optimizer"] if state_format.get("distributed") else []
+    precision = state_format.get("precision")
+    flags += [f"--{precision}"] if precision in ("bf16", "fp16") else []
+    return " ".join(flags) if flags else "fp32 without --use-distributed-optimizer"
 
 
 def _verify(directory: Path) -> bool:
@@ -1001,6 +1052,16 @@ def _verify(directory: Path) -> bool:
             error = str(err)
     _broadcast_error(error)
     return foreign
+
+
+def _content_metadata(directory: Path) -> dict | None:
+    """The layout its optimizer state was saved in (``content_metadata``, ours and Megatron-LM's
+    since 0.14), or None: none recorded, or a common file that cannot be read, which the load
+    then names."""
+    try:
+        return dist_checkpointing.load_content_metadata(str(directory))
+    except (RuntimeError, ValueError, KeyError, EOFError, OSError, pickle.UnpicklingError):
+        return None
 
 
 def _load_sharded(directory: Path, template: dict, model, *, same_model: bool, foreign: bool):

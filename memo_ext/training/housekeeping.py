@@ -216,12 +216,19 @@ def notices_for_this_machine(run: RunConfig, *, cuda: bool) -> list[str]:
     for flag, given in (
         ("--overlap-grad-reduce", d.overlap_grad_reduce),
         ("--overlap-param-gather", d.overlap_param_gather),
-        ("--cross-entropy-loss-fusion", run.model.cross_entropy_loss_fusion),
     ):
-        if given and not cuda:
-            notes.append(f"{flag} is not applicable on CPU; training goes on without it")
-        elif given and run.hotspa.enabled:
+        if given and run.hotspa.enabled:
             notes.append(f"{flag} is not applicable with --hotspa; training goes on without it")
+    fusion = run.model.cross_entropy_loss_fusion
+    if fusion and not cuda:
+        notes.append(
+            "--cross-entropy-loss-fusion is not applicable on CPU; training goes on without it"
+        )
+    elif fusion and run.hotspa.enabled:
+        notes.append(
+            "--cross-entropy-loss-fusion is not applicable with --hotspa; training goes on "
+            "without it"
+        )
     if d.grad_reduce_in_bf16 and not run.train.bf16:
         notes.append("--grad-reduce-in-bf16 applies with --bf16: fp32 weights get fp32 gradients")
     if run.profile.enabled and not run.profile.use_pytorch_profiler and not cuda:

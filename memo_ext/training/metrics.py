@@ -36,6 +36,7 @@ class StepMetrics:
     tokens_per_s: float
     consumed_samples: int
     skipped_iterations: int = 0
+    """Steps so far whose update was skipped (an fp16 overflow, --skip-iterations-with-nan)."""
     global_batch_size: int | None = None
     """Samples (documents with --variable-seq-lengths) of this step; grows with
     --rampup-batch-size."""
@@ -62,6 +63,7 @@ class StepMetrics:
             f"batch {self.global_batch_size}" if self.global_batch_size is not None else "",
             f"{self.step_time_s * 1e3:.0f} ms/step",
             f"{self.tokens_per_s:,.0f} tok/s",
+            f"skipped {self.skipped_iterations}" if self.skipped_iterations else "",
         ]
         if throughput and self.tflops_per_device is not None:
             parts.append(f"{self.tflops_per_device:.3g} TFLOP/s/dev")

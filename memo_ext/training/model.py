@@ -17,7 +17,6 @@ from megatron.core.transformer.module import Float16Module
 
 from memo_ext.config import RunConfig
 from memo_ext.config.network import resolve_attention_backend
-from memo_ext.device import on_gpu
 from memo_ext.extension import Extension
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
@@ -112,22 +111,15 @@ def wrap_for_data_parallel(
         overlap_grad_reduce=overlap,
         overlap_param_gather=gather,
         use_distributed_optimizer=distributed_optimizer,
+        bucket_size=run.distributed.ddp_bucket_size,
     )
-    # one bucket: gloo has no stream overlap to gain from bucketing
-    return DistributedDataParallel(
-        config,
-        ddp_config,
-        model,
-        disable_bucketing=not on_gpu(),
-        pg_collection=pg_collection,
-    )
+    return DistributedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
 
 
 def data_parallel_overlap(run: RunConfig) -> bool:
-    """--overlap-grad-reduce where megatron-core DDP can overlap: on CUDA (gloo on CPU has one
-    bucket and nothing to hide the reduction behind) and not under HotSPa, which reduces each
-    layout's gradients itself once all its buckets have run."""
-    return run.distributed.overlap_grad_reduce and on_gpu() and not run.hotspa.enabled
+    """--overlap-grad-reduce, except under HotSPa, which reduces each layout's gradients itself
+    once all its buckets have run."""
+    return run.distributed.overlap_grad_reduce and not run.hotspa.enabled
 
 
 @contextmanager

@@ -1,7 +1,7 @@
-"""Whole-model figures of the weights and their gradients, for the log: ``--log-params-norm``
-and ``--log-num-zeros-in-grad``.
+"""Whole-model figures of the weights for the log: ``--log-params-norm`` (megatron-core's
+optimizer counts ``--log-num-zeros-in-grad`` itself).
 
-Each logical element counts once, as in the gradient norm (``memo_ext.training.optimizer``):
+Each logical element counts once, as in megatron-core's gradient norm:
 tensor-parallel shards all count, TP-replicated parameters on TP rank 0 only, the last pipeline
 stage's copy of a tied embedding not at all; the sums are then added over the model-parallel
 group (TP × PP). Data-parallel replicas hold the same weights and reduced gradients, except the
@@ -64,13 +64,3 @@ def params_l2_norm(params: Iterable[torch.nn.Parameter]) -> float:
 def _squares(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Sum of squares of ``t`` in float64, on ``device``."""
     return t.detach().double().pow(2).sum().to(device)
-
-
-def count_zeros_in_grad(params: Iterable[torch.nn.Parameter]) -> int:
-    """Zero elements of the (reduced) gradient, every logical element once; parameters without a
-    gradient are left out, as megatron-core's optimizer counts (CUDA runs use its count)."""
-    zeros = torch.zeros((), dtype=torch.float64, device=collective_device())
-    for p in counted_once(params):
-        if p.grad is not None:
-            zeros += p.grad.numel() - torch.count_nonzero(p.grad.detach()).to(zeros.device)
-    return int(_sum_over_model_parallel(zeros).item())

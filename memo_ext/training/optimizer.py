@@ -1,40 +1,33 @@
-"""Optimizers behind one small interface, and megatron-core's LR schedule.
+"""megatron-core's optimizer behind the loop's small interface, and its LR schedule.
 
-On CUDA the optimizer is megatron-core's (mixed precision, fp32 master weights, optionally the
-distributed optimizer). megatron's optimizers require CUDA tensors, so on CPU the same contract
-is served by ``torch.optim.AdamW`` over the fp32 parameters with a model-parallel-aware global
-gradient norm and clipping (:class:`TorchAdamW`). Both expose ``zero_grad``, ``step`` →
-``(updated, grad_norm)`` and ``param_groups`` (read by ``OptimizerParamScheduler``).
+The optimizer is megatron-core's on every machine: ``FP32Optimizer`` for fp32 weights,
+``Float16OptimizerWithFloat16Params`` for --bf16 / --fp16 (fp32 master weights, the fp16 loss
+scaler), ``DistributedOptimizer`` with --use-distributed-optimizer, each over megatron-core's
+parameter groups (weight-decay skips, --decoupled-lr). On CPU it runs under
+:func:`memo_ext.mcore.compat.cpu_compat`; its Adam is ``torch.optim.AdamW`` there (megatron-core's
+choice without transformer-engine or apex), fused Adam on CUDA.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    optim_state_to_sharding_state,
+from megatron.core.optimizer import (
+    DistributedOptimizer,
+    OptimizerConfig,
+    distrib_optimizer,
+    get_megatron_optimizer,
 )
-from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 from megatron.core.optimizer_param_scheduler import (
     OptimizerParamScheduler,
-    combine_param_group_overrides,
     get_canonical_lr_for_logging,
 )
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import param_is_not_shared
 
-from memo_ext.collectives import collective_device
 from memo_ext.config import TrainConfig
-from memo_ext.device import on_gpu
-from memo_ext.training.model_stats import count_zeros_in_grad
+from memo_ext.mcore.compat import fix_distributed_optimizer
 
 
 class TrainingOptimizer(Protocol):
@@ -46,7 +39,9 @@ class TrainingOptimizer(Protocol):
 
     def step(self) -> tuple[bool, float | None]: ...
 
-    def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict: ...
+    def sharded_state_dict(
+        self, model_sharded: dict, *, is_loading: bool = False, metadata: dict | None = None
+    ) -> dict: ...
 
     def load_sharded_state_dict(self, loaded: dict) -> None: ...
 
@@ -79,149 +74,20 @@ def optimizer_config(
     )
 
 
-def _param_groups(model_chunks: Iterable[torch.nn.Module], train: TrainConfig) -> list[dict]:
-    """megatron-core's parameter groups (``get_standard_config_overrides``): biases and 1-D
-    parameters (norm weights) are not decayed; with --decoupled-lr the embedding and output
-    layer weights (``is_embedding_or_output_parameter``) carry their own ``max_lr`` /
-    ``min_lr``, which megatron-core's scheduler reads. Groups on the default rate come first
-    and are marked ``default_config`` (the logged rate)."""
-    overrides = get_standard_config_overrides(optimizer_config(train))
-    grouped: dict[tuple, list[torch.nn.Parameter]] = {}
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            matched = [value for key, value in overrides.items() if key.matches(param, name)]
-            override = combine_param_group_overrides(matched) if matched else {}
-            grouped.setdefault(tuple(sorted(override.items())), []).append(param)
-    groups = []
-    for key, params in sorted(grouped.items()):
-        override = dict(key)
-        default_rate = not any("lr" in name for name in override)
-        groups.append(
-            {"params": params, "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False}
-            | {"default_config": default_rate}
-            | override
-        )
-    return sorted(groups, key=lambda group: not group["default_config"])
-
-
 def lr_for_logging(param_groups: list[dict]) -> float:
     """The rate of the default groups (megatron-core's choice), not a decoupled one."""
     lr = get_canonical_lr_for_logging(param_groups)
     return param_groups[0]["lr"] if lr is None else lr
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """L2 norm of the whole model's gradient, counting each logical element once.
-
-    Tensor-parallel shards all count; TP-replicated parameters count on TP rank 0 only; the
-    copy of a tied embedding on the last pipeline stage is skipped. Squares are summed over the
-    model-parallel group (TP × PP); data-parallel replicas already hold reduced gradients.
-    """
-    total = torch.zeros((), dtype=torch.float64, device=collective_device())
-    for p in params:
-        if p.grad is None or not param_is_not_shared(p):
-            continue
-        if param_is_not_tensor_parallel_duplicate(p):
-            total += p.grad.detach().double().pow(2).sum().to(total.device)
-    if dist.is_initialized():
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return math.sqrt(total.item())
-
-
-class TorchAdamW:
-    """``torch.optim.AdamW`` over fp32 parameters whose gradients live in DDP's ``main_grad``."""
-
-    def __init__(
-        self,
-        *,
-        model_chunks: list[torch.nn.Module],
-        train: TrainConfig,
-        log_num_zeros_in_grad: bool = False,
-    ):
-        self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
-        self.log_num_zeros_in_grad = log_num_zeros_in_grad
-        self.num_zeros_in_grad: int | None = None
-        """Zeros of the last step's reduced gradient (``log_num_zeros_in_grad``)."""
-        self.optimizer = torch.optim.AdamW(
-            _param_groups(model_chunks, train),
-            lr=train.lr,
-            betas=(train.adam_beta1, train.adam_beta2),
-            eps=train.adam_eps,
-            weight_decay=train.weight_decay,
-        )
-        self.clip_grad = train.clip_grad
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> tuple[bool, float | None]:
-        for p in self.params:
-            # megatron DDP accumulates into main_grad (fp32) and leaves .grad unset
-            p.grad = getattr(p, "main_grad", p.grad)
-        grad_norm = global_grad_norm(self.params)
-        if self.log_num_zeros_in_grad:
-            self.num_zeros_in_grad = count_zeros_in_grad(self.params)
-        if not math.isfinite(grad_norm):
-            return False, grad_norm
-        if self.clip_grad > 0 and grad_norm > self.clip_grad:
-            scale = self.clip_grad / (grad_norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
-        return True, grad_norm
-
-    def _init_state(self) -> None:
-        """Zero moments, so a fresh optimizer has tensors for a checkpoint to fill."""
-        for p in self.params:
-            state = self.optimizer.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict:
-        """Adam moments as sharded tensors mirroring their parameters; the step as a scalar.
-
-        Keys follow the parameters' global keys, so the state loads into any TP / PP layout.
-        """
-        if is_loading:
-            self._init_state()
-        state = self.optimizer.state_dict()
-        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise RuntimeError("optimizer steps differ between parameters; cannot checkpoint")
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        id_map = get_param_id_to_sharded_param_map(model_sharded, params)
-        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-        state["state"]["common_step"] = steps.pop() if steps else 0.0
-        return state
-
-    def reload_model_params(self) -> None:
-        """Nothing to refresh after the weights alone were loaded: the parameters are the
-        model's own."""
-
-    def load_sharded_state_dict(self, loaded: dict) -> None:
-        """Put loaded moments back, keeping this run's own parameter groups."""
-        step = torch.tensor(float(loaded["state"].pop("common_step")))
-        current = self.optimizer.state_dict()
-        for param_id, param_state in loaded["state"].items():
-            current["state"][param_id] = {**param_state, "step": step.clone()}
-        self.optimizer.load_state_dict(current)
-
-
 class MegatronOptimizerAdapter:
-    """megatron-core's optimizer, with ``step`` trimmed to ``(updated, grad_norm)``."""
+    """megatron-core's optimizer, with ``step`` trimmed to ``(updated, grad_norm)``; its zero
+    count and loss scale are attributes the loop's reporting reads."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, *, state_format: dict):
         self.optimizer = optimizer
+        self.state_format = state_format
+        """What its checkpointed state is laid out by (:func:`state_format`)."""
         self.num_zeros_in_grad: int | None = None
         """Zeros of the last step's gradient (megatron counts them with log_num_zeros_in_grad)."""
 
@@ -233,19 +99,62 @@ class MegatronOptimizerAdapter:
         self.optimizer.zero_grad()
 
     def step(self) -> tuple[bool, float | None]:
+        """``(updated, grad_norm)``: not updated, and no norm, when fp16 gradients overflowed
+        (the scaler has lowered the scale then)."""
         updated, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         return updated, grad_norm
 
-    def sharded_state_dict(self, model_sharded: dict, *, is_loading: bool = False) -> dict:
-        return self.optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale of the next step (1 without fp16)."""
+        return float(self.optimizer.get_loss_scale().item())
+
+    def sharded_state_dict(
+        self, model_sharded: dict, *, is_loading: bool = False, metadata: dict | None = None
+    ) -> dict:
+        """megatron-core's sharded optimizer state; ``metadata`` its layout (the distributed
+        optimizer's ``distrib_optim_sharding_type``, as Megatron-LM passes it)."""
+        _fill_fresh_distributed_state(self.optimizer)
+        return self.optimizer.sharded_state_dict(
+            model_sharded, is_loading=is_loading, metadata=metadata
+        )
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
-        self.optimizer.load_state_dict(loaded)
+        """Put a checkpoint's state in place. Outside autograd: megatron-core's
+        dp_reshardable loader copies into the main parameters in place, which for fp32
+        weights are views of the model's own (Megatron-LM runs it with bf16 weights, whose
+        main parameters are separate fp32 copies)."""
+        with torch.no_grad():
+            self.optimizer.load_state_dict(loaded)
 
     def reload_model_params(self) -> None:
         """Copy freshly loaded weights into the fp32 main parameters (mixed precision), as
         Megatron-LM does after a load without the optimizer."""
         self.optimizer.reload_model_params()
+
+
+def _fill_fresh_distributed_state(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet the Adam state of a fresh one.
+
+    megatron-core 0.16's ``DistributedOptimizer.state_dict`` reads the step out of the torch
+    optimizer's per-parameter state; with Apex's or transformer-engine's Adam it comes from the
+    parameter groups instead. With torch's AdamW (megatron-core's Adam without them: every CPU
+    run) an optimizer that has not stepped (a fresh one about to load a checkpoint, or fp16 runs
+    whose every step so far overflowed) holds no state, and a save or load would find no step.
+    The state torch's AdamW would create on its first step is created now: the same updates.
+    """
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer) or inner.optimizer.state:
+            continue
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                inner.optimizer.state[param] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
 
 
 def build_optimizer(
@@ -256,18 +165,22 @@ def build_optimizer(
     fp16: bool,
     log_num_zeros_in_grad: bool = False,
 ) -> TrainingOptimizer:
-    """megatron's optimizer on CUDA, :class:`TorchAdamW` on CPU; both group the parameters by
-    megatron-core's rules (weight-decay skips, --decoupled-lr). With ``log_num_zeros_in_grad``
-    each step counts the gradient's zeros into ``optimizer.num_zeros_in_grad``."""
-    if not on_gpu():
-        return TorchAdamW(
-            model_chunks=model_chunks, train=train, log_num_zeros_in_grad=log_num_zeros_in_grad
-        )
-    from megatron.core.optimizer import get_megatron_optimizer
-
+    """megatron-core's optimizer for these flags over ``model_chunks`` (megatron DDP modules).
+    With ``log_num_zeros_in_grad`` each step counts the gradient's zeros into
+    ``optimizer.num_zeros_in_grad``."""
+    fix_distributed_optimizer()
     config = optimizer_config(train, bf16=bf16, fp16=fp16)
     config = dataclasses.replace(config, log_num_zeros_in_grad=log_num_zeros_in_grad)
-    return MegatronOptimizerAdapter(get_megatron_optimizer(config, model_chunks))
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    return MegatronOptimizerAdapter(optimizer, state_format=state_format(train, bf16, fp16))
+
+
+def state_format(train: TrainConfig, bf16: bool, fp16: bool) -> dict:
+    """The flags that decide how megatron-core's optimizer state is laid out: sharded over DP
+    (flat main-weight and moment shards) or not, and fp32 main weights beside 16-bit ones or
+    not; a checkpoint's state loads only into an optimizer of the same format."""
+    precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    return {"distributed": train.use_distributed_optimizer, "precision": precision}
 
 
 @dataclass(frozen=True)

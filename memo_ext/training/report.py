@@ -93,9 +93,9 @@ def log_setup(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> N
 
 
 def weight_statistics(run: RunConfig, model, optimizer) -> list[MetricSource]:
-    """--log-params-norm (the weights after the step's update) and --log-num-zeros-in-grad
-    (the optimizer counts them in its step). Every rank collects every step: the norm is an
-    all-reduce over the model-parallel ranks."""
+    """--log-params-norm (the weights after the step's update), --log-num-zeros-in-grad
+    (the optimizer counts them in its step) and, with --fp16, the loss scale. Every rank
+    collects every step: the norm is an all-reduce over the model-parallel ranks."""
     sources = []
     if run.logging.log_params_norm:
 
@@ -113,6 +113,13 @@ def weight_statistics(run: RunConfig, model, optimizer) -> list[MetricSource]:
             MetricSource(
                 collect=lambda: {"num_zeros_in_grad": optimizer.num_zeros_in_grad},
                 describe=lambda v: f"zeros in grad {v['num_zeros_in_grad']}",
+            )
+        )
+    if run.train.fp16:  # the scale the next step multiplies its loss by; an overflow halves it
+        sources.append(
+            MetricSource(
+                collect=lambda: {"loss_scale": optimizer.loss_scale},
+                describe=lambda v: f"loss scale {v['loss_scale']:g}",
             )
         )
     return sources

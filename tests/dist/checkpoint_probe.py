@@ -152,10 +152,15 @@ def _move_away_from_init(model: torch.nn.Module, optimizer) -> None:
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(1.25).add_(0.01)
-    for param, state in optimizer.optimizer.state.items():
-        state["exp_avg"].copy_(param.detach() * 0.1)
-        state["exp_avg_sq"].copy_(param.detach() ** 2 * 0.01)
-        state["step"] = torch.tensor(7.0)
+    megatron = optimizer.optimizer  # megatron-core's, behind the loop's adapter
+    for inner in getattr(megatron, "chained_optimizers", [megatron]):
+        inner.init_state_fn(inner.optimizer, inner.config)  # Adam's moments, as a load makes
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state[param]
+                state["exp_avg"].copy_(param.detach() * 0.1)
+                state["exp_avg_sq"].copy_(param.detach() ** 2 * 0.01)
+                state["step"] = torch.tensor(7.0)
 
 
 def megatron_lm_args(run, *, iteration: int, divisible_by: int) -> argparse.Namespace:

@@ -5,7 +5,7 @@ runs its ``main`` in the tests' workers), or as a module under torchrun::
         <pretrain_gpt_memo.py flags>
 
 ``--probe-loss-scale S``: the home config's ``grad_scale_func`` multiplies every loss by ``S``,
-as ``--fp16``'s loss scaler does (fp16 itself needs CUDA). The fp32 optimizer does not unscale,
+as ``--fp16``'s loss scaler does (without its overflow checks). The fp32 optimizer does not unscale,
 so the gradients and their norm come out ``S`` times larger, but only where the scale reached
 the schedule that ran the loss.
 

@@ -14,7 +14,12 @@ from tests.launch import ROOT, free_port
 pytestmark = [pytest.mark.launch, pytest.mark.slow]
 
 
-def test_demo_script_trains_and_checks_its_metrics(tmp_path):
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"]],
+    ids=["fp32", "gpu-configuration"],
+)
+def test_demo_script_trains_and_checks_its_metrics(tmp_path, flags):
     out = tmp_path / "demo"
     env = {
         **os.environ,
@@ -29,7 +34,7 @@ def test_demo_script_trains_and_checks_its_metrics(tmp_path):
     if not os.path.exists(env["PYTHON"]):
         env["PYTHON"] = "python3"
     done = subprocess.run(
-        ["bash", "scripts/demo_cpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+        ["bash", "scripts/demo_cpu.sh", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -39,6 +44,7 @@ def test_demo_script_trains_and_checks_its_metrics(tmp_path):
     # every setting in a file beside the metrics, one line on the console
     settings = json.loads((out / "metrics.config.json").read_text())
     assert settings["data"]["seq_length"] == 256 and settings["layout"]["dp"] == 2
+    assert settings["train"]["bf16"] == ("--bf16" in flags)
     assert done.stderr.count(str(out / "metrics.config.json")) == 1
     # nothing a user cannot act on: no library's warnings, no per-split dataset notices
     console = done.stdout + done.stderr

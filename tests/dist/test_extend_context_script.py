@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.launch, pytest.mark.slow]
 VOCAB = 257  # ByteTokenizer: 256 bytes + end of document, the demo corpus's ids
 ORIGINAL_TOKENS = 64
 FACTOR = 4
-# fp32 on both sides; fused QKV / fc1 GEMMs and SDPA vs eager softmax sum in another order
-ATOL = 1e-5
+# fp32 on both sides; fused QKV / fc1 GEMMs and SDPA vs eager softmax sum in another order:
+# measured up to 1.04e-5 (a few fp32 ulps of the largest logits), depending on the weights
+ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,20 @@ def test_switching_layouts_match_one_process(corpus, reference, tmp_path, strate
     assert moved > 0, "these layouts differ in TP or PP: something must move"
 
 
+def test_packed_documents_and_switching_in_bf16_match_one_process(corpus, reference_runs, tmp_path):
+    # the GPU runs' precision; the distributed optimizer's bucketed reduction on the packed rows
+    # (HotSPa reduces each layout's gradients itself, with a plain all-reduce). bf16 rounds
+    # partial sums in another order under TP / PP: 2**-9 per element, well under 1e-3 here
+    bf16 = train_args(corpus) + ["--bf16"]
+    reference = reference_run(bf16, nproc=1, cache_dir=reference_runs)
+    gpu = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"]
+    packed = run_pretrain(bf16 + gpu, nproc=2, workdir=tmp_path, name="packed")
+    assert_same_curves(reference, packed, rtol=1e-3)
+    hotspa = BUCKETS + ["--hotspa-strategies", "dp2;tp2;pp2"]
+    curves = run_pretrain(bf16 + hotspa, nproc=2, workdir=tmp_path, name="switch")
+    assert_same_curves(reference, curves, rtol=1e-3)
+
+
 def test_dynamic_cp_moves_nothing(corpus, reference, tmp_path):
     curves = run_pretrain(
         train_args(corpus)

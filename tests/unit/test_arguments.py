@@ -162,16 +162,21 @@ def test_missing_dataset_file_is_named(tmp_path):
         parse_args([*argv, "--data-path", "0.5", str(prefix), "0.5", str(prefix)], world_size=1)
 
 
-def test_cpu_refuses_cuda_only_features():
-    with pytest.raises(UsageError, match="need CUDA"):
-        parse("--bf16")
-
-
-def test_cpu_runs_without_the_distributed_optimizer(caplog):
-    caplog.set_level("INFO")
-    run = parse("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
-    assert not run.train.use_distributed_optimizer
-    assert "--use-distributed-optimizer is not applicable on CPU" in caplog.text
+def test_the_gpu_configuration_parses_on_every_machine():
+    run = parse(
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        "4096",
+    )
+    assert run.train.bf16 and run.train.use_distributed_optimizer
+    assert run.distributed.overlap_param_gather and run.distributed.ddp_bucket_size == 4096
+    with pytest.raises(UsageError, match="--ddp-bucket-size must be positive"):
+        parse("--ddp-bucket-size", "0")
+    with pytest.raises(UsageError, match="exclusive"):
+        parse("--bf16", "--fp16")
 
 
 def test_entry_point_exits_2_with_the_message(capsys):

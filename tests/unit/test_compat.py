@@ -59,3 +59,27 @@ def test_rng_tracker_forks_the_cpu_generator():
         with tracker.fork():
             other_rank = torch.rand(3)
         assert not torch.equal(other_rank, forked_first)  # TP ranks draw different masks
+
+
+def test_megatron_optimizers_still_sort_parameters_by_cuda_type_names():
+    # the names CpuDeviceRedirect spells CPU tensors' types with: where megatron-core 0.16's
+    # mixed-precision and distributed optimizers classify their parameters
+    import inspect
+
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    for module in (optimizer, distrib_optimizer):
+        source = inspect.getsource(module)
+        for name in ("torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor"):
+            assert f"'{name}'" in source, (module.__name__, name)
+
+
+def test_type_names_read_as_cuda_ones_under_the_redirect_only():
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    with compat.cpu_placement():
+        assert x.type() == "torch.cuda.BFloat16Tensor"
+        assert x.float().type() == "torch.cuda.FloatTensor"
+        # a conversion keeps its meaning: the tensor stays on the CPU, in the asked dtype
+        assert x.type(torch.float32).dtype == torch.float32
+        assert x.type(torch.float32).device.type == "cpu"
+    assert x.type() == "torch.BFloat16Tensor"

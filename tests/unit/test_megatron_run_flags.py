@@ -29,10 +29,10 @@ from memo_ext.training import housekeeping
 from memo_ext.training.housekeeping import ManualGC, StepProfiler, notices_for_this_machine
 from memo_ext.training.metrics import StepMetrics, WandbWriter
 from memo_ext.training.model import data_parallel_overlap
-from memo_ext.training.model_stats import count_zeros_in_grad, params_l2_norm
-from memo_ext.training.optimizer import TorchAdamW
+from memo_ext.training.model_stats import params_l2_norm
+from memo_ext.training.optimizer import build_optimizer
 from tests.launch import SMALL_GPT, cli
-from tests.models import build_gpt, cpu_config
+from tests.models import build_gpt, cpu_config, ddp_wrapped
 from tests.unit.test_memo_layer import assert_same, build_pair, make_config, run_stack
 
 FAKE_WANDB = Path(__file__).resolve().parents[1] / "fake_wandb"
@@ -142,24 +142,23 @@ def test_cuda_only_flags_give_one_notice_each_on_cpu_and_never_fail():
         *cli(
             empty_unused_memory_level=1,
             overlap_grad_reduce=True,
+            use_distributed_optimizer=True,
+            overlap_param_gather=True,
             cross_entropy_loss_fusion=True,
             grad_reduce_in_bf16=True,
             profile=True,
         )
     )
-    # (with --use-distributed-optimizer, which the flags alone cannot have on every machine)
-    distributed = dataclasses.replace(run.distributed, overlap_param_gather=True)
-    run = dataclasses.replace(run, distributed=distributed)
     notes = notices_for_this_machine(run, cuda=False)
     for flag in (
         "--empty-unused-memory-level",
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
         "--cross-entropy-loss-fusion",
         "--grad-reduce-in-bf16",
         "--profile without --use-pytorch-profiler",
     ):
         assert sum(note.startswith(flag) for note in notes) == 1, (flag, notes)
+    # megatron-core DDP's bucketed, overlapped reduction and parameter gather run on gloo too
+    assert not any(n.startswith(("--overlap-grad-reduce", "--overlap-param-gather")) for n in notes)
     # on CUDA they apply, except bf16 gradients for fp32 weights and HotSPa's explicit groups
     assert [n.split()[0] for n in notices_for_this_machine(run, cuda=True)] == [
         "--grad-reduce-in-bf16"
@@ -168,9 +167,9 @@ def test_cuda_only_flags_give_one_notice_each_on_cpu_and_never_fail():
     assert sum("with --hotspa" in n for n in notices_for_this_machine(hot, cuda=True)) == 3
 
 
-def test_overlap_and_fused_loss_apply_on_cuda_only(monkeypatch):
+def test_overlap_applies_on_every_machine_and_the_fused_loss_on_cuda(monkeypatch):
     run = parse("--overlap-grad-reduce", "--cross-entropy-loss-fusion")
-    assert not data_parallel_overlap(run) and not run.fused_cross_entropy
+    assert data_parallel_overlap(run) and not run.fused_cross_entropy
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert data_parallel_overlap(run) and run.fused_cross_entropy
     hot = dataclasses.replace(run, hotspa=dataclasses.replace(run.hotspa, enabled=True))
@@ -373,24 +372,15 @@ def test_params_norm_counts_each_weight_once(megatron_cpu):
     assert params_l2_norm(model.parameters()) == pytest.approx(norm(others), rel=1e-12)
 
 
-def test_zeros_in_grad_are_counted_exactly(megatron_cpu):
-    layer = torch.nn.Linear(4, 3)
-    model = torch.nn.ModuleDict({"a": layer, "b": torch.nn.Linear(2, 2)})
-    layer.weight.grad = torch.tensor([[0.0, 1, 0, 2], [0, 0, 0, 0], [3, 0, 0, 0]])
-    layer.bias.grad = torch.tensor([0.0, 0, 5])
-    # "b" has no gradients: left out, as megatron-core counts
-    assert count_zeros_in_grad(model.parameters()) == 9 + 2
-
-
-def test_cpu_optimizer_counts_zeros_of_the_reduced_gradient(megatron_cpu):
-    layer = torch.nn.Linear(3, 2)
-    opt = TorchAdamW(
-        model_chunks=[layer],
-        train=parse().train,
+def test_the_optimizer_counts_zeros_of_the_reduced_gradient(megatron_cpu):
+    model = ddp_wrapped(torch.nn.Linear(3, 2))
+    opt = build_optimizer(
+        model_chunks=[model], train=parse().train, bf16=False, fp16=False,
         log_num_zeros_in_grad=True,
-    )
-    layer.weight.main_grad = torch.tensor([[0.0, 1, 0], [2, 0, 0]])
-    layer.bias.main_grad = torch.tensor([1.0, 0])
+    )  # fmt: skip
+    layer = model.module
+    layer.weight.main_grad.copy_(torch.tensor([[0.0, 1, 0], [2, 0, 0]]))
+    layer.bias.main_grad.copy_(torch.tensor([1.0, 0]))
     updated, _ = opt.step()
     assert updated and opt.num_zeros_in_grad == 4 + 1
 

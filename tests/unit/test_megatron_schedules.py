@@ -11,12 +11,13 @@ import pytest
 from memo_ext.arguments import parse_args
 from memo_ext.errors import UsageError
 from memo_ext.training.optimizer import (
-    TorchAdamW,
     build_lr_scheduler,
+    build_optimizer,
     lr_for_logging,
     schedule_steps,
 )
 from tests.launch import cli
+from tests.models import ddp_wrapped
 
 MODEL = cli(
     num_layers=2,
@@ -345,44 +346,28 @@ def _tiny_gpt():
     return build_gpt(cpu_config(LLAMA_TINY), vocab_size=64, max_positions=16)
 
 
-def test_decoupled_lr_groups_match_megatron_core(megatron_cpu):
-    from megatron.core.optimizer import _get_param_groups
-
-    from memo_ext.training.optimizer import optimizer_config
-
-    model = _tiny_gpt()
+def test_decoupled_lr_groups_are_the_embedding_and_output_weights(megatron_cpu):
+    model = ddp_wrapped(_tiny_gpt())
     train = parse(
         *cli(train_iters=10, lr_warmup_iters=2, decoupled_lr="3e-3", decoupled_min_lr="3e-4")
     ).train
-    ours = TorchAdamW(model_chunks=[model], train=train).param_groups
-    reference = _get_param_groups([model], optimizer_config(train), None)
-
-    def per_param(groups):
-        keys = ("wd_mult", "max_lr", "min_lr")
-        return {id(p): tuple(g.get(k) for k in keys) for g in groups for p in g["params"]}
-
-    # megatron-core writes the default max_lr / min_lr into every group; ours leaves them to
-    # the scheduler (whose own values a resumed --use-checkpoint-opt_param-scheduler run keeps)
-    expected = {
-        pid: (wd, lr if lr != train.lr else None, low if lr != train.lr else None)
-        for pid, (wd, lr, low) in per_param(reference).items()
-    }
-    assert per_param(ours) == expected
-    decoupled = [g for g in ours if g.get("max_lr") == 3e-3]
-    names = {id(p): n for n, p in model.named_parameters()}
+    groups = build_optimizer(model_chunks=[model], train=train, bf16=False, fp16=False).param_groups
+    decoupled = [g for g in groups if g.get("max_lr") == 3e-3]
+    names = {id(p): n for n, p in model.module.named_parameters()}
     assert sorted(names[id(p)] for g in decoupled for p in g["params"]) == [
         "embedding.word_embeddings.weight",
         "output_layer.weight",
     ]
-    assert ours[0]["default_config"] and not decoupled[0]["default_config"]
+    assert all(g["min_lr"] == 3e-4 and not g["default_config"] for g in decoupled)
+    assert all(g["max_lr"] == 1e-3 for g in groups if g not in decoupled)
 
 
 def test_decoupled_lr_follows_the_schedule_with_its_own_peak(megatron_cpu):
-    model = _tiny_gpt()
+    model = ddp_wrapped(_tiny_gpt())
     train = parse(
         *cli(train_iters=10, lr_warmup_iters=2, decoupled_lr="3e-3", decoupled_min_lr="3e-4")
     ).train
-    optimizer = TorchAdamW(model_chunks=[model], train=train)
+    optimizer = build_optimizer(model_chunks=[model], train=train, bf16=False, fp16=False)
     scheduler = build_lr_scheduler(optimizer=optimizer, train=train)
     decoupled = next(g for g in optimizer.param_groups if not g["default_config"])
     for n in range(12):
