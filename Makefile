@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	bash scripts/demo_cpu.sh
+	bash scripts/demo_cpu.sh $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

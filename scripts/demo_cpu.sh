@@ -3,7 +3,9 @@
 # Hardware: 2 CPU cores, no GPU. Expected time: ~5 minutes (plus ~5 s to build the corpus once).
 # Two processes (torchrun via memo_ext.launch), data-parallel; metrics in runs/demo/metrics.jsonl.
 # Settings from the environment: TRAIN_ITERS, OUT, DATA_DIR, REQUIRE_LOSS_DROP, MASTER_PORT,
-# PYTHON, TORCHRUN (tests/dist/test_demo_script.py runs it for 3 steps).
+# PYTHON, TORCHRUN (tests/dist/test_demo_script.py runs it for 3 steps). Arguments are further
+# trainer flags: `bash scripts/demo_cpu.sh --bf16 --use-distributed-optimizer
+# --overlap-grad-reduce` trains in a GPU run's configuration (`make demo DEMO_ARGS="..."`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -57,6 +59,6 @@ LOGGING_ARGS=(
 mkdir -p "$OUT"
 OMP_NUM_THREADS=1 $TORCHRUN --nproc-per-node 2 --master-port "${MASTER_PORT:-29510}" \
     pretrain_gpt_memo.py "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
-    "${LOGGING_ARGS[@]}"
+    "${LOGGING_ARGS[@]}" "$@"
 
 "$PYTHON" -m tools.summarize_metrics "$OUT/metrics.jsonl" --require-loss-drop "$REQUIRE_LOSS_DROP"
