@@ -67,6 +67,21 @@ TINY_LLAMA = cli(
 """A LLaMA-style layer (GQA, RoPE, RMSNorm, SwiGLU, no biases) small enough for many runs; the
 tests add the schedule."""
 
+SMALL_LLAMA = cli(
+    hidden_size=48,
+    ffn_hidden_size=70,  # an odd width: no kernel's favourite
+    num_attention_heads=6,
+    group_query_attention=True,
+    num_query_groups=2,
+    seq_length=44,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+)
+"""The parity tests' LLaMA-style model (GQA, RoPE, RMSNorm, SwiGLU, no biases); each test adds
+its layer count."""
+
 GPU_LLAMA = cli(
     hidden_size=256,
     num_attention_heads=4,

@@ -24,7 +24,11 @@ in samples, as Megatron-LM steps it), ``rng_state`` (a sharded object per PP × 
   give the trainer flags ``--make-vocab-size-divisible-by`` N × TP so that the model has the
   rows Megatron-LM pads to;
 - ``--writer-mixed-precision``: the optimizer's common state nested as megatron-core's
-  mixed-precision optimizer keeps it (``optimizer`` / ``grad_scaler``), not as a CPU run's.
+  mixed-precision optimizer keeps it (``optimizer`` / ``grad_scaler``) around an fp32 run's;
+- with the trainer flags ``--bf16 --use-distributed-optimizer``: the distributed optimizer's
+  state in Megatron-LM's default layout (``dp_reshardable``, :data:`MEGATRON_LM_METADATA`, also
+  written as the checkpoint's content metadata, as Megatron-LM writes it);
+- ``--writer-also-ours DIR``: the same state saved by this trainer's ``save_checkpoint`` too.
 
 ``save_with_megatron_lm`` (a job entry: ``OUT CHECKOUT``) saves the model of
 ``benchmarks/checkpoint_save.py``, moved away from its initial weights, at iteration 3 with
@@ -143,7 +147,18 @@ def _writer_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--writer-iteration", type=int, default=5)
     parser.add_argument("--writer-divisible-by", type=int, default=128)
     parser.add_argument("--writer-mixed-precision", action="store_true")
+    parser.add_argument("--writer-also-ours")
     return parser.parse_known_args(argv)
+
+
+MEGATRON_LM_METADATA = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+"""What Megatron-LM 0.16's ``_build_sharded_state_dict_metadata`` gives its optimizer and writes as
+the checkpoint's content metadata, by default (no --dist-ckpt-optim-fully-reshardable); its
+``dp_cp_group`` is not written, and megatron-core takes the same group without it."""
 
 
 def _move_away_from_init(model: torch.nn.Module, optimizer) -> None:
@@ -152,6 +167,7 @@ def _move_away_from_init(model: torch.nn.Module, optimizer) -> None:
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(1.25).add_(0.01)
+    optimizer.reload_model_params()  # mixed precision: the fp32 main weights follow
     megatron = optimizer.optimizer  # megatron-core's, behind the loop's adapter
     for inner in getattr(megatron, "chained_optimizers", [megatron]):
         inner.init_state_fn(inner.optimizer, inner.config)  # Adam's moments, as a load makes
@@ -205,11 +221,11 @@ def megatron_lm_args(run, *, iteration: int, divisible_by: int) -> argparse.Name
         consumed_valid_samples=0,
         no_save_optim=None,
         no_save_rng=None,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=train.use_distributed_optimizer,
         ckpt_format="torch_dist",
-        params_dtype=torch.float32,
-        bf16=False,
-        fp16=False,
+        params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
+        bf16=train.bf16,
+        fp16=train.fp16,
     )
 
 
@@ -258,7 +274,9 @@ def write_megatron_lm(argv: list[str]) -> int:
     with build_training_state(nproc=world, flags=flags) as state:
         _move_away_from_init(state.model, state.optimizer)
         model_sharded = _gpt(state.model).sharded_state_dict()
-        optimizer = state.optimizer.sharded_state_dict(model_sharded)
+        distributed = run.train.use_distributed_optimizer
+        metadata = MEGATRON_LM_METADATA if distributed else None
+        optimizer = state.optimizer.sharded_state_dict(model_sharded, metadata=metadata)
         if options.writer_mixed_precision:
             optimizer = {"optimizer": optimizer, "grad_scaler": None}
         sharded = {
@@ -278,11 +296,28 @@ def write_megatron_lm(argv: list[str]) -> int:
         if dist.get_rank() == 0:
             directory.mkdir(parents=True)
         dist.barrier()
-        dist_checkpointing.save(sharded, str(directory))
+        dist_checkpointing.save(sharded, str(directory), content_metadata=metadata)
         if dist.get_rank() == 0:
             (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         dist.barrier()
+        if options.writer_also_ours:
+            _save_ours(state, run, Path(options.writer_also_ours), iteration=iteration)
     return 0
+
+
+def _save_ours(state, run, out: Path, *, iteration: int) -> None:
+    """The same weights, moments and position saved as this trainer saves them."""
+    from memo_ext.training.checkpointing import TrainProgress, save_checkpoint
+
+    state.scheduler.step(increment=iteration)  # an iteration-based run counts steps
+    progress = TrainProgress(iteration, iteration * run.train.global_batch_size)
+    save_checkpoint(
+        save_dir=str(out),
+        progress=progress,
+        model=state.model,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+    )
 
 
 def save_with_megatron_lm(argv: list[str]) -> int:

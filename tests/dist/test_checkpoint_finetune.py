@@ -251,6 +251,33 @@ def test_a_megatron_lm_checkpoint_resumes_with_its_optimizer_and_schedule(
     assert records[0]["consumed_samples"] == 24
 
 
+def test_a_megatron_lm_distributed_optimizer_checkpoint_resumes_as_ours_does(tmp_path):
+    # one state written twice: in Megatron-LM's default distributed-optimizer layout
+    # (dp_reshardable, its content metadata recorded) and by our own save; both resume at DP 2
+    # into the same run, step for step
+    gpu = ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    flags = [*MODEL, "--train-iters", "8", *gpu, "--make-vocab-size-divisible-by", "128"]
+    mlm, ours = tmp_path / "mlm", tmp_path / "ours"
+    result = run_job(
+        [*flags, "--writer-out", str(mlm), "--writer-also-ours", str(ours)],
+        nproc=2,
+        entry=f"{PROBE}:write_megatron_lm",
+    )
+    assert result.status == 0, result.describe()
+    assert not (mlm / "iter_0000005" / "manifest.json").exists()
+    from_mlm = run_pretrain([*flags, "--load", str(mlm)], nproc=2, workdir=tmp_path, name="m")
+    from_ours = run_pretrain([*flags, "--load", str(ours)], nproc=2, workdir=tmp_path, name="o")
+    assert [r["iteration"] for r in from_mlm] == [6, 7, 8]
+    assert [(r["loss"], r["grad_norm"]) for r in from_mlm] == [
+        (r["loss"], r["grad_norm"]) for r in from_ours
+    ]
+    # the moments were loaded: a fresh optimizer from the same weights takes another step
+    fresh = run_pretrain(
+        [*flags, "--load", str(mlm), "--no-load-optim"], nproc=2, workdir=tmp_path, name="f"
+    )
+    assert fresh[0]["loss"] == from_mlm[0]["loss"] and fresh[1]["loss"] != from_mlm[1]["loss"]
+
+
 def test_a_megatron_lm_optimizer_of_another_format_is_refused(tmp_path):
     ckpt = write_megatron_lm(tmp_path / "mixed", nproc=1, extra=["--writer-mixed-precision"])
     args = [*MODEL, "--train-iters", "8", "--load", str(ckpt)]

@@ -20,23 +20,18 @@ import json
 
 import pytest
 
-from tests.launch import assert_same_curves, cli, reference_run, run_pretrain, train_fails
+from tests.launch import (
+    SMALL_LLAMA,
+    assert_same_curves,
+    cli,
+    reference_run,
+    run_pretrain,
+    train_fails,
+)
 
 pytestmark = pytest.mark.dist
 
-LLAMA = cli(
-    num_layers=4,
-    hidden_size=48,
-    ffn_hidden_size=70,
-    num_attention_heads=6,
-    group_query_attention=True,
-    num_query_groups=2,
-    seq_length=44,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    disable_bias_linear=True,
-)
+LLAMA = SMALL_LLAMA + cli(num_layers=4)
 COMMON = cli(
     micro_batch_size=2,
     global_batch_size=8,

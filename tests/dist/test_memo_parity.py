@@ -16,23 +16,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import cli, reference_run, run_pretrain
+from tests.launch import SMALL_LLAMA, cli, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist
 
-LLAMA = cli(
-    num_layers=3,
-    hidden_size=48,
-    ffn_hidden_size=70,
-    num_attention_heads=6,
-    group_query_attention=True,
-    num_query_groups=2,
-    seq_length=44,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    disable_bias_linear=True,
-)
+LLAMA = SMALL_LLAMA + cli(num_layers=3)
 GPT = cli(num_layers=4, hidden_size=40, num_attention_heads=4, seq_length=36)
 COMMON = cli(
     micro_batch_size=2,

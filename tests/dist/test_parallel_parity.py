@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
+from tests.launch import SMALL_LLAMA, assert_same_curves, cli, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist
 
@@ -18,20 +18,7 @@ RTOL = 1e-5
 
 SHAPES = {
     # GQA, RoPE, RMSNorm, SwiGLU, no biases, odd FFN width
-    "llama": cli(
-        num_layers=2,
-        hidden_size=48,
-        ffn_hidden_size=70,
-        num_attention_heads=6,
-        group_query_attention=True,
-        num_query_groups=2,
-        seq_length=44,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        disable_bias_linear=True,
-        untie_embeddings_and_output_weights=True,
-    ),
+    "llama": SMALL_LLAMA + cli(num_layers=2, untie_embeddings_and_output_weights=True),
     # GPT-2 style: LayerNorm, GeLU, biases, learned positions, tied embeddings
     "gpt": cli(
         num_layers=4,

@@ -52,11 +52,14 @@ def test_evaluation_reports_and_leaves_training_alone(tmp_path):
     assert losses == pytest.approx([r["loss"] for r in evaluated])
 
 
-def test_divergence_stops_with_a_pointer_to_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize(
+    "precision", [[], ["--bf16", "--use-distributed-optimizer"]], ids=["fp32", "bf16"]
+)
+def test_divergence_stops_with_a_pointer_to_the_last_checkpoint(tmp_path, precision):
     save = tmp_path / "ckpt"
     save.mkdir()
     # step 1 sees the initial weights; its update with an absurd rate makes step 2's loss NaN
-    args = [*MODEL, *cli(lr="1e30", clip_grad=0, save=str(save), save_interval=1)]
+    args = [*MODEL, *cli(lr="1e30", clip_grad=0, save=str(save), save_interval=1), *precision]
     last = train_fails(args, status=1)
     assert "iteration 2: loss nan" in last
     assert "iteration 1 in" in last and f"--load {save}" in last

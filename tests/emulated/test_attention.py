@@ -16,7 +16,8 @@ from tests.launch import cli
 
 def packed_args(data: str, layers: int) -> list[str]:
     return cli(
-        num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        num_layers=layers, hidden_size=32, num_attention_heads=4, group_query_attention=True,
+        num_query_groups=2,
         micro_batch_size=1, global_batch_size=4, seq_length=128, train_iters=2, lr="1e-3",
         tokenizer_type="ByteTokenizer", variable_seq_lengths=True, data_path=data,
     )  # fmt: skip
