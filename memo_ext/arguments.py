@@ -21,7 +21,13 @@ from memo_ext import config as c
 from memo_ext.config.train import parse_step_schedule
 from memo_ext.data.input_files import check_inputs
 from memo_ext.errors import UsageError
-from memo_ext.flags import add_flags, from_flags
+from memo_ext.flags import (
+    FlagHelpFormatter,
+    SpellCheckedParser,
+    add_flags,
+    from_flags,
+    unknown_flag_message,
+)
 from memo_ext.megatron_lm.translate import translate
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -49,9 +55,9 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
 """(RunConfig field, its dataclass, argument group), in the order ``--help`` lists them."""
 
 
-class OneSentenceParser(argparse.ArgumentParser):
-    """argparse, with its errors as one-sentence :class:`UsageError` (no usage dump); the
-    trainer's parser and the tools'."""
+class OneSentenceParser(SpellCheckedParser):
+    """argparse, with its errors as one-sentence :class:`UsageError` (no usage dump) and a
+    misspelt flag named with the closest one; the trainer's parser and the tools'."""
 
     def error(self, message: str):
         raise UsageError(f"{message} (see --help)")
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full flag set of ``pretrain_gpt_memo.py``."""
     parser = OneSentenceParser(
         description="GPT pretraining on megatron-core with MEMO and HotSPa.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=FlagHelpFormatter,
         allow_abbrev=False,
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -141,8 +147,14 @@ def parse_tool_args(
     of the trainer's flags it ignores. Flags that are neither the tool's nor the trainer's are
     an error (argparse's, through ``parser``).
     """
-    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     trainer = build_parser()._option_string_actions
+    known = [*parser._option_string_actions, *trainer]
+    for token in argv:  # before argparse reports a required flag a misspelling left out
+        name = token.partition("=")[0]
+        if name.startswith("--") and name not in known:
+            parser.error(unknown_flag_message(name, known))
+    args, extra = parser.parse_known_args(argv)
     ignored, unknown, i = [], [], 0
     while i < len(extra):
         name, eq, _ = extra[i].partition("=")

@@ -33,9 +33,11 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
+import sys
 import textwrap
 import types
 import typing
@@ -108,6 +110,66 @@ def argv_of(config: object, *, only: tuple[str, ...] | None = None) -> list[str]
 def _required_switches(f: dataclasses.Field) -> list[str]:
     required = f.metadata.get("requires")
     return [required] if required else []
+
+
+def closest_flag(name: str, known) -> str | None:
+    """The flag of ``known`` that ``name`` most likely misspells (``--hiden-size`` →
+    ``--hidden-size``), or None when none is close."""
+    matches = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return matches[0] if matches else None
+
+
+def unknown_flag_message(name: str, known) -> str:
+    """``unrecognized flag --x`` with the closest of ``known`` as a suggestion."""
+    close = closest_flag(name, known)
+    return f"unrecognized flag {name}" + (f"; did you mean {close}?" if close else "")
+
+
+class SpellCheckedParser(argparse.ArgumentParser):
+    """argparse that names a misspelt flag first (``unrecognized flag --hiden-size; did you mean
+    --hidden-size?``), where plain argparse reports the required flag it then misses."""
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        known = set(_option_strings(self))
+        for token in argv:
+            if token == "--":
+                break
+            name = token.partition("=")[0]
+            if name.startswith("--") and name not in known:
+                self.error(unknown_flag_message(name, known))
+        return super().parse_args(argv, namespace)
+
+
+class FlagHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each value flag's default, and each switch described by what it does.
+
+    A switch is off unless given, so it shows no ``(default: ...)``. A switch that turns off
+    what is on by default (``--no-load-optim``, ``--disable-bias-linear``) is documented under
+    its field, whose docstring says the default behaviour and then, after ``; <flag>``, what the
+    flag does: its help says which is which ("By default, ...; this flag ...").
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction):
+            return super()._get_help_string(action)
+        text = action.help or ""
+        if isinstance(action, argparse._StoreFalseAction):
+            for flag in action.option_strings:
+                default, found, effect = text.partition(f"; {flag} ")
+                if found:
+                    return f"By default, {default[0].lower()}{default[1:]}; this flag {effect}"
+        return text
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its sub-commands' parsers."""
+    names = list(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names += _option_strings(sub)
+    return names
 
 
 def _dest(section: str, f: dataclasses.Field) -> str:

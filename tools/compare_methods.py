@@ -60,7 +60,13 @@ from memo_ext.estimate.calibration import (  # noqa: E402
     measure_kernels,
 )
 from memo_ext.estimate.cost_model import Efficiency  # noqa: E402
-from memo_ext.flags import add_flags, cli_fields, finite_float, overrides_from_flags  # noqa: E402
+from memo_ext.flags import (  # noqa: E402
+    SpellCheckedParser,
+    add_flags,
+    cli_fields,
+    finite_float,
+    overrides_from_flags,
+)
 from memo_ext.hardware import (  # noqa: E402
     DEVICES,
     GIB,
@@ -88,7 +94,7 @@ from tools.method_jobs import (  # noqa: E402
 MODEL_FIELDS = tuple(f.name for f in cli_fields(ModelShape)) + ("vocab_size",)
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(SpellCheckedParser):
     def error(self, message: str) -> None:  # one sentence, exit 2
         print(f"compare_methods: error: {message}", file=sys.stderr)
         raise SystemExit(2)

@@ -41,7 +41,13 @@ from memo_ext.estimate.search import (  # noqa: E402
     best_at_length,
     find_max_seq_length,
 )
-from memo_ext.flags import add_flags, cli_fields, finite_float, overrides_from_flags  # noqa: E402
+from memo_ext.flags import (  # noqa: E402
+    SpellCheckedParser,
+    add_flags,
+    cli_fields,
+    finite_float,
+    overrides_from_flags,
+)
 from memo_ext.hardware import (  # noqa: E402
     DEVICES,
     GIB,
@@ -66,7 +72,7 @@ SECTIONS = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(SpellCheckedParser):
     def error(self, message: str) -> None:  # one sentence, exit 2
         print(f"estimate: error: {message}", file=sys.stderr)
         raise SystemExit(2)

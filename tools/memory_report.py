@@ -39,7 +39,7 @@ from memo_ext.arguments import OneSentenceParser, parse_tool_args
 from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.fits import LayerFigures
-from memo_ext.flags import add_flags, flag_values
+from memo_ext.flags import FlagHelpFormatter, add_flags, flag_values
 from memo_ext.memo.alpha import slots_after_forward
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -71,7 +71,7 @@ class MethodFigures:
 def build_parser() -> argparse.ArgumentParser:
     p = OneSentenceParser(
         description="Activation memory and recompute FLOPs per method (fake tensors).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=FlagHelpFormatter,
         allow_abbrev=False,
     )
     for section, cls, only, optional in SECTIONS:

@@ -133,3 +133,28 @@ def test_compare_metrics_tool(tmp_path):
     assert _compare(tmp_path, run, run[:2]).returncode == 1  # other iterations logged
     missing = run_tool("tools.compare_metrics", "nope.jsonl", "nope.jsonl")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+def test_help_describes_each_switch_by_what_it_does():
+    from memo_ext.arguments import build_parser
+
+    entries: dict[str, str] = {}  # each option's help entry, on one line
+    for line in build_parser().format_help().splitlines():
+        if line.startswith("  -"):
+            name, _, rest = line.strip().partition(" ")
+            entries[name] = rest
+        elif entries and line.startswith("    "):
+            entries[name] += " " + line
+    entries = {name: " ".join(text.split()) for name, text in entries.items()}
+    # a switch is off unless given: no "(default: True)" under a flag that turns something off
+    for flag in ("--disable-bias-linear", "--no-load-optim", "--skip-preflight", "--swiglu"):
+        assert "(default:" not in entries[flag], (flag, entries[flag])
+    assert entries["--no-load-optim"].startswith(
+        "By default, on load, restore the optimizer's moments and the LR schedule; this flag "
+        "starts both afresh"
+    )
+    assert entries["--disable-bias-linear"] == (
+        "By default, biases in the linear layers; this flag drops them."
+    )
+    # value flags keep their defaults
+    assert entries["--seed"] == "SEED Seed for weights, dropout and data order. (default: 1234)"

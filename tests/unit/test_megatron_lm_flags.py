@@ -246,4 +246,4 @@ def test_parser_errors_are_one_line_without_usage(capsys):
     assert main([*SMALL_GPT, "--no-such-flag"]) == 2
     err = capsys.readouterr().err
     assert "usage:" not in err
-    assert "unrecognized arguments: --no-such-flag" in err
+    assert "unrecognized flag --no-such-flag (see --help)" in err  # nothing close to suggest

@@ -29,7 +29,11 @@ def test_the_trainer_s_flags_are_ignored_by_name(caplog):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([*MODEL, "--seq-length", "128", "--bogus", "3"], "unrecognized arguments: --bogus 3"),
+        ([*MODEL, "--seq-length", "128", "--bogus", "3"], "unrecognized flag --bogus"),
+        ([*MODEL, "--seq-length", "128", "9"], "unrecognized arguments: 9"),
+        # a tool's own flag and the trainer's both count as suggestions
+        ([*MODEL, "--seq-lenght", "128"], "--seq-lenght; did you mean --seq-length?"),
+        ([*MODEL, "--seq-length", "128", "--lr-decay-stile", "x"], "did you mean --lr-decay-style"),
         (["--num-layers", "2"], "the following arguments are required"),
         ([*MODEL, "--seq-length", "many"], "argument --seq-length: invalid int value"),
     ],
@@ -69,3 +73,26 @@ def test_plan_memory_checks_its_plot_dependency_before_planning(tmp_path, monkey
     assert plan_memory.main([*argv, "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()  # stopped before planning
+
+
+@pytest.mark.parametrize(
+    "main, argv, suggested",
+    [
+        ("pretrain_gpt_memo", ["--num-layers", "2", "--hiden-size", "128"], "--hidden-size"),
+        ("tools.estimate", ["--gpus", "8", "--seq-lenght", "4096"], "--seq-length"),
+        ("tools.summarize_metrics", ["m.jsonl", "--require-los-drop", "1"], "--require-loss-drop"),
+        ("tools.plan_memory", ["--out", "p.json", "--time-limt", "6"], "--time-limit"),
+    ],
+)
+def test_a_misspelt_flag_is_named_with_the_closest_one(main, argv, suggested, capsys):
+    # before argparse reports the required flag the misspelling leaves out
+    import importlib
+
+    try:
+        status = importlib.import_module(main).main(argv)
+    except SystemExit as stop:  # the tools whose parser exits itself
+        status = stop.code
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert f"unrecognized flag {argv[-2]}; did you mean {suggested}?" in err
+    assert "required" not in err and err.count("\n") == 0
