@@ -28,8 +28,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # pytest-xdist: one test process per core (each runs its training jobs in a pool of its own);
-# worksteal: an idle process takes queued tests from a busy one (the long ones run first)
-XDIST := -n $(or $(JOBS),$(shell nproc)) --dist worksteal
+# worksteal: an idle process takes queued tests from a busy one (the long ones run first).
+# The cores are counted without OMP_NUM_THREADS, which `nproc` obeys and clusters often export
+# as 1 (the tests set it for their own jobs); JOBS=N chooses.
+XDIST := -n $(or $(JOBS),$(shell env -u OMP_NUM_THREADS nproc)) --dist worksteal
 
 test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests

@@ -32,13 +32,17 @@ __version__ = "0.1.0"
 
 # What megatron-core and torch say that no user of this package can act on, filtered once for
 # the trainer and every tool: that the optional fused kernels (Apex, Transformer Engine) are
-# absent (the local paths it falls back to are the ones used on CPU), a default it takes, a
-# deprecation it trips in its own code, and the torch collectives it still calls by old names.
+# absent (the local paths it falls back to are the ones used on CPU), a default it takes,
+# deprecations it trips in its own code (its checkpoint loader's among them), and the torch
+# collectives it still calls by old names.
 for _message in (
     r".*(Apex|Transformer Engine).* not installed",
     r".*tp_group is None, using default tp group",
     r"full scope is deprecated",
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    # megatron-core 0.16's checkpoint loader, on every load: torch's old reader and tensor type
+    r"`load_state_dict` is deprecated and will be removed in future versions",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 ):
     _warnings.filterwarnings("ignore", message=_message)
 # megatron-core's FSDP package logs at INFO, on import, which of its optional parts it found

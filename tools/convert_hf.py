@@ -41,8 +41,12 @@ they agree)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    summary, _, examples = __doc__.partition(" Examples::\n")
     parser = OneSentenceParser(
-        prog="python -m tools.convert_hf", description=__doc__.split("\n")[0]
+        prog="python -m tools.convert_hf",
+        description=summary,
+        epilog="examples:\n" + examples.lstrip("\n").split("\n\n")[0].replace("\\\\", "\\"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF folder → checkpoint")

@@ -301,3 +301,20 @@ def test_a_save_records_the_flags_that_build_its_model(saved_checkpoint, tmp_pat
         nproc=1, workdir=tmp_path, name="finetune",
     )  # fmt: skip
     assert [r["iteration"] for r in records] == [1, 2, 3]
+
+
+def test_a_resume_prints_no_library_warnings(tmp_path):
+    # a fresh process each (the test workers' processes would have shown a warning once
+    # already): megatron-core's loader trips torch deprecations that no user can act on
+    save = tmp_path / "ckpt"
+    args = [*MODEL, *ITERS, "--save", str(save)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    entry = [sys.executable, str(ROOT / "pretrain_gpt_memo.py")]
+    for extra in (["--exit-interval", "2"], ["--load", str(save)]):
+        done = subprocess.run(
+            [*entry, *args, *extra], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert "loaded checkpoint" in console
+    assert "Warning" not in console and "warnings.warn" not in console, console[-3000:]

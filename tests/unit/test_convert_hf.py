@@ -177,3 +177,13 @@ def test_a_qkv_bias_checkpoint_is_refused_by_a_model_without_one(tmp_path, megat
         UsageError, match=r"holds another model: qkv_bias True there, False here \(give --add-qkv"
     ):
         load_model(tmp_path / "ckpt", flags=without, vocab_size=VOCAB)
+
+
+def test_help_ends_with_its_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Examples::" not in out
+    lines = out.rstrip().splitlines()
+    assert "examples:" in lines
+    assert lines[-1].strip().startswith("python -m tools.convert_hf export --load ckpt/llama31")

@@ -21,3 +21,23 @@ def test_every_flag_has_help():
 def test_quick_start_commands():
     text = README.read_text()
     assert "make demo" in text and "make test" in text
+
+
+def test_make_test_uses_every_core_under_an_exported_omp_num_threads():
+    # `nproc` obeys OMP_NUM_THREADS; a cluster shell exporting 1 must not shrink the test run
+    import os
+    import re
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cores = subprocess.run(["nproc"], env=env, capture_output=True, text=True, check=True)
+    dry = subprocess.run(
+        ["make", "-n", "test"],
+        cwd=README.parent,
+        env={**env, "OMP_NUM_THREADS": "1", "JOBS": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    workers = re.findall(r"pytest .* -n (\d+) ", dry.stdout)
+    assert workers and set(workers) == {cores.stdout.strip()}, dry.stdout
