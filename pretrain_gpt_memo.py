@@ -1,102 +1,11 @@
-"""GPT pretraining on megatron-core with MEMO and HotSPa.
+"""GPT pretraining on megatron-core with MEMO and HotSPa: :mod:`memo_ext.commands.pretrain_gpt_memo`
+as a script, for ``torchrun`` and ``python -m memo_ext.launch`` (the installed package runs the
+same with ``-m memo_ext.commands.pretrain_gpt_memo``). ``python pretrain_gpt_memo.py --help``
+lists every flag."""
 
-Launch with torchrun (here through ``memo_ext.launch``, which ends a failed run with its one
-sentence) and Megatron-style flags, for example on 2 CPU processes::
-
-    python -m memo_ext.launch --nproc-per-node 2 pretrain_gpt_memo.py \
-        --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \
-        --micro-batch-size 4 --global-batch-size 16 --train-iters 100 --lr 1e-3 \
-        --tensor-model-parallel-size 2 --sequence-parallel --mock-data \
-        --metrics-file runs/example/metrics.jsonl
-
-``python pretrain_gpt_memo.py --help`` lists every flag.
-"""
-
-from __future__ import annotations
-
-import json
-import logging
-import os
 import sys
-import time
 
-from memo_ext.arguments import parse_args
-from memo_ext.errors import REPORTS_ERRORS, ReportedError, UsageError, out_of_memory
-
-
-def _configure_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(
-        level=level, format=f"[rank {rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S"
-    )
-    # megatron-core logs every dataset config and index build at INFO
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-
-
-def _tell_torchrun(message: str) -> None:
-    """Under torchrun, put the sentence in the failure summary torchrun prints last (its error
-    file, read as a plain message) instead of its "To enable traceback see ..." line."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and not os.path.exists(path):
-        # the layout torch's own error handler writes: torchrun shows "py_callstack" and can
-        # record the exit code in it
-        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": info}}, f)
-
-
-def _print_once(err: ReportedError) -> None:
-    """Bad input is the same on every rank (the same flags and files): rank 0 says it. Other
-    failures can be one rank's own (its memory, its disk): each rank that fails says so. Under
-    ``python -m memo_ext.launch`` the launcher says it, once."""
-    if os.environ.get(REPORTS_ERRORS):  # memo_ext.launch prints the error file's sentence
-        return
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if isinstance(err, UsageError):
-        if rank == 0:
-            print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
-        return
-    where = f" (rank {rank})" if world > 1 else ""
-    print(f"pretrain_gpt_memo.py: error{where}: {err}", file=sys.stderr)
-
-
-def _train_reporting_oom(argv: list[str] | None):
-    """Train; an allocator's out-of-memory error becomes :class:`OutOfMemory` (one sentence with
-    the bytes asked for, exit status 3): too big for this machine is a result, not a bug."""
-    run = parse_args(argv)
-    # imported once the flags are good: --help and a wrong flag answer without megatron-core
-    from memo_ext.training.loop import train
-
-    try:
-        return train(run)
-    except ReportedError:
-        raise
-    except Exception as err:  # noqa: BLE001 - an allocation failure, however a library wraps it
-        oom = out_of_memory(err, capped=run.preflight.memory_limit_gb is not None)
-        if oom is None:
-            raise
-        raise oom from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    _configure_logging()
-    try:
-        summary = _train_reporting_oom(argv)
-    except ReportedError as err:  # bad input (2), out of memory (3), a failure it explains (1)
-        _print_once(err)
-        _tell_torchrun(str(err))
-        return err.exit_status
-    if int(os.environ.get("RANK", "0")) == 0 and summary.losses:
-        logging.getLogger("pretrain_gpt_memo").info(
-            "done: %d iterations, loss %.4f -> %.4f, %.0f tokens/s (median)",
-            summary.iterations,
-            summary.first_loss,
-            summary.last_loss,
-            sorted(summary.tokens_per_s)[len(summary.tokens_per_s) // 2],
-        )
-    return 0
-
+from memo_ext.commands.pretrain_gpt_memo import main
 
 if __name__ == "__main__":
     sys.exit(main())

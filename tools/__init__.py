@@ -1,1 +1,3 @@
-"""Command-line tools that call the memo_ext package."""
+"""The installed commands (``memo_ext.commands``) as ``python -m tools.NAME`` in the repository,
+and two scripts that keep the repository's own files current: ``flag_reference`` (the README's
+flag tables) and ``megatron_flags`` (the table of Megatron-LM's flags, read from its source)."""

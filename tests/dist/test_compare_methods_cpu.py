@@ -1,4 +1,5 @@
-"""tools.compare_methods end to end on CPU, as a user runs it: none, full and MEMO on a tiny model
+"""``memo-compare`` end to end on CPU, as a user runs it (the installed command, from a folder
+outside the repository): none, full and MEMO on a tiny model
 at three lengths and the longest under a memory cap, real torchrun jobs, an out-of-memory run
 recorded as a row, a JSON file with predicted and measured figures, a plot, a calibration, and a
 second invocation that reruns nothing."""
@@ -9,11 +10,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from memo_ext.hardware import read_calibration
-from tests.launch import ROOT
 
 pytestmark = [pytest.mark.dist, pytest.mark.launch, pytest.mark.slow]
 
@@ -31,9 +32,12 @@ ARGS = [
 
 
 def _compare(out, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tools.compare_methods", *ARGS, "--out", str(out), *extra]
+    command = Path(sys.executable).with_name("memo-compare")
+    cmd = [str(command), *ARGS, "--out", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    elsewhere = out.parent  # not the repository: the jobs' trainer is the installed one
+    assert not (elsewhere / "pretrain_gpt_memo.py").exists()
+    return subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_compare_methods_on_cpu(tmp_path):

@@ -14,8 +14,8 @@ import json
 import numpy as np
 import pytest
 
+from memo_ext.commands import preprocess_data
 from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
-from tools import preprocess_data
 
 pytestmark = pytest.mark.dist
 

@@ -40,8 +40,8 @@ def test_running_out_of_device_memory_is_torch_out_of_memory_with_the_bytes(cuda
     kernel would fault (a sticky illegal address). The shim raises OutOfMemoryError instead,
     which the trainer reports with the bytes asked for (exit status 3)."""
     from memo_ext.allocator.core import AllocatorCore
+    from memo_ext.commands.pretrain_gpt_memo import _train_reporting_oom
     from memo_ext.errors import OutOfMemory
-    from pretrain_gpt_memo import _train_reporting_oom
 
     AllocatorCore().release_cached()  # the process-wide core may cache an earlier test's blocks
     room = 64 << 10

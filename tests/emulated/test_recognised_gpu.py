@@ -78,11 +78,11 @@ def test_the_preflight_traces_a_rope_model_under_tp_and_sp(memo, monkeypatch):
 def test_the_comparison_predicts_on_the_gpu(tmp_path):
     """compare_methods' predictions and traced figures run in its parent process after every
     job: on the GPU, for a RoPE model under TP 2 + SP."""
+    from memo_ext.compare.comparison import predict, traced_figures
+    from memo_ext.compare.jobs import parse_method
     from memo_ext.estimate.cost_model import Efficiency
     from memo_ext.hardware import cuda_device
     from tests.unit.test_compare_methods import _comparison
-    from tools.comparison import predict, traced_figures
-    from tools.method_jobs import parse_method
 
     with emulated_cuda():
         method = parse_method("memo=0.5@tp2")

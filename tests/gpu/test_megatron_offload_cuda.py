@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
+from memo_ext.compare.jobs import MEGATRON_OFFLOAD_FLAGS
 from tests.launch import GPU_LLAMA, cli, launch_pretrain
-from tools.method_jobs import MEGATRON_OFFLOAD_FLAGS
 
 pytestmark = [
     pytest.mark.gpu,

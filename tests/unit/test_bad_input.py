@@ -324,7 +324,7 @@ def test_snapshot_pickles_cannot_run_code(tmp_path):
 
 def test_plan_memory_names_a_layout_the_model_cannot_take(tmp_path, capsys):
     """Checked before megatron-core's TransformerConfig asserts it with a traceback."""
-    from tools import plan_memory
+    from memo_ext.commands import plan_memory
 
     argv = ["--model", "gpt-7b", "--tensor-model-parallel-size", "3", "--seq-length", "1024"]
     assert plan_memory.main([*argv, "--out", str(tmp_path / "p.json")]) == 2

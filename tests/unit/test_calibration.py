@@ -10,6 +10,7 @@ import random
 import pytest
 
 from memo_ext.arguments import parse_args
+from memo_ext.commands import estimate as estimate_tool
 from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import (
@@ -29,7 +30,6 @@ from memo_ext.hardware import (
 )
 from memo_ext.shapes import ModelShape
 from memo_ext.training.resolve import resolve_run
-from tools import estimate as estimate_tool
 
 CAL = Calibration(
     device="h200-141g",

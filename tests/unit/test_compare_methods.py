@@ -9,27 +9,29 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from memo_ext.arguments import parse_args
-from memo_ext.data.tokenizers import tokenizer_for
-from memo_ext.errors import UsageError, out_of_memory
-from memo_ext.parallel import ParallelLayout
-from memo_ext.shapes import ModelShape
-from tools import compare_methods as cm
-from tools import comparison
-from tools.method_jobs import (
+from memo_ext.commands import compare_methods as cm
+from memo_ext.compare import comparison
+from memo_ext.compare.jobs import (
     OK,
     OOM,
-    ROOT,
     TIMEOUT,
     Launch,
     _classify,
     measured_figures,
     parse_method,
 )
+from memo_ext.data.tokenizers import tokenizer_for
+from memo_ext.errors import UsageError, out_of_memory
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import ModelShape
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -130,7 +132,7 @@ def test_the_trainer_parses_each_job_as_the_comparison_meant_it(tmp_path):
     comp = _comparison(tmp_path)
     for method in comp.methods:
         argv = comparison.job_argv(comp, method, 256, metrics=tmp_path / "m.jsonl", job_id="x")
-        trainer_args = argv[argv.index(str(ROOT / "pretrain_gpt_memo.py")) + 1 :]
+        trainer_args = argv[argv.index(comparison.TRAINER) + 1 :]
         run = parse_args(trainer_args, world_size=comp.launch.world_size)
         shape = run.shape
         for name in ("num_layers", "hidden_size", "num_query_groups", "swiglu", "normalization"):
@@ -352,7 +354,7 @@ def test_the_7b_script_runs_and_predicts_with_the_papers_loss_chunks(
     assert [m.label for m in comp.methods] == ["full@tp8", "full@tp4cp2", "memo@tp8"]
     for method in comp.methods:
         argv = comparison.job_argv(comp, method, 65536, metrics=tmp_path / "m.jsonl", job_id="x")
-        trainer_args = argv[argv.index(str(ROOT / "pretrain_gpt_memo.py")) + 1 :]
+        trainer_args = argv[argv.index(comparison.TRAINER) + 1 :]
         run = parse_args(trainer_args, world_size=comp.launch.world_size)
         assert run.model.loss_chunks == chunks
 
@@ -482,7 +484,7 @@ def test_asking_for_a_flash_attn_that_does_not_import_is_refused(flash_attn_on_p
 def test_a_failing_estimator_leaves_the_run_recorded(tmp_path, monkeypatch, caplog):
     """A prediction is a side figure: an estimator that raises (any error, not only a refusal)
     gives a record with the error, and the comparison goes on to its next job."""
-    from tools import comparison
+    from memo_ext.compare import comparison
 
     def broken(*args, **kwargs):
         raise RuntimeError("Expected all tensors to be on the same device")

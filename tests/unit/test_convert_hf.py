@@ -18,6 +18,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from memo_ext.commands.convert_hf import main  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.hf.checkpoint import (  # noqa: E402
     FLAGS_FILE,
@@ -27,7 +28,6 @@ from memo_ext.hf.checkpoint import (  # noqa: E402
     single_process,
 )
 from tests.hf_models import CONFIGS, FAMILY, VOCAB, make_hf_model  # noqa: E402
-from tools.convert_hf import main  # noqa: E402
 
 # fp32 on both sides; the sums run in another order (fused QKV / fc1 GEMMs, SDPA vs eager
 # softmax), so the logits agree to rounding, not bit for bit

@@ -21,14 +21,14 @@ BASE = [
 ]  # fmt: skip
 
 TOOLS = [
-    "tools.estimate",
-    "tools.memory_report",
-    "tools.plan_memory",
-    "tools.compare_methods",
-    "tools.compare_metrics",
-    "tools.summarize_metrics",
-    "tools.preprocess_data",
-    "tools.demo_corpus",
+    "memo_ext.commands.estimate",
+    "memo_ext.commands.memory_report",
+    "memo_ext.commands.plan_memory",
+    "memo_ext.commands.compare_methods",
+    "memo_ext.commands.compare_metrics",
+    "memo_ext.commands.summarize_metrics",
+    "memo_ext.commands.preprocess_data",
+    "memo_ext.commands.demo_corpus",
     "tools.flag_reference",
     "tools.megatron_flags",
     "benchmarks.hotspa_strategies",

@@ -90,7 +90,7 @@ def test_preprocess_with_tokenizer_files(bpe_dir, tmp_path, tokenizer_type):
 
 
 def test_a_tokenizer_that_gives_no_token_is_named_not_the_text(tmp_path, capsys):
-    from tools.preprocess_data import main
+    from memo_ext.commands.preprocess_data import main
 
     # a BPE without byte fallback or unknown token drops every character outside its vocabulary
     tok = Tokenizer(models.BPE())

@@ -22,10 +22,11 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"planner", "allocator"}),
     frozenset({"memo"}),
     frozenset({"estimate"}),
-    frozenset({"hotspa", "megatron_lm", "memo.extension"}),
+    frozenset({"hotspa", "megatron_lm", "memo.extension", "compare"}),
     frozenset({"features"}),
     frozenset({"arguments", "training", "launch"}),
     frozenset({"hf"}),
+    frozenset({"commands"}),
 )
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers
 only: not of its own layer (across), not of a higher one (up). A module named here

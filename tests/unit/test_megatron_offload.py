@@ -13,9 +13,12 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tqdm import tqdm
 
+import memo_ext.compare.jobs as mj
 import memo_ext.config as c
-import tools.method_jobs as mj
 from memo_ext.arguments import parse_args
+from memo_ext.commands import compare_methods as cm
+from memo_ext.compare import runs as compare_runs
+from memo_ext.compare.report import format_summary
 from memo_ext.config import megatron_offload
 from memo_ext.errors import UsageError
 from memo_ext.estimate.cost_model import Efficiency
@@ -25,9 +28,6 @@ from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 from tests.launch import SMALL_GPT, cli
 from tests.unit.test_compare_methods import _comparison
-from tools import compare_methods as cm
-from tools import compare_runs
-from tools.compare_report import format_summary
 
 FINE = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj"]
 LAYER = ["--cpu-offloading-num-layers", "3"]

@@ -113,9 +113,9 @@ def test_metrics_readers_name_files_that_are_no_metrics(tmp_path, capsys):
     """A binary file, a FIFO, an unknown --keys: one sentence, exit 2, no traceback."""
     import os
 
+    from memo_ext.commands import compare_metrics
     from memo_ext.errors import UsageError
     from memo_ext.training.metrics import read_metrics
-    from tools import compare_metrics
 
     binary = tmp_path / "model.pt"
     binary.write_bytes(bytes(range(256)))

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from memo_ext.commands import plot_position_loss
 from memo_ext.training.metrics import TensorBoardWriter
 from memo_ext.training.position_loss import PositionLoss, bucket_labels, position_bounds
 from memo_ext.training.step import loss_func
-from tools import plot_position_loss
 
 
 @pytest.mark.parametrize(

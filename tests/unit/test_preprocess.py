@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from memo_ext.commands.preprocess_data import main
 from memo_ext.data import datasets
 from memo_ext.data.datasets import preprocess_jsonl
 from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer
-from tools.preprocess_data import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,10 +23,10 @@ import sentencepiece
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from memo_ext.arguments import parse_args
+from memo_ext.commands.preprocess_data import main as preprocess_main
 from memo_ext.data.tokenizers import SENTENCEPIECE_TOKENIZERS, build_tokenizer
 from memo_ext.errors import UsageError
 from tests.launch import SMALL_GPT
-from tools.preprocess_data import main as preprocess_main
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "/tmp/megatron-lm")
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,6 +4,7 @@ megatron-core (seconds of CPU per process), and no library warns of what the use
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,9 +86,51 @@ def test_the_package_filters_megatron_cores_notices_about_optional_kernels():
 
 
 def test_convert_hf_offers_what_the_converter_converts():
+    from memo_ext.commands import convert_hf
     from memo_ext.hf.checkpoint import DTYPES
     from memo_ext.hf.weights import FAMILIES
-    from tools import convert_hf
 
     assert convert_hf.FAMILIES == FAMILIES
     assert tuple(DTYPES) == convert_hf.DTYPES
+
+
+def _installed_commands() -> dict[str, str]:
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+def test_every_installed_command_answers_from_any_folder(tmp_path):
+    """The commands ``[project.scripts]`` installs run outside the repository (nothing of it on
+    the path but the installed package), one per command module, none left out."""
+    commands = _installed_commands()
+    modules = {target.split(":")[0] for target in commands.values()}
+    shipped = {
+        f"memo_ext.commands.{p.stem}"
+        for p in (ROOT / "memo_ext" / "commands").glob("*.py")
+        if p.stem not in ("__init__", "pretrain_gpt_memo")  # the trainer runs under torchrun
+    }
+    assert shipped <= modules, f"not installed: {sorted(shipped - modules)}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for name in commands:
+        out = subprocess.run(
+            [str(Path(sys.executable).with_name(name)), "--help"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
+
+
+def test_the_trainer_runs_as_an_installed_module_from_any_folder(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "memo_ext.commands.pretrain_gpt_memo", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "--memo-alpha" in out.stdout

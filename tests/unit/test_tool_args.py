@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from memo_ext.arguments import parse_tool_args
+from memo_ext.commands import memory_report, plan_memory
 from memo_ext.errors import UsageError
-from tools import memory_report, plan_memory
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
@@ -53,7 +53,7 @@ def test_the_tools_report_it_as_exit_2_without_a_usage_dump(tmp_path, capsys):
 def test_estimate_json_is_alone_on_stdout(capsys):
     import json
 
-    from tools import estimate
+    from memo_ext.commands import estimate
 
     argv = ["--model", "gpt-7b", "--gpus", "8", "--seq-length", "8192", "--method", "full"]
     assert estimate.main([*argv, "--json"]) == 0

@@ -1,4 +1,4 @@
-"""One configuration of ``tools.compare_methods`` as one torchrun job, and what came of it.
+"""One configuration of a comparison (``memo-compare``) as one torchrun job, and what came of it.
 
 A :class:`Method` is what a comparison varies (Megatron's recomputation, megatron-core's
 offloading, MEMO, …), how it is spelled on the command line (``memo=0.25@tp4cp2``) and which
@@ -26,8 +26,6 @@ from pathlib import Path
 from memo_ext.config import OFFLOAD_MODULES, megatron_offload_missing
 from memo_ext.errors import OutOfMemory, UsageError, out_of_memory
 from memo_ext.parallel import ParallelLayout, parse_layout
-
-ROOT = Path(__file__).resolve().parents[1]
 
 METHODS = ("none", "selective", "full", "megatron-offload", "memo", "memo+plan")
 """What a comparison can run: no recomputation, Megatron's selective and full recomputation,
@@ -231,7 +229,7 @@ def run_job(
     start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         status, usage, timed_out = _wait(proc, timeout_s=timeout_s, start=start, on_tick=on_tick)
     wall_s = time.monotonic() - start

@@ -4,16 +4,16 @@ memory or time."""
 
 from __future__ import annotations
 
-from memo_ext.errors import UsageError
-from memo_ext.estimate.cost_model import EstimateError
-from tools.compare_runs import Runner
-from tools.comparison import Comparison, estimate_configuration
-from tools.method_jobs import (
+from memo_ext.compare.comparison import Comparison, estimate_configuration
+from memo_ext.compare.jobs import (
     OK,
     OOM,
     TIMEOUT,
     Method,
 )
+from memo_ext.compare.runs import Runner
+from memo_ext.errors import UsageError
+from memo_ext.estimate.cost_model import EstimateError
 
 
 def find_longest(comp: Comparison, runner: Runner, method: Method) -> dict:

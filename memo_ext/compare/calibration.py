@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from memo_ext.compare.comparison import Comparison, estimate_configuration, predict
+from memo_ext.compare.jobs import (
+    OK,
+    Method,
+)
+from memo_ext.compare.runs import Results
 from memo_ext.estimate.calibration import (
     StepSample,
     fit_efficiencies,
@@ -15,12 +21,6 @@ from memo_ext.estimate.calibration import (
 )
 from memo_ext.hardware import (
     Calibration,
-)
-from tools.compare_runs import Results
-from tools.comparison import Comparison, estimate_configuration, predict
-from tools.method_jobs import (
-    OK,
-    Method,
 )
 
 

@@ -11,9 +11,8 @@ import time
 
 from tqdm import tqdm
 
-from memo_ext.errors import UsageError
-from tools.comparison import Comparison, job_argv, predict, run_key, traced_figures
-from tools.method_jobs import (
+from memo_ext.compare.comparison import Comparison, job_argv, predict, run_key, traced_figures
+from memo_ext.compare.jobs import (
     OK,
     REFUSED,
     JobOutcome,
@@ -21,6 +20,7 @@ from tools.method_jobs import (
     measured_figures,
     run_job,
 )
+from memo_ext.errors import UsageError
 
 FORMAT = "memo-compare/1"
 

@@ -1,4 +1,4 @@
-"""One comparison of ``tools.compare_methods``, resolved from its flags (:class:`Comparison`), and
+"""One comparison of ``memo-compare``, resolved from its flags (:class:`Comparison`), and
 what one configuration of it is: its job's command line, its key in ``compare.json``, the
 estimator's prediction and the figures traced on fake tensors."""
 
@@ -11,6 +11,11 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memo_ext.compare.jobs import (
+    Launch,
+    Method,
+)
+from memo_ext.compare.memory import Setup, method_figures
 from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import (
@@ -23,14 +28,11 @@ from memo_ext.hardware import (
 )
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
-from tools.memory_report import Setup, method_figures
-from tools.method_jobs import (
-    ROOT,
-    Launch,
-    Method,
-)
 
 logger = logging.getLogger(__name__)
+
+TRAINER = "memo_ext.commands.pretrain_gpt_memo"
+"""The module each job runs under torchrun (``-m``): the installed trainer, from any folder."""
 
 
 @dataclass
@@ -104,7 +106,7 @@ def layout_flags(layout: ParallelLayout) -> list[str]:
 def job_argv(comp: Comparison, method: Method, seq: int, *, metrics: Path, job_id: str):
     """The command of one configuration's job."""
     layout = comp.layouts[method.label]
-    argv = comp.launch.torchrun_argv(job_id=job_id) + [str(ROOT / "pretrain_gpt_memo.py")]
+    argv = comp.launch.torchrun_argv(job_id=job_id) + ["-m", TRAINER]
     argv += model_flags(comp.model) + layout_flags(layout) + method.trainer_flags()
     if method.is_memo and comp.keep_last_layers is not None:
         argv += ["--memo-keep-last-layers", str(comp.keep_last_layers)]
