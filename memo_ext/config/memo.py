@@ -17,6 +17,9 @@ from memo_ext.flags import finite_float
 if TYPE_CHECKING:
     from memo_ext.config.run import RunConfig
 
+DEFAULT_OFFLOAD_RULE = "tokenwise"
+"""MEMO's own offload rule (``memo_ext.memo.rules.TokenWise``)."""
+
 DEFAULT_HOST_SHARE = 0.8
 """Share of the available host memory MEMO may take when no budget is given: the rest is for the
 data loader, the optimizer's host state and the operating system."""
@@ -70,6 +73,13 @@ class MemoConfig:
     chunk, so a layer's device memory beyond attention's inputs and output is a few chunks, not
     the sequence. 'auto': the smallest chunk whose matrix products and collectives the estimator
     puts within 2% of the whole sequence's time on this run's device. Default: off."""
+    offload_rule: str = DEFAULT_OFFLOAD_RULE
+    """Where each offloaded layer's saved tensors go, beyond the layer input and attention's
+    output and state (always to host memory whole): a rule registered in memo_ext.memo.rules
+    places each one token-wise (α of its tokens to host memory, the rest recomputed), whole to
+    host memory, or kept on the device. tokenwise is MEMO's rule; a rule of one's own is a
+    registered subclass of memo_ext.memo.rules.OffloadRule. Layers that run whole only (not with
+    --memo-chunk-tokens)."""
     allocator: Literal["off", "plan"] = "off"
     """plan: serve each offloaded layer's forward / backward transients at the offsets the memory
     planner computed for its recorded request sequence, inside one arena (no fragmentation); off:
@@ -123,6 +133,11 @@ class MemoConfig:
             raise UsageError(f"--memo-plan-time-limit must be positive, got {self.plan_time_limit}")
         if isinstance(self.chunk_tokens, int) and self.chunk_tokens < 1:
             raise UsageError(f"--memo-chunk-tokens must be >= 1 or 'auto', got {self.chunk_tokens}")
+        if self.offload_rule != DEFAULT_OFFLOAD_RULE and self.chunk_tokens is not None:
+            raise UsageError(
+                f"--memo-offload-rule {self.offload_rule} places the saves of layers that run "
+                "whole; chunked MEMO (--memo-chunk-tokens) places its own by chunk; drop one"
+            )
 
     @staticmethod
     def check_combination(

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
+from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
 from memo_ext.errors import UsageError
-from memo_ext.estimate.fits import LayerFigures
+from memo_ext.estimate.fits import LayerFigures, memo_method
 from memo_ext.hardware import DeviceSpec
 from memo_ext.memo.alpha import (
     HostMemoryError,
@@ -262,13 +263,16 @@ def memo_at(
     tokens: int,
     alpha: float,
     chunk_tokens: int | None = None,
+    offload_rule: str | None = None,
 ) -> _Memo:
-    """MEMO at α (by chunks of ``chunk_tokens`` local tokens if given), interpolated between
-    the α = 0 and α = 1 traces (host bytes and recompute FLOPs are linear in α; a ping-pong
-    slot pins whole storages as soon as α > 0)."""
-    suffix = f"@{chunk_tokens}" if chunk_tokens else ""
-    zero = layer_figures(model, layout, batch, tokens=tokens, method=f"memo-0{suffix}")
-    one = layer_figures(model, layout, batch, tokens=tokens, method=f"memo-1{suffix}")
+    """MEMO at α (by chunks of ``chunk_tokens`` local tokens if given; its layers placing their
+    saves by ``offload_rule``, MEMO's own if ``None``), interpolated between the α = 0 and α = 1
+    traces (host bytes and recompute FLOPs are linear in α; a ping-pong slot pins whole
+    storages as soon as α > 0)."""
+    rule = None if offload_rule == DEFAULT_OFFLOAD_RULE else offload_rule
+    at = dict(chunk_tokens=chunk_tokens, rule=rule)
+    zero = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(0.0, **at))
+    one = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(1.0, **at))
     mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
     live = 0
     if chunk_tokens:
@@ -632,7 +636,7 @@ def _memo_stage(
             device=ctx["device"],
             eff=ctx["eff"],
         )
-    at = dict(tokens=tokens, chunk_tokens=chunk)
+    at = dict(tokens=tokens, chunk_tokens=chunk, offload_rule=memo.offload_rule)
     mode = layer_mode(chunk)
     zero = memo_at(model, layout, batch, alpha=0.0, **at)
     alpha, fits_host, notes = memo.alpha, True, []

@@ -13,19 +13,37 @@ from dataclasses import dataclass, fields
 
 METHODS = ("none", "full", "selective", "memo-0", "memo-1")
 """Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α).
-``memo-A@C`` is MEMO at α ``A`` by sub-sequence chunks of ``C`` local tokens."""
+``memo-A@C`` is MEMO at α ``A`` by sub-sequence chunks of ``C`` local tokens; ``memo-A:RULE``
+is MEMO whose layers place their saves by the offload rule ``RULE`` (``memo_ext.memo.rules``)."""
 
 
-def parse_method(method: str) -> tuple[float | None, int | None]:
-    """``(α, chunk tokens)`` of a traced method name (``None``: not MEMO / not chunked)."""
+@dataclass(frozen=True)
+class TracedMemo:
+    """MEMO as a traced method name spells it (:func:`parse_method`)."""
+
+    alpha: float
+    chunk_tokens: int | None = None
+    offload_rule: str | None = None
+    """``None``: MEMO's own rule."""
+
+
+def parse_method(method: str) -> TracedMemo | None:
+    """The MEMO settings of a traced method name; ``None`` for a method without MEMO."""
     if not method.startswith("memo-"):
         if method not in METHODS:
             raise ValueError(
-                f"method must be one of {METHODS} or memo-ALPHA[@CHUNK], got {method!r}"
+                f"method must be one of {METHODS} or memo-ALPHA[@CHUNK][:RULE], got {method!r}"
             )
-        return None, None
-    alpha, _, chunk = method.removeprefix("memo-").partition("@")
-    return float(alpha), int(chunk) if chunk else None
+        return None
+    settings, _, rule = method.removeprefix("memo-").partition(":")
+    alpha, _, chunk = settings.partition("@")
+    return TracedMemo(float(alpha), int(chunk) if chunk else None, rule or None)
+
+
+def memo_method(alpha: float, *, chunk_tokens: int | None = None, rule: str | None = None) -> str:
+    """The traced method name of MEMO at ``alpha`` (:func:`parse_method`'s inverse)."""
+    chunk = f"@{chunk_tokens}" if chunk_tokens else ""
+    return f"memo-{alpha:g}{chunk}" + (f":{rule}" if rule else "")
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,12 @@ from megatron.core.transformer.transformer_block import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo_ext.config import MemoConfig
+from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
 from memo_ext.estimate.fits import (
     LayerFigures,
     LayerFit,
     LiveFit,
+    TracedMemo,
     TransientFit,
     parse_method,
     reference_tokens,
@@ -82,19 +84,20 @@ def method_overrides(method: str) -> dict:
     return {}
 
 
-def _build_block(config, groups, *, memo_alpha: float | None, chunk_tokens: int | None = None):
+def _build_block(config, groups, *, memo: TracedMemo | None):
     """A one-layer ``TransformerBlock`` of the method (MEMO: an offloaded layer)."""
     spec = build_layer_spec(config=config, attention_backend="sdpa")
-    if memo_alpha is not None:
+    if memo is not None:
         # a huge budget: the estimator states what is needed; the α rule applies the budget
-        memo = MemoConfig(
+        settings = MemoConfig(
             enabled=True,
-            alpha=memo_alpha,
+            alpha=memo.alpha,
             keep_last_layers=0,
             host_memory_gb=2**40,
-            chunk_tokens=chunk_tokens,
+            chunk_tokens=memo.chunk_tokens,
+            offload_rule=memo.offload_rule or DEFAULT_OFFLOAD_RULE,
         )
-        spec = apply_memo(spec, memo, config)
+        spec = apply_memo(spec, settings, config)
     submodules = TransformerBlockSubmodules(layer_specs=[spec], layer_norm=None)
     return TransformerBlock(config, submodules, post_process=False, pg_collection=groups)
 
@@ -149,10 +152,11 @@ def trace_layer(
         tp: tensor-parallel size; ``sp`` shards the layer input over it.
         tokens: tokens of one sequence on this process (``s / cp``).
         micro_batch_size: sequences per micro-batch.
-        method: one of :data:`~memo_ext.estimate.fits.METHODS`.
+        method: one of :data:`~memo_ext.estimate.fits.METHODS`, or MEMO at another α, chunk
+            or offload rule (:func:`~memo_ext.estimate.fits.parse_method`).
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """
-    alpha, chunk = parse_method(method)
+    memo = parse_method(method)
     sp = sp and tp > 1
     config = traced_transformer_config(
         model,
@@ -170,7 +174,7 @@ def trace_layer(
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
         warnings.simplefilter("ignore")
-        block = _build_block(config, groups, memo_alpha=alpha, chunk_tokens=chunk)
+        block = _build_block(config, groups, memo=memo)
         x = torch.empty(local, micro_batch_size, model.hidden_size, dtype=config.params_dtype)
         x.requires_grad_(True)
         rope = _rope_table(model, config, tokens)
@@ -301,7 +305,8 @@ def layer_fit(
     model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, method: str
 ) -> LayerFit:
     """Traces ``method`` at two lengths and returns the exact scaling rule."""
-    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=parse_method(method)[1])
+    memo = parse_method(method)
+    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=memo.chunk_tokens if memo else None)
     kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method)
     return LayerFit(
         t1=t1,

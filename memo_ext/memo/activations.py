@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from memo_ext.memo.rules import OffloadRule, Placement, SavedTensor, TokenWise
 from memo_ext.memo.tensors import (
     TensorMeta,
     TokenLayout,
@@ -71,13 +72,22 @@ class Role(enum.Enum):
     """What MEMO does with a saved tensor."""
 
     SMALL = "small"
-    """No token dimension: stays on the device."""
+    """No token dimension, or kept by the offload rule: stays on the device."""
     FULL = "full"
-    """Layer input, attention output, attention state: its whole storage goes to host memory."""
+    """Layer input, attention output, attention state, or a save the offload rule sends whole:
+    its whole storage goes to host memory."""
     ATTN_INPUT = "attn_input"
     """A view of q / k / v inside the core attention: α of the tokens to host, rest recomputed."""
     TOKENWISE = "tokenwise"
     """α of the tokens to host, rest recomputed."""
+
+
+_ROLE_OF = {
+    Placement.TOKENWISE: Role.TOKENWISE,
+    Placement.WHOLE: Role.FULL,
+    Placement.KEEP: Role.SMALL,
+}
+"""The role of each placement an offload rule gives."""
 
 
 class RecomputeMismatch(RuntimeError):
@@ -160,10 +170,13 @@ class LayerActivations:
         stats: MemoStats,
         on_backward: Callable[[LayerActivations], None],
         measure_only: bool = False,
+        rule: OffloadRule | None = None,
     ):
         """``pool`` gives host buffers, ``engine`` moves data (``memo_ext.memo.transfer``),
         ``stats`` counts what moved; ``on_backward`` is called when the layer's backward starts
-        (the runtime then frees copied sources and prefetches the layer before)."""
+        (the runtime then frees copied sources and prefetches the layer before); ``rule``
+        places the saves outside the core attention (``memo_ext.memo.rules``; MEMO's token-wise
+        rule by default)."""
         x = kwargs["hidden_states"]
         self.pool, self.engine, self.stats = pool, engine, stats
         self._on_backward = on_backward
@@ -177,6 +190,7 @@ class LayerActivations:
         """Token blocks of tensors gathered over the sequence-parallel group (TP size, or 1)."""
         self.sequences = x.size(1) if x.dim() == 3 else 1
         self.measure_only = measure_only
+        self.rule = rule or TokenWise()
         self.input_meta = TensorMeta.of(x)
         self.input_requires_grad = x.requires_grad
         # everything the recompute pass needs besides the layer input (which lives on the host)
@@ -235,7 +249,7 @@ class LayerActivations:
         else:
             position = self.positions
             self.positions += 1
-            role = Role.FULL if meta.storage in self.full_storages else Role.TOKENWISE
+            role = Role.FULL if meta.storage in self.full_storages else self._placed(t, position)
         key = (role, meta.view_key)
         index = self._by_view.get(key)
         if index is not None:
@@ -246,12 +260,26 @@ class LayerActivations:
             self.full_storages[meta.storage] = t.untyped_storage().nbytes()
         if role is Role.TOKENWISE:
             self._classify_tokenwise(payload, t)
+        elif role is Role.SMALL:  # kept on the device by the rule
+            payload.device = t.detach()
         t = t.detach()  # the same memory, without the graph (see Role.SMALL above)
         self._sources.setdefault(meta.storage, t)
         self._payload_sources.append(t)
         self.payloads.append(payload)
         self._by_view[key] = payload.index
         return SavedRef(self, payload.index)
+
+    def _placed(self, t: Tensor, position: int) -> Role:
+        """The role of a save outside the core attention, as the offload rule places it."""
+        saved = SavedTensor(
+            layer=self.layer_index,
+            position=position,
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            nbytes=_nbytes(t),
+            hidden_size=self.input_meta.size[-1],
+        )
+        return _ROLE_OF[self.rule.place(saved)]
 
     def _classify_tokenwise(self, payload: Payload, t: Tensor) -> None:
         if self._probe is None or not 0 < self.host_tokens < self.tokens:

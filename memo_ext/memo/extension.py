@@ -29,6 +29,7 @@ from memo_ext.memo.planned_memory import (
     shape_key,
 )
 from memo_ext.memo.policy import apply_memo, format_memo_metrics, memo_runtime_of
+from memo_ext.memo.rules import offload_rule
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class Memo(Extension):
         return self.run.memo.allocator == "plan"
 
     def resolve(self, run: RunConfig, context: ResolveContext) -> RunConfig:
-        """``--memo-chunk-tokens auto`` as a token count (``auto_chunk_tokens``)."""
+        """``--memo-chunk-tokens auto`` as a token count (``auto_chunk_tokens``); an
+        ``--memo-offload-rule`` no rule is registered as, refused."""
+        offload_rule(run.memo.offload_rule)
         if run.memo.chunk_tokens != AUTO:
             return run
         target = context.target

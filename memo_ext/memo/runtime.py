@@ -54,6 +54,7 @@ from memo_ext.memo.activations import (
 from memo_ext.memo.alpha import HostMemoryError, LayerCost, solve_alpha
 from memo_ext.memo.chunked_activations import ChunkedActivations
 from memo_ext.memo.modes import PROBE_TOKENS, Chunks, WholeLayers, layer_mode, stage_counts
+from memo_ext.memo.rules import offload_rule
 from memo_ext.memo.transfer import (
     Completion,
     HostPool,
@@ -97,6 +98,8 @@ class MemoRuntime:
         if config.chunk_tokens == "auto":
             raise ValueError("--memo-chunk-tokens auto must be settled (resolve_run) first")
         self.config = config
+        self.rule = offload_rule(config.offload_rule)
+        """Where a whole layer's saves go (``--memo-offload-rule``, ``memo_ext.memo.rules``)."""
         self.mode = layer_mode(config.chunk_tokens)
         """How layers run: whole, or by chunks of ``config.chunk_tokens`` local tokens."""
         self.skeletons = 0
@@ -162,7 +165,7 @@ class MemoRuntime:
 
     def activations(self, layer, kwargs: dict[str, Any], **options) -> LayerActivations:
         """A layer's saved tensors, served by this runtime's pool and transfer engine."""
-        return LayerActivations(layer, kwargs, **self._served(), **options)
+        return LayerActivations(layer, kwargs, **self._served(), rule=self.rule, **options)
 
     def _served(self) -> dict[str, Any]:
         """What a layer's activations take from this runtime: host buffers, copies, counters,

@@ -62,6 +62,12 @@ def test_default_budget_shares_available_memory(monkeypatch):
         (["--memo"], dict(hidden_dropout=0.1), "hidden-dropout"),
         (["--memo"], dict(recompute_granularity="full"), "recompute-granularity"),
         (["--memo"], dict(attention_backend="te"), "attention-backend sdpa or flash"),
+        (["--memo-offload-rule", "mine"], {}, "only applies with --memo"),
+        (
+            ["--memo", "--memo-offload-rule", "mine", "--memo-chunk-tokens", "64"],
+            {},
+            "--memo-offload-rule mine places the saves of layers that run whole",
+        ),
     ],
 )
 def test_refusals_are_one_sentence(argv, rest, message):
