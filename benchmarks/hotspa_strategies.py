@@ -102,9 +102,8 @@ from memo_ext.data.lengths import (
     summarize_lengths,
 )
 from memo_ext.errors import UsageError
-from memo_ext.estimate.cost_model import METHODS
-from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
-from memo_ext.hotspa.auto import (
+from memo_ext.features import recompute
+from memo_ext.features.hotspa.auto import (
     AUTO_RECOMPUTE,
     BucketStats,
     StrategyError,
@@ -114,6 +113,7 @@ from memo_ext.hotspa.auto import (
     length_statistics,
     sampled_lengths,
 )
+from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
 from memo_ext.parallel import LayoutError, ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape
 
@@ -823,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--method",
         default="auto",
-        choices=("auto", *METHODS),
+        choices=("auto", *(m.name for m in recompute.METHODS)),
         help="Activation memory method, as the trainer's --recompute-granularity passes it "
         "to auto; auto (default): per workload, none if the strong baseline fits so, else full.",
     )

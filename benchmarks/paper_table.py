@@ -36,17 +36,19 @@ from pathlib import Path
 from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
-    _layer_time,
     _seconds,
     attention_chunk_factor,
     host_copy_gbps,
     layer_figures,
+    layer_time,
     matmul_shape_factor,
-    memo_at,
     model_state_bytes,
     params_per_gpu,
 )
 from memo_ext.estimate.search import SearchSpace, best_at_length, find_max_seq_length
+from memo_ext.estimate.stage import Place
+from memo_ext.features import memory_method
+from memo_ext.features.memo.stage import memo_at
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS
@@ -82,7 +84,7 @@ def best(model: str, gpus: int, method: str, efficiency: Efficiency):
             model=MODELS[model],
             device=DEVICE,
             gpus=gpus,
-            method=method,
+            method=memory_method(method),
             host_memory_bytes=HOST_BYTES_PER_NODE,
             space=SearchSpace(pp=pp),
             batch=Batch(num_microbatches=pp),
@@ -109,7 +111,7 @@ def memo_mfu_at_1m(efficiency: Efficiency) -> tuple[float, bool]:
         model=MODELS["gpt-7b"],
         device=DEVICE,
         gpus=8,
-        method="memo",
+        method=memory_method("memo"),
         seq_length=1 << 20,
         host_memory_bytes=HOST_BYTES_PER_NODE,
         efficiency=efficiency,
@@ -135,16 +137,10 @@ def crossover_tokens(efficiency: Efficiency, *, device=DEVICE, step: int = 4 * K
     link = host_copy_gbps(device, layout) * 1e9
     for tokens in range(step, 4096 * K, step):
         none = layer_figures(model, layout, batch, tokens=tokens, method="none")
-        forward = _layer_time(
-            none,
-            model=model,
-            layout=layout,
-            batch=batch,
-            device=device,
-            eff=efficiency,
-            tokens=tokens,
-            method="none",
-        ).forward_s
+        place = Place(
+            model=model, layout=layout, batch=batch, device=device, eff=efficiency, tokens=tokens
+        )
+        forward = layer_time(none, place).forward_s
         if memo_at(model, layout, batch, tokens=tokens, alpha=1.0).host_bytes / link <= forward:
             return tokens
     raise RuntimeError("no crossover below 4M tokens")

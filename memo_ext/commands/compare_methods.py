@@ -306,7 +306,7 @@ def _one_attention_backend(extra: list[str], methods: list[Method]) -> tuple[lis
     """
     given = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--attention-backend"]
     given += [a.split("=", 1)[1] for a in extra if a.startswith("--attention-backend=")]
-    memo = any(m.is_memo for m in methods)
+    memo = any(m.spec.core_attention_only for m in methods)
     if given:
         backend = given[-1]
         if backend == "te" and memo:

@@ -34,13 +34,14 @@ from memo_ext.arguments import parse_tool_args  # noqa: E402
 from memo_ext.config import DataConfig, MemoConfig, ModelConfig, TrainConfig  # noqa: E402
 from memo_ext.errors import UsageError  # noqa: E402
 from memo_ext.estimate.calibration import apply_calibration  # noqa: E402
-from memo_ext.estimate.cost_model import METHODS, Batch, Efficiency, Estimate  # noqa: E402
+from memo_ext.estimate.cost_model import Batch, Efficiency, Estimate  # noqa: E402
 from memo_ext.estimate.search import (  # noqa: E402
     DEFAULT_GRANULARITY,
     SearchSpace,
     best_at_length,
     find_max_seq_length,
 )
+from memo_ext.features import memory_method, method_names  # noqa: E402
 from memo_ext.flags import (  # noqa: E402
     SpellCheckedParser,
     add_flags,
@@ -86,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-memory-gb", type=finite_float, default=2048, help="Host memory per node, GiB."
     )
-    p.add_argument("--method", choices=METHODS, default="memo", help="Memory method.")
+    p.add_argument(
+        "--method",
+        choices=method_names(),
+        default="memo",
+        help="Memory method.",
+    )
     what = p.add_mutually_exclusive_group()
     add_flags(what, DataConfig, section="data", overrides=True, only=("seq_length",))
     what.add_argument("--find-max-seq-length", action="store_true", help="Search the longest.")
@@ -185,7 +191,7 @@ def format_estimate(est: Estimate) -> str:
     gib = GIB
     lay = est.layout
     memo = ""
-    if est.method == "memo":
+    if est.alpha is not None:  # MEMO's settings, as it priced them
         chunk = f", chunks of {est.memo_chunk_tokens:,} tokens" if est.memo_chunk_tokens else ""
         memo = f" (α = {est.alpha:.3f}, keep last {est.keep_last_layers}{chunk})"
     device_fit = "fits" if est.fits_device else "does NOT fit"
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             model=model,
             device=device,
             gpus=args.gpus,
-            method=args.method,
+            method=memory_method(args.method),
             host_memory_bytes=int(args.host_memory_gb * GIB),
             space=space,
             batch=batch,

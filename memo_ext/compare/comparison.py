@@ -16,7 +16,6 @@ from memo_ext.compare.jobs import (
     Method,
 )
 from memo_ext.compare.memory import Setup, method_figures
-from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import (
     KernelRates,
@@ -107,9 +106,8 @@ def job_argv(comp: Comparison, method: Method, seq: int, *, metrics: Path, job_i
     """The command of one configuration's job."""
     layout = comp.layouts[method.label]
     argv = comp.launch.torchrun_argv(job_id=job_id) + ["-m", TRAINER]
-    argv += model_flags(comp.model) + layout_flags(layout) + method.trainer_flags()
-    if method.is_memo and comp.keep_last_layers is not None:
-        argv += ["--memo-keep-last-layers", str(comp.keep_last_layers)]
+    argv += model_flags(comp.model) + layout_flags(layout)
+    argv += method.trainer_flags(keep_last_layers=comp.keep_last_layers)
     batch = comp.micro_batch_size * layout.dp * comp.num_microbatches
     argv += ["--seq-length", str(seq), "--micro-batch-size", str(comp.micro_batch_size)]
     argv += ["--global-batch-size", str(batch), "--lr", "1e-4", "--mock-data"]
@@ -164,7 +162,15 @@ def _no_prediction(error: str) -> dict:
 def estimate_configuration(
     comp: Comparison, method: Method, seq: int, *, efficiency=None, device=None
 ):
-    """The estimator's :class:`Estimate` of one configuration."""
+    """The estimator's :class:`Estimate` of one configuration.
+
+    Raises:
+        EstimateError: for a method the estimator does not model.
+    """
+    spec = method.spec
+    if spec.estimator is None:
+        raise EstimateError(f"the estimator does not model {method.name}")
+    settings = spec.estimator_settings(method.alpha, keep_last_layers=comp.keep_last_layers)
     return estimate(
         model=comp.model,
         device=device or comp.device,
@@ -174,10 +180,10 @@ def estimate_configuration(
             num_microbatches=comp.num_microbatches,
             distributed_optimizer="--use-distributed-optimizer" in comp.extra,
         ),
-        method=method.estimator_method(),
+        method=spec.estimator,
         seq_length=seq,
         host_memory_bytes=comp.host_memory_bytes,
-        memo=MemoConfig(enabled=True, alpha=method.alpha, keep_last_layers=comp.keep_last_layers),
+        settings=settings,
         efficiency=efficiency or comp.efficiency,
     )
 
@@ -188,11 +194,9 @@ def traced_figures(comp: Comparison, method: Method, seq: int, alpha: float | No
     layout = comp.layouts[method.label]
     if layout.cp > 1:
         return {"note": "context parallelism cannot be traced on fake tensors"}
-    if method.name == "megatron-offload":
-        return {"note": "megatron-core's offloading is not traced on fake tensors"}
-    key = method.estimator_method()
-    if method.is_memo:
-        key = f"memo-{alpha if alpha is not None else 0.0:g}"
+    key = method.spec.traced(alpha)
+    if key is None:
+        return {"note": method.spec.untraced_note()}
     setup = Setup(
         shape=comp.model,
         layout=layout,

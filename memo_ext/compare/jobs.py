@@ -1,11 +1,12 @@
 """One configuration of a comparison (``memo-compare``) as one torchrun job, and what came of it.
 
-A :class:`Method` is what a comparison varies (Megatron's recomputation, megatron-core's
-offloading, MEMO, …), how it is spelled on the command line (``memo=0.25@tp4cp2``) and which
-trainer flags select it; :func:`run_job` runs one job with a time limit and returns a
-:class:`JobOutcome`, in which an out-of-memory failure is a result (``oom``, with the bytes the
-allocator was asked for) and a job past its limit is stopped and recorded (``timeout``). A method
-this machine cannot run (:meth:`Method.refusal`) is a result too (``refused``), and no job starts.
+A :class:`Method` is what a comparison varies (a method of ``memo_ext.features.COMPARED``:
+Megatron's recomputation, megatron-core's offloading, MEMO, …, each its feature's), how it is
+spelled on the command line (``memo=0.25@tp4cp2``), optionally in its own layout;
+:func:`run_job` runs one job with a time limit and returns a :class:`JobOutcome`, in which an
+out-of-memory failure is a result (``oom``, with the bytes the allocator was asked for) and a job
+past its limit is stopped and recorded (``timeout``). A method this machine cannot run
+(:meth:`Method.refusal`) is a result too (``refused``), and no job starts.
 """
 
 from __future__ import annotations
@@ -23,29 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memo_ext.config import OFFLOAD_MODULES, megatron_offload_missing
 from memo_ext.errors import OutOfMemory, UsageError, out_of_memory
+from memo_ext.features import COMPARED, compared_method
+from memo_ext.features.compared import ComparedMethod
 from memo_ext.parallel import ParallelLayout, parse_layout
-
-METHODS = ("none", "selective", "full", "megatron-offload", "memo", "memo+plan")
-"""What a comparison can run: no recomputation, Megatron's selective and full recomputation,
-megatron-core's own activation offloading, MEMO (α auto or fixed), MEMO with the planned
-allocator.
-
-``megatron-offload`` is megatron-core's fine-grained activation offloading of every dense module
-it offers (``--fine-grained-activation-offloading --offload-modules attn_norm qkv_linear
-core_attn attn_proj mlp_norm``), the more usable of its two variants: it runs with pipeline
-parallelism, and its saved-tensor hooks move whatever those modules save for backward (attention's
-inputs and output included) whichever layer spec built them, our SDPA and flash core attention
-too. The layer-level variant (``--cpu-offloading-num-layers``, a trainer flag) refuses PP and
-moves what transformer-engine's offload context selects. Both need CUDA and transformer-engine."""
-
-MEGATRON_OFFLOAD_FLAGS = (
-    "--fine-grained-activation-offloading",
-    "--offload-modules",
-    *OFFLOAD_MODULES,
-)
-"""The trainer's flags of ``megatron-offload``."""
 
 _SPEC = re.compile(r"^(?P<name>[a-z+-]+)(?:=(?P<alpha>[^@]+))?(?:@(?P<layout>[a-z0-9]+))?$")
 
@@ -55,52 +37,34 @@ class Method:
     """One method of a comparison, optionally in its own parallel layout."""
 
     name: str
-    """One of :data:`METHODS`."""
+    """A method of ``memo_ext.features.COMPARED``."""
     alpha: float | None = None
     """MEMO's α; ``None`` for the rule (``auto``)."""
     layout: str | None = None
     """A layout such as ``tp4cp2`` (SP on with TP > 1), or ``None`` for the comparison's."""
 
     @property
+    def spec(self) -> ComparedMethod:
+        """What the method's feature says of it (``memo_ext.features.COMPARED``)."""
+        return compared_method(self.name)
+
+    @property
     def label(self) -> str:
         """The spelling that names this method in tables, plots and the JSON file."""
         text = self.name
-        if self.name.startswith("memo") and self.alpha is not None:
+        if self.spec.takes_alpha and self.alpha is not None:
             text += f"={self.alpha:g}"
         return text + (f"@{self.layout}" if self.layout else "")
 
-    @property
-    def is_memo(self) -> bool:
-        return self.name.startswith("memo")
-
-    def estimator_method(self) -> str:
-        """The estimator's name for it (the planned allocator is not modelled apart)."""
-        return "memo" if self.is_memo else self.name
-
-    def trainer_flags(self) -> list[str]:
-        """The trainer's flags that select this method."""
-        if self.name == "full":
-            return [
-                *("--recompute-granularity", "full", "--recompute-method", "uniform"),
-                *("--recompute-num-layers", "1"),
-            ]
-        if self.name == "selective":
-            return ["--recompute-granularity", "selective"]
-        if self.is_memo:
-            alpha = "auto" if self.alpha is None else f"{self.alpha:g}"
-            flags = ["--memo", "--memo-alpha", alpha]
-            return flags + (["--memo-allocator", "plan"] if self.name == "memo+plan" else [])
-        if self.name == "megatron-offload":
-            return list(MEGATRON_OFFLOAD_FLAGS)
-        return []
+    def trainer_flags(self, keep_last_layers: int | None = None) -> list[str]:
+        """The trainer's flags that select this method (with the comparison's kept last layers
+        where the method keeps layers)."""
+        return self.spec.trainer_flags(self.alpha, keep_last_layers=keep_last_layers)
 
     def refusal(self) -> str | None:
         """Why this machine cannot run the method (one sentence), or ``None``: asked on every
         invocation, so a comparison resumed on a machine that can run it runs it."""
-        missing = megatron_offload_missing() if self.name == "megatron-offload" else None
-        if missing is None:
-            return None
-        return f"megatron-offload needs {missing}, which this machine lacks"
+        return self.spec.refusal()
 
     def resolve_layout(self, default: ParallelLayout, world_size: int) -> ParallelLayout:
         """This method's layout: its own, or ``default`` with DP the rest of the world."""
@@ -116,16 +80,17 @@ def parse_method(text: str) -> Method:
         UsageError: for an unknown method, and an α where none applies or out of [0, 1].
     """
     match = _SPEC.match(text.strip().lower())
-    if match is None or match["name"] not in METHODS:
+    if match is None or compared_method(match["name"]) is None:
         raise UsageError(
             f"--methods: {text!r} is not METHOD[=ALPHA][@LAYOUT] with METHOD one of "
-            f"{', '.join(METHODS)} (e.g. memo=0.5@tp4cp2)"
+            f"{', '.join(m.name for m in COMPARED)} (e.g. memo=0.5@tp4cp2)"
         )
     name, alpha_text = match["name"], match["alpha"]
     alpha = None
     if alpha_text is not None:
-        if not name.startswith("memo"):
-            raise UsageError(f"--methods: {text!r}: only memo and memo+plan take an α")
+        if not compared_method(name).takes_alpha:
+            takers = " and ".join(m.name for m in COMPARED if m.takes_alpha)
+            raise UsageError(f"--methods: {text!r}: only {takers} take an α")
         if alpha_text != "auto":
             try:
                 alpha = float(alpha_text)

@@ -317,7 +317,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PreflightConfig:
-    """The memory check made before the model is built (``memo_ext.estimate.preflight``)."""
+    """The memory check made before the model is built (``memo_ext.features.preflight``)."""
 
     enabled: bool = field(default=True, metadata={"flag": "--skip-preflight"})
     """Estimate device and host memory first and refuse a run that cannot fit; --skip-preflight

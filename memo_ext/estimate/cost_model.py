@@ -6,31 +6,24 @@ is per process on the busiest pipeline stage; one step is one global batch.
 
 Device memory at its peak is the model states plus the activations stored when the forward ends
 plus the larger of two transients measured on the same layer: the output end (norm, output layer
-and megatron's vocab-parallel loss) and one layer's forward + backward working set. Under MEMO
-the backward of an offloaded layer also holds that layer's restored set and the next one's
-prefetched set. A headroom fraction of the device is kept free for the allocator and the CUDA
-context.
+and megatron's vocab-parallel loss) and one layer's forward + backward working set. What the
+stage stores and its peak are the memory method's (``memo_ext.estimate.stage``: no
+recomputation, Megatron's recomputation, MEMO, each priced by its feature). A headroom fraction
+of the device is kept free for the allocator and the CUDA context.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
-from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
+from memo_ext.config import DEFAULT_HOST_SHARE
 from memo_ext.errors import UsageError
-from memo_ext.estimate.fits import LayerFigures, memo_method
+from memo_ext.estimate.fits import LayerFigures
+from memo_ext.estimate.stage import LayerTime, MemoryMethod, Place, Stage, StageContext
 from memo_ext.hardware import DeviceSpec
-from memo_ext.memo.alpha import (
-    HostMemoryError,
-    LayerCost,
-    solve_alpha,
-)
-from memo_ext.memo.modes import StageBytes, layer_mode
 from memo_ext.parallel import LayoutError, ParallelLayout
 from memo_ext.shapes import ModelShape, padded_vocab_size, train_flops
-
-METHODS = ("none", "full", "selective", "memo")
 
 # Achieved fraction of the dense peak per op class.
 # - matmul (assumption from vendor benchmarks): large bf16 GEMMs (h >= 4096) reach about 75% of
@@ -78,13 +71,6 @@ NETWORK_HOP_S = 8e-6
 DDP_BUCKET_PARAMS = 40_000_000
 """megatron-core DDP's gradient bucket (``bucket_size`` default, in elements): one all-reduce
 each."""
-MEMO_DEFAULTS = MemoConfig(enabled=True)
-"""MEMO as ``--memo`` alone runs it: α by the rule, the last two layers kept."""
-AUTO_CHUNK_SLOWDOWN = 0.02
-"""``--memo-chunk-tokens auto``: the smallest chunk whose matrix products and TP collectives
-take at most this fraction longer than the whole sequence's (roofline and latencies above)."""
-AUTO_CHUNK_MIN_TOKENS = 256
-"""Smallest chunk ``auto`` considers (local tokens); candidates double from there."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,62 +229,6 @@ def model_state_bytes(params: int, layout: ParallelLayout, batch: Batch) -> int:
     return int(6 * params + optimizer)
 
 
-@dataclass(frozen=True)
-class _Memo:
-    """MEMO's per-layer figures at one α."""
-
-    alpha: float
-    host_bytes: int
-    slot_bytes: int
-    backward: LayerFigures
-    live_bytes: int = 0
-    """Chunked: the largest total live over one offloaded layer's forward and backward."""
-
-
-def memo_at(
-    model: ModelShape,
-    layout: ParallelLayout,
-    batch: Batch,
-    *,
-    tokens: int,
-    alpha: float,
-    chunk_tokens: int | None = None,
-    offload_rule: str | None = None,
-) -> _Memo:
-    """MEMO at α (by chunks of ``chunk_tokens`` local tokens if given; its layers placing their
-    saves by ``offload_rule``, MEMO's own if ``None``), interpolated between the α = 0 and α = 1
-    traces (host bytes and recompute FLOPs are linear in α; a ping-pong slot pins whole
-    storages as soon as α > 0)."""
-    rule = None if offload_rule == DEFAULT_OFFLOAD_RULE else offload_rule
-    at = dict(chunk_tokens=chunk_tokens, rule=rule)
-    zero = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(0.0, **at))
-    one = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(1.0, **at))
-    mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
-    live = 0
-    if chunk_tokens:
-        from memo_ext.estimate.measure import chunked_live_fit
-
-        kw = dict(tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size)
-        lives = [
-            chunked_live_fit(model, alpha=a, chunk_tokens=chunk_tokens, **kw).at(tokens)
-            for a in (0.0, 1.0)
-        ]
-        live = mix(*lives)
-    backward = LayerFigures(
-        **{
-            name: mix(getattr(zero, name), getattr(one, name))
-            for name in LayerFigures.__dataclass_fields__
-        }
-    )
-    return _Memo(
-        alpha=alpha,
-        host_bytes=mix(zero.host_bytes, one.host_bytes),
-        slot_bytes=zero.slot_bytes if alpha == 0 else one.slot_bytes,
-        backward=backward,
-        live_bytes=live,
-    )
-
-
 def collective_latency_s(ranks: int, device: DeviceSpec) -> float:
     """Latency of one collective (ring) over ``ranks`` processes, bytes aside."""
     if ranks <= 1:
@@ -322,7 +252,7 @@ def gemm_seconds(rows: int, inner: int, cols: int, *, device: DeviceSpec, eff: E
     return max(compute, memory) + KERNEL_FLOOR_S
 
 
-def _layer_gemm_shapes(model: ModelShape, layout: ParallelLayout, rows: int) -> list[tuple]:
+def layer_gemm_shapes(model: ModelShape, layout: ParallelLayout, rows: int) -> list[tuple]:
     """``(rows, inner, cols)`` of a layer's QKV, output, fc1 and fc2 products on a TP shard."""
     h, tp = model.hidden_size, layout.tp
     qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim // tp
@@ -355,7 +285,7 @@ def matmul_shape_factor(
     peak = device.peak_tflops * 1e12 * eff.matmul
     nominal = achieved = 0.0
     for times, r in counted:
-        for m, k, n in _layer_gemm_shapes(model, layout, r):
+        for m, k, n in layer_gemm_shapes(model, layout, r):
             nominal += times * 2 * m * k * n / peak
             achieved += times * gemm_seconds(m, k, n, device=device, eff=eff)
     return nominal / achieved
@@ -433,35 +363,27 @@ def _seconds(
     )
 
 
-@dataclass
-class _LayerTime:
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    copy_s: float = 0.0
-    forward_s: float = 0.0
-
-    def add(self, other: _LayerTime, times: int = 1) -> None:
-        self.compute_s += times * other.compute_s
-        self.comm_s += times * other.comm_s
-        self.copy_s += times * other.copy_s
-
-
-def _layer_time(
+def layer_time(
     fig: LayerFigures,
+    ctx: Place,
     *,
-    model,
-    layout,
-    batch,
-    device,
-    eff,
-    tokens,
-    method,
-    copy_bytes=0,
+    forward_passes: int = 1,
+    copy_bytes: int = 0,
     chunk_tokens: int | None = None,
-) -> _LayerTime:
+) -> LayerTime:
     """One layer's forward + backward for one micro-batch: compute, exposed comm and copies
     (by sub-sequence chunks of ``chunk_tokens`` local tokens if given: smaller products, and
-    the TP collectives once per chunk)."""
+    the TP collectives once per chunk). ``forward_passes`` 2: the backward re-runs the forward
+    (full recomputation), its communication included; ``copy_bytes`` go to host memory during
+    the forward and come back during the next backward."""
+    model, layout, batch, device, eff, tokens = (
+        ctx.model,
+        ctx.layout,
+        ctx.batch,
+        ctx.device,
+        ctx.eff,
+        ctx.tokens,
+    )
     tp_link, cp_link, _ = _links(device, layout)
     seconds = dict(
         device=device,
@@ -478,11 +400,14 @@ def _layer_time(
     b_mm, b_att = _seconds(fig.backward_matmul_flops, fig.backward_attention_flops, **seconds)
     # SP: two all-gathers and two reduce-scatters per pass; CP: a ring of cp - 1 exchanges
     tp_s = tp_comm_bytes(model, layout, batch, tokens=tokens) / (tp_link * 1e9)
-    tp_s += 4 * _chunks(layout, tokens, chunk_tokens) * collective_latency_s(layout.tp, device)
+    tp_s += (
+        4
+        * sub_sequence_chunks(layout, tokens, chunk_tokens)
+        * collective_latency_s(layout.tp, device)
+    )
     cp_s = cp_comm_bytes(model, layout, batch, tokens=tokens) / (cp_link * 1e9)
     cp_nodes = layout.tp * layout.cp > device.gpus_per_node
     cp_s += (layout.cp - 1) * p2p_latency_s(device, across_nodes=cp_nodes)
-    forward_passes = 2 if method == "full" else 1  # full recompute re-runs the forward's comm
     # TP collectives sit on the critical path (no comm overlap); ring attention's k / v passes
     # overlap the attention kernels, only the excess shows. Backward moves k, v and their grads.
     comm = forward_passes * max(0.0, cp_s - f_att) + max(
@@ -491,14 +416,13 @@ def _layer_time(
     comm += (forward_passes + 1) * tp_s
     forward_s = f_mm + f_att + tp_s + max(0.0, cp_s - f_att)
     copy = copy_bytes / (host_copy_gbps(device, layout) * 1e9)
-    # MEMO copies the layer's data out during its forward and back during the next backward
     exposed_copy = max(0.0, copy - forward_s) + max(0.0, copy - (b_mm + b_att))
-    return _LayerTime(
+    return LayerTime(
         compute_s=f_mm + f_att + b_mm + b_att, comm_s=comm, copy_s=exposed_copy, forward_s=forward_s
     )
 
 
-def _chunks(layout: ParallelLayout, tokens: int, chunk_tokens: int | None) -> int:
+def sub_sequence_chunks(layout: ParallelLayout, tokens: int, chunk_tokens: int | None) -> int:
     """Sub-sequence chunks of a layer on ``tokens`` (``s / cp``) tokens."""
     if not chunk_tokens:
         return 1
@@ -506,213 +430,15 @@ def _chunks(layout: ParallelLayout, tokens: int, chunk_tokens: int | None) -> in
     return max(1, -(-local // chunk_tokens))
 
 
-def auto_chunk_tokens(
-    model: ModelShape,
-    layout: ParallelLayout,
-    batch: Batch,
-    *,
-    seq_length: int,
-    device: DeviceSpec,
-    eff: Efficiency = Efficiency(),
-) -> int:
-    """``--memo-chunk-tokens auto``: the smallest power-of-two chunk (local tokens, from
-    :data:`AUTO_CHUNK_MIN_TOKENS`) whose layer matrix products and TP collectives, forward and
-    backward, take at most :data:`AUTO_CHUNK_SLOWDOWN` longer than the whole sequence's; the
-    whole local sequence when none does."""
-    tokens = seq_length // layout.cp
-    local = tokens // (layout.tp if layout.sp else 1)
-    latency = collective_latency_s(layout.tp, device)
-
-    def seconds(chunk: int | None) -> float:
-        factor = matmul_shape_factor(
-            model, layout, batch, tokens=tokens, device=device, eff=eff, chunk_tokens=chunk
-        )
-        flops = sum(2 * m * k * n for m, k, n in _layer_gemm_shapes(model, layout, tokens))
-        matmul = 3 * flops * batch.micro_batch_size / (device.peak_tflops * 1e12 * eff.matmul)
-        return matmul / factor + 8 * _chunks(layout, tokens, chunk) * latency
-
-    whole = seconds(None)
-    chunk = AUTO_CHUNK_MIN_TOKENS
-    while chunk < local:
-        if seconds(chunk) <= (1 + AUTO_CHUNK_SLOWDOWN) * whole:
-            return chunk
-        chunk *= 2
-    return max(1, local)
-
-
 def host_copy_gbps(device: DeviceSpec, layout: ParallelLayout) -> float:
     """Each GPU's device ↔ host bandwidth while every rank of ``layout`` on a node copies at once
-    (MEMO's ranks copy each layer's activations together): GPUs behind one uplink share it."""
+    (a method's ranks copy each layer's activations together): GPUs behind one uplink share it."""
     return device.host_copy_gbps(min(layout.world_size, device.gpus_per_node))
 
 
-def solve_memo_alpha(
-    *,
-    zero: _Memo,
-    one: _Memo,
-    forward_s: float,
-    device: DeviceSpec,
-    layout: ParallelLayout,
-    host_budget_bytes: int,
-    resident_layers: int,
-) -> float:
-    """MEMO's α rule (``memo_ext.memo.alpha.solve_alpha``) on estimated figures.
-
-    Raises:
-        HostMemoryError: when even α = 0 does not fit the host budget.
-    """
-    cost = LayerCost(
-        full_bytes=zero.host_bytes,
-        tokenwise_bytes=one.host_bytes - zero.host_bytes,
-        forward_s=forward_s,
-        copy_gbps=host_copy_gbps(device, layout),
-    )
-    return solve_alpha(cost, budget_bytes=host_budget_bytes, resident_layers=resident_layers)
-
-
-@dataclass
-class _Stage:
-    """The busiest pipeline stage's activations and time, one method (see :func:`estimate`)."""
-
-    stored: float
-    """Activations stored when the forward ends."""
-    peak_activations: float
-    time: _LayerTime
-    recompute_flops: float
-    """Per micro-batch."""
-    alpha: float | None = None
-    keep: int | None = None
-    chunk_tokens: int | None = None
-    host_bytes: int = 0
-    fits_host: bool = True
-    notes: list[str] = field(default_factory=list)
-
-
-def _backward_flops(fig: LayerFigures) -> int:
+def backward_flops(fig: LayerFigures) -> int:
+    """A layer's backward FLOPs, recomputation included."""
     return fig.backward_matmul_flops + fig.backward_attention_flops
-
-
-def _megatron_stage(ctx: dict, *, method: str, none: LayerFigures, transients) -> _Stage:
-    """No recomputation, or Megatron's full / selective recomputation."""
-    layer_t, loss_t, in_flight, stage_layers = transients
-    fig = layer_figures(
-        ctx["model"], ctx["layout"], ctx["batch"], tokens=ctx["tokens"], method=method
-    )
-    stored = in_flight * stage_layers * fig.saved_bytes
-    # full recompute: the layer being recomputed holds its whole saved set again
-    again = none.saved_bytes if method == "full" else 0
-    time = _LayerTime()
-    time.add(_layer_time(fig, method=method, **ctx), stage_layers)
-    return _Stage(
-        stored=stored,
-        peak_activations=max(stored + loss_t, stored + again + layer_t),
-        time=time,
-        recompute_flops=stage_layers * (_backward_flops(fig) - _backward_flops(none)),
-    )
-
-
-def _memo_stage(
-    ctx: dict,
-    *,
-    memo: MemoConfig,
-    none: LayerFigures,
-    transients,
-    plain: _LayerTime,
-    host_budget: int,
-) -> _Stage:
-    """MEMO: the first layers of the stage offload, the last ``keep_last_layers`` do not."""
-    layer_t, loss_t, in_flight, stage_layers = transients
-    model, layout, batch, tokens = ctx["model"], ctx["layout"], ctx["batch"], ctx["tokens"]
-    keep = min(memo.kept_layers, stage_layers)
-    offloaded = stage_layers - keep
-    resident = in_flight * offloaded
-    chunk = memo.chunk_tokens
-    if chunk == "auto":
-        chunk = auto_chunk_tokens(
-            model,
-            layout,
-            batch,
-            seq_length=tokens * layout.cp,
-            device=ctx["device"],
-            eff=ctx["eff"],
-        )
-    at = dict(tokens=tokens, chunk_tokens=chunk, offload_rule=memo.offload_rule)
-    mode = layer_mode(chunk)
-    zero = memo_at(model, layout, batch, alpha=0.0, **at)
-    alpha, fits_host, notes = memo.alpha, True, []
-    # the last layers may keep their whole storages on the device when the host budget cannot
-    # hold every layer's (the runtime's mode decides, chunked only)
-    skeleton_bytes, budget = 0, host_budget
-    if offloaded:
-        full = zero.host_bytes
-        try:
-            skeletons = mode.skeletons(
-                LayerCost(full_bytes=full, tokenwise_bytes=0),
-                budget_bytes=host_budget,
-                offloaded=offloaded,
-                in_flight=in_flight,
-            )
-        except HostMemoryError as err:
-            skeletons, fits_host = 0, False
-            notes.append(str(err))
-        if skeletons:
-            notes.append(
-                f"whole storages of the last {skeletons} offloaded layers kept on the device"
-            )
-        skeleton_bytes = skeletons * in_flight * full
-        budget = host_budget + skeleton_bytes
-    if alpha is None:
-        one = memo_at(model, layout, batch, alpha=1.0, **at)
-        try:
-            alpha = solve_memo_alpha(
-                zero=zero,
-                one=one,
-                forward_s=plain.forward_s,
-                device=ctx["device"],
-                layout=ctx["layout"],
-                host_budget_bytes=budget,
-                resident_layers=resident,
-            )
-        except HostMemoryError as err:
-            alpha, fits_host = 0.0, False
-            notes.append(str(err))
-    m = memo_at(model, layout, batch, alpha=alpha, **at)
-    host = resident * m.host_bytes - skeleton_bytes
-    if chunk:
-        notes.append(f"MEMO by sub-sequence chunks of {chunk} local tokens")
-    stored, peak = mode.stage_bytes(
-        StageBytes(
-            keep=keep,
-            offloaded=offloaded,
-            in_flight=in_flight,
-            kept_saved_bytes=none.saved_bytes,
-            saved_bytes=m.backward.saved_bytes,
-            slot_bytes=m.slot_bytes,
-            whole_host_bytes=zero.host_bytes,
-            skeleton_bytes=skeleton_bytes,
-            layer_transient_bytes=layer_t,
-            live_bytes=m.live_bytes,
-            loss_transient_bytes=loss_t,
-        )
-    )
-    time = _LayerTime()
-    memo_time = _layer_time(
-        m.backward, method="memo", copy_bytes=m.host_bytes, chunk_tokens=chunk, **ctx
-    )
-    time.add(memo_time, offloaded)
-    time.add(_layer_time(none, method="none", chunk_tokens=chunk, **ctx) if chunk else plain, keep)
-    return _Stage(
-        stored=stored,
-        peak_activations=peak,
-        time=time,
-        recompute_flops=offloaded * (_backward_flops(m.backward) - _backward_flops(none)),
-        alpha=alpha,
-        keep=keep,
-        chunk_tokens=chunk,
-        host_bytes=host,
-        fits_host=fits_host and host <= host_budget,
-        notes=notes,
-    )
 
 
 def estimate(
@@ -721,10 +447,10 @@ def estimate(
     device: DeviceSpec,
     layout: ParallelLayout,
     batch: Batch = Batch(),
-    method: str,
+    method: MemoryMethod,
     seq_length: int,
     host_memory_bytes: int,
-    memo: MemoConfig = MEMO_DEFAULTS,
+    settings: Any = None,
     efficiency: Efficiency = Efficiency(),
 ) -> Estimate:
     """Memory, time and MFU of one configuration (see the module docstring).
@@ -734,17 +460,17 @@ def estimate(
         device: accelerator and links.
         layout: parallel layout (its DP size included).
         batch: micro-batches and optimizer sharding.
-        method: ``none``, ``full``, ``selective`` (Megatron) or ``memo``.
+        method: how the stage holds its activations (``memo_ext.features.memory_method``).
         seq_length: tokens per sequence.
         host_memory_bytes: host memory per node.
-        memo: MEMO's α (``None`` for the rule) and kept layers.
+        settings: the method's own settings (MEMO: its ``MemoConfig``); ``None``: its defaults.
         efficiency: achieved kernel efficiencies, headroom and host share.
 
     Raises:
         EstimateError: for a layout or method that cannot run.
     """
-    if method not in METHODS:
-        raise EstimateError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if not isinstance(method, MemoryMethod):
+        raise TypeError(f"method must be a MemoryMethod, got {method!r}")
     if model.vocab_size < 1:
         raise EstimateError(
             f"the vocabulary of {model.name} is unknown (vocab_size {model.vocab_size}); give it "
@@ -760,34 +486,27 @@ def estimate(
     transient = transient_fit(
         model, tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size
     )
-    transients = (
-        transient.layer_per_token * tokens,
-        transient.loss_per_token * tokens / eff.loss_chunks,
-        in_flight,
-        stage_layers,
-    )
     params = params_per_gpu(model, layout, none, seq_length)
     states = model_state_bytes(params, layout, batch)
     procs_per_node = min(layout.world_size, device.gpus_per_node)
-    host_budget = int(host_memory_bytes * eff.host_share / procs_per_node)
-    ctx = dict(model=model, layout=layout, batch=batch, device=device, eff=eff, tokens=tokens)
-    plain = _layer_time(none, method="none", **ctx)
-    if method == "memo":
-        stage = _memo_stage(
-            ctx, memo=memo, none=none, transients=transients, plain=plain, host_budget=host_budget
-        )
-    else:
-        stage = _megatron_stage(ctx, method=method, none=none, transients=transients)
-    return _finish(
-        stage,
-        ctx,
-        seq_length=seq_length,
-        states=states,
-        params=params,
-        plain=plain,
-        host_budget=host_budget,
-        method=method,
+    ctx = StageContext(
+        model=model,
+        layout=layout,
+        batch=batch,
+        device=device,
+        eff=eff,
+        tokens=tokens,
+        none=none,
+        layer_transient=transient.layer_per_token * tokens,
+        loss_transient=transient.loss_per_token * tokens / eff.loss_chunks,
+        in_flight=in_flight,
+        stage_layers=stage_layers,
+        host_budget=int(host_memory_bytes * eff.host_share / procs_per_node),
+        settings=settings,
     )
+    ctx = replace(ctx, plain=layer_time(none, ctx))
+    stage = method.price(ctx)
+    return _finish(stage, ctx, seq_length=seq_length, states=states, params=params, method=method)
 
 
 def _pp_exchange_s(model, layout: ParallelLayout, batch: Batch, *, tokens: int, device) -> float:
@@ -803,20 +522,17 @@ def _pp_exchange_s(model, layout: ParallelLayout, batch: Batch, *, tokens: int, 
     return p2p_latency_s(device, across_nodes=across) + nbytes / (link * 1e9)
 
 
-def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host_budget, method):
+def _finish(stage: Stage, ctx: StageContext, *, seq_length, states, params, method: MemoryMethod):
     """The step's time and MFU from the stage's, and the :class:`Estimate`."""
-    model, layout, batch = ctx["model"], ctx["layout"], ctx["batch"]
-    device, eff = ctx["device"], ctx["eff"]
+    model, layout, batch, device, eff = ctx.model, ctx.layout, ctx.batch, ctx.device, ctx.eff
     time = stage.time
     # output layer and loss: 2·tokens·h·vocab/tp forward, twice that backward
     padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=layout.tp)
-    ends_flops = (
-        6 * ctx["tokens"] * batch.micro_batch_size * model.hidden_size * padded // layout.tp
-    )
+    ends_flops = 6 * ctx.tokens * batch.micro_batch_size * model.hidden_size * padded // layout.tp
     time.compute_s += _seconds(ends_flops, 0, device=device, eff=eff, cp=1)[0]
     stage_s = time.compute_s + time.comm_s + time.copy_s
     if layout.pp > 1:  # each micro-batch's activations in and their gradients out, per stage
-        stage_s += 2 * _pp_exchange_s(model, layout, batch, tokens=ctx["tokens"], device=device)
+        stage_s += 2 * _pp_exchange_s(model, layout, batch, tokens=ctx.tokens, device=device)
     slots = batch.num_microbatches + layout.pp - 1  # 1F1B: the pipeline fills and drains
     _, _, dp_link = _links(device, layout)
     # gradients are all-reduced over DP × CP (CP ranks hold the same weights), in fp32, one
@@ -834,13 +550,13 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
     fits_device = peak <= usable
     notes = list(stage.notes)
     replay = None
-    if method != "memo" and eff.caching_allocator:
+    if method.replays_caching_allocator and eff.caching_allocator:
         from memo_ext.estimate.fragmentation import stage_replay
 
         replay = stage_replay(
             model,
             layout,
-            method=method,
+            method=method.name,
             seq_length=seq_length,
             micro_batch_size=batch.micro_batch_size,
             num_microbatches=batch.num_microbatches,
@@ -860,7 +576,7 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         notes.append("context parallelism modelled as ring attention (local k / v saved)")
     return Estimate(
         model=model.name,
-        method=method,
+        method=method.name,
         gpu=device.name,
         seq_length=seq_length,
         layout={**asdict(layout), **asdict(batch)},
@@ -875,7 +591,7 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         device_capacity_bytes=device.memory_bytes,
         device_usable_bytes=usable,
         host_bytes=int(stage.host_bytes),
-        host_budget_bytes=host_budget,
+        host_budget_bytes=ctx.host_budget,
         step_time_s=step_s,
         tokens_per_s=sequences * seq_length / step_s,
         mfu=model_flops / (step_s * layout.world_size * device.peak_tflops * 1e12),
@@ -883,7 +599,7 @@ def _finish(stage: _Stage, ctx: dict, *, seq_length, states, params, plain, host
         exposed_comm_s=slots * time.comm_s + dp_s,
         exposed_host_copy_s=slots * time.copy_s,
         grad_sync_s=dp_s,
-        layer_forward_s=plain.forward_s,
+        layer_forward_s=ctx.plain.forward_s,
         recompute_flops=float(stage.recompute_flops * batch.num_microbatches),
         fits_device=fits_device,
         fits_host=stage.fits_host,

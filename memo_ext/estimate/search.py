@@ -1,8 +1,9 @@
 """The longest sequence a model trains at on given GPUs, over the layouts that make sense.
 
 For each candidate layout (TP in {1, 2, 4, 8} within a node with SP on whenever TP > 1, CP
-powers of two, DP the rest; PP as given) and, for MEMO, kept last layers in {2, 1, 0} and α in
-{the rule's α, 0}, a galloping search over multiples of ``granularity · 2·CP`` finds the longest
+powers of two, DP the rest; PP as given) and each setting the method tries
+(``MemoryMethod.search_settings``: MEMO's kept last layers in {2, 1, 0} and α in {the rule's α,
+0}), a galloping search over multiples of ``granularity · 2·CP`` finds the longest
 length that fits device and host memory; the best layout is the longest, then the fastest. Fit
 is monotone in the length (every stored byte grows with it), which makes the search exact.
 """
@@ -14,7 +15,6 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from memo_ext.config import MemoConfig
 from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
@@ -23,6 +23,7 @@ from memo_ext.estimate.cost_model import (
     check_layout,
     estimate,
 )
+from memo_ext.estimate.stage import MemoryMethod
 from memo_ext.hardware import DeviceSpec
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
@@ -70,19 +71,6 @@ def _granularity(layout: ParallelLayout, granularity: int) -> int:
     return granularity * 2 * layout.cp
 
 
-def memo_options(space: SearchSpace, method: str) -> list[MemoConfig]:
-    """The MEMO settings the search tries (one neutral setting for the other methods)."""
-    if method != "memo":
-        return [MemoConfig(enabled=True)]
-    keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
-    alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
-    return [
-        MemoConfig(enabled=True, alpha=a, keep_last_layers=k, chunk_tokens=space.chunk_tokens)
-        for k in keeps
-        for a in alphas
-    ]
-
-
 def longest_fitting(run, *, layout: ParallelLayout, granularity: int) -> Estimate | None:
     """Galloping then binary search for the largest multiple of the layout's step that fits.
 
@@ -116,15 +104,16 @@ DEFAULT_BATCH = Batch()
 DEFAULT_EFFICIENCY = Efficiency()
 
 
-def _configurations(*, space: SearchSpace, method: str, gpus: int, batch: Batch, **fixed):
-    """What the search tries: ``(layout, run)`` per candidate layout and MEMO setting, where
-    ``run(layout=, seq_length=)`` estimates it (``fixed``: the rest of ``estimate``'s inputs)."""
+def _configurations(*, space: SearchSpace, method: MemoryMethod, gpus: int, batch: Batch, **fixed):
+    """What the search tries: ``(layout, run)`` per candidate layout and setting of the method
+    (:meth:`MemoryMethod.search_settings`), where ``run(layout=, seq_length=)`` estimates it
+    (``fixed``: the rest of ``estimate``'s inputs)."""
     model, device = fixed["model"], fixed["device"]
     for layout in candidate_layouts(model, device, gpus=gpus, space=space, batch=batch):
-        for memo in memo_options(space, method):
+        for settings in method.search_settings(space):
             yield (
                 layout,
-                functools.partial(estimate, method=method, batch=batch, memo=memo, **fixed),
+                functools.partial(estimate, method=method, batch=batch, settings=settings, **fixed),
             )
 
 
@@ -133,7 +122,7 @@ def find_max_seq_length(
     model: ModelShape,
     device: DeviceSpec,
     gpus: int,
-    method: str,
+    method: MemoryMethod,
     host_memory_bytes: int,
     space: SearchSpace = _ANY,
     batch: Batch = DEFAULT_BATCH,
@@ -167,7 +156,7 @@ def best_at_length(
     model: ModelShape,
     device: DeviceSpec,
     gpus: int,
-    method: str,
+    method: MemoryMethod,
     seq_length: int,
     host_memory_bytes: int,
     space: SearchSpace = _ANY,

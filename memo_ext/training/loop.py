@@ -39,9 +39,9 @@ from memo_ext.collectives import loss_pair, mean_loss, world_loss_pair
 from memo_ext.config import RunConfig
 from memo_ext.data.datasets import close_batch_iterator
 from memo_ext.data.tokenizers import tokenizer_for
-from memo_ext.estimate.preflight import check_preflight, planning_target
 from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, StepLoss
-from memo_ext.features import extensions_for
+from memo_ext.features.extensions import extensions_for
+from memo_ext.features.preflight import check_preflight, planning_target
 from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.training.checkpointing import (

@@ -10,7 +10,7 @@
   (``memo_ext.training.checkpointing.padded_vocab_to_load``);
 - each feature's own open choices (``Extension.resolve``): HotSPa's layouts and home layout,
   MEMO's ``--memo-chunk-tokens auto``, for the one device the run plans for
-  (``memo_ext.estimate.preflight.planning_target``).
+  (``memo_ext.features.preflight.planning_target``).
 
 It returns a new :class:`~memo_ext.config.RunConfig` (``dataclasses.replace``).
 """
@@ -22,9 +22,9 @@ import math
 
 from memo_ext.config import RunConfig
 from memo_ext.data.documents import document_source
-from memo_ext.estimate.preflight import planning_target
 from memo_ext.extension import Extension, PlanningTarget, ResolveContext
-from memo_ext.features import extensions_for
+from memo_ext.features.extensions import extensions_for
+from memo_ext.features.preflight import planning_target
 from memo_ext.shapes import padded_vocab_size
 from memo_ext.training.checkpointing import padded_vocab_to_load
 

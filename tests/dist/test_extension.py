@@ -14,7 +14,7 @@ import pytest
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from memo_ext.extension import Extension, MetricSource
-from memo_ext.features import register, unregister
+from memo_ext.features.extensions import register, unregister
 from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist

@@ -136,7 +136,8 @@ def test_the_estimator_traces_the_bytes_training_copied(trained, registered, rul
 def test_the_estimator_prices_the_rule(registered):
     """What the estimator's MEMO stage reads: the rule's host bytes and device bytes per layer,
     against MEMO's own at the same α (bf16, as on a GPU)."""
-    from memo_ext.estimate.cost_model import Batch, memo_at
+    from memo_ext.estimate.cost_model import Batch
+    from memo_ext.features.memo.stage import memo_at
 
     run = parse_args([*ARGS, *MEMO], world_size=1)
     at = dict(tokens=4096, alpha=float(ALPHA))

@@ -53,7 +53,7 @@ def test_the_preflight_traces_a_rope_model_under_tp_and_sp(memo, monkeypatch):
     """megatron places its RoPE table and SP gather buffers on torch.cuda.current_device(): on a
     GPU machine the trace must still keep them with its CPU fakes, and must not read the GPU's
     generator (a CUDA context made before the trainer picks its device)."""
-    from memo_ext.estimate.preflight import check_preflight, planning_target
+    from memo_ext.features.preflight import check_preflight, planning_target
 
     with emulated_cuda(world_size=2) as cuda:
 

@@ -21,7 +21,7 @@ from memo_ext.estimate.calibration import (
     measure_kernels,
 )
 from memo_ext.estimate.cost_model import Efficiency
-from memo_ext.estimate.preflight import preflight
+from memo_ext.features.preflight import preflight
 from memo_ext.hardware import (
     DEVICES,
     Calibration,

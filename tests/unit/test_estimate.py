@@ -14,6 +14,7 @@ from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.estimate.cost_model import estimate
 from memo_ext.estimate.measure import layer_fit, trace_layer
 from memo_ext.estimate.search import find_max_seq_length
+from memo_ext.features import memory_method
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape
@@ -106,7 +107,7 @@ def _est(method="memo", seq=1 << 20, host=2048 * GIB, **kw):
         model=MODELS["gpt-7b"],
         device=DEVICES["a800-80g"],
         layout=ParallelLayout(tp=8, sp=True),
-        method=method,
+        method=memory_method(method),
         seq_length=seq,
         host_memory_bytes=host,
         **kw,
@@ -121,7 +122,7 @@ def test_alpha_rule_edges():
         model=MODELS["gpt-7b"],
         device=fast,
         layout=ParallelLayout(tp=8, sp=True),
-        method="memo",
+        method=memory_method("memo"),
         seq_length=1 << 16,
         host_memory_bytes=BIG_HOST,
     )
@@ -131,7 +132,7 @@ def test_alpha_rule_edges():
         model=MODELS["gpt-7b"],
         device=slow,
         layout=ParallelLayout(tp=8, sp=True),
-        method="memo",
+        method=memory_method("memo"),
         seq_length=1 << 16,
         host_memory_bytes=BIG_HOST,
     )
@@ -142,16 +143,17 @@ def test_alpha_rule_edges():
 
 def test_methods_order_memory_as_expected():
     half = MemoConfig(enabled=True, alpha=0.5)
-    none, full, memo = (_est(m, seq=1 << 17, memo=half) for m in ("none", "full", "memo"))
+    none, full, memo = (_est(m, seq=1 << 17, settings=half) for m in ("none", "full", "memo"))
     assert full.activation_bytes < none.activation_bytes
     assert memo.activation_bytes < none.activation_bytes
     assert full.recompute_flops > memo.recompute_flops > 0 and none.recompute_flops == 0
-    memo_fixed = _est(seq=1 << 17, memo=MemoConfig(enabled=True, alpha=1.0, keep_last_layers=2))
+    memo_fixed = _est(seq=1 << 17, settings=MemoConfig(enabled=True, alpha=1.0, keep_last_layers=2))
     assert memo_fixed.recompute_flops == 0
 
 
 def test_search_is_monotone_in_gpus_and_memory():
-    kw = dict(model=SMALL, method="full", host_memory_bytes=BIG_HOST, granularity=256)
+    full = memory_method("full")
+    kw = dict(model=SMALL, method=full, host_memory_bytes=BIG_HOST, granularity=256)
     small = replace(DEVICES["a800-80g"], memory_bytes=GIB // 4)
     a = find_max_seq_length(device=small, gpus=1, **kw)
     b = find_max_seq_length(device=small, gpus=2, **kw)
@@ -162,7 +164,7 @@ def test_search_is_monotone_in_gpus_and_memory():
         model=SMALL,
         device=small,
         layout=ParallelLayout(**{k: a.layout[k] for k in ("tp", "cp", "pp", "dp", "sp")}),
-        method="full",
+        method=full,
         seq_length=a.seq_length + 2 * 256 * a.layout["cp"],
         host_memory_bytes=BIG_HOST,
     )
@@ -237,7 +239,7 @@ def _run_config(seq_length: int, *, memo: bool):
 
 
 def test_preflight_refuses_too_big_and_passes_small():
-    from memo_ext.estimate.preflight import PreflightError, check_preflight, preflight
+    from memo_ext.features.preflight import PreflightError, check_preflight, preflight
 
     device = DEVICES["a800-80g"]
     small = preflight(_run_config(8192, memo=False), device=device)

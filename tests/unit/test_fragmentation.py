@@ -25,6 +25,7 @@ from memo_ext.estimate.fragmentation import (
     iteration_fit,
     replay_iteration,
 )
+from memo_ext.features import memory_method
 from memo_ext.hardware import DEVICES, GIB, Calibration
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.caching_allocator import CachingAllocatorModel, OutOfMemory
@@ -152,7 +153,7 @@ def test_the_estimators_megatron_methods_fit_where_the_replay_does():
         device=device,
         layout=ParallelLayout(),
         batch=Batch(),
-        method="none",
+        method=memory_method("none"),
         host_memory_bytes=1 << 40,
     )
     replayed = Efficiency(caching_allocator=True)
@@ -167,7 +168,9 @@ def test_the_estimators_megatron_methods_fit_where_the_replay_does():
     # somewhere the replay runs out; never later than the allocated sum says
     assert not all(e.fits for e in fits.values())
     assert all(summed[n].fits for n in lengths if fits[n].fits)
-    memo = estimate(seq_length=1 << 13, efficiency=replayed, **{**common, "method": "memo"})
+    memo = estimate(
+        seq_length=1 << 13, efficiency=replayed, **{**common, "method": memory_method("memo")}
+    )
     assert memo.reserved_bytes is None  # MEMO plans its memory
 
 
@@ -192,10 +195,10 @@ def test_memos_alpha_is_charged_the_shared_uplink():
         model=model,
         layout=ParallelLayout(dp=8),
         batch=Batch(),
-        method="memo",
+        method=memory_method("memo"),
         host_memory_bytes=1 << 50,
         seq_length=1 << 14,
-        memo=MemoConfig(enabled=True, keep_last_layers=0),
+        settings=MemoConfig(enabled=True, keep_last_layers=0),
     )
     lower = 0
     for gbps in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0):

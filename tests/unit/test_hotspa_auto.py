@@ -21,9 +21,9 @@ from memo_ext.estimate.cost_model import (
     gemm_seconds,
     matmul_shape_factor,
 )
-from memo_ext.hardware import device_spec
-from memo_ext.hotspa import auto
-from memo_ext.hotspa.auto import (
+from memo_ext.features import memory_method
+from memo_ext.features.hotspa import auto
+from memo_ext.features.hotspa.auto import (
     SWITCH_MARGIN,
     WORKING_COPY_BYTES_PER_PARAM,
     BucketStats,
@@ -34,7 +34,8 @@ from memo_ext.hotspa.auto import (
     evaluate_strategies,
     plan_metrics,
 )
-from memo_ext.hotspa.extension import _log_one_bucket
+from memo_ext.features.hotspa.extension import _log_one_bucket
+from memo_ext.hardware import device_spec
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout, parse_strategies
 from memo_ext.shapes import model_shape
@@ -232,7 +233,9 @@ def test_collectives_cost_a_latency():
     assert collective_latency_s(1, device) == 0
     assert COLLECTIVE_START_S < collective_latency_s(8, device) < collective_latency_s(16, device)
     model = model_shape("llama-7b")
-    common = dict(model=model, device=device, method="none", host_memory_bytes=1 << 40)
+    common = dict(
+        model=model, device=device, method=memory_method("none"), host_memory_bytes=1 << 40
+    )
     tiny = estimate(layout=ParallelLayout(tp=8, sp=True), seq_length=64, **common)
     # 4 collectives per pass, a forward and a backward per layer, 32 layers
     assert tiny.exposed_comm_s >= 32 * 8 * collective_latency_s(8, device)
@@ -279,7 +282,7 @@ def test_resolved_run_records_the_plan_and_warns_of_slow_strategies(caplog):
 
 
 def test_one_layout_when_no_bucketed_plan_fits(short_documents, monkeypatch):
-    import memo_ext.hotspa.auto as auto
+    import memo_ext.features.hotspa.auto as auto
 
     stats, single = short_documents
     monkeypatch.setattr(auto, "_plan_with_home", lambda *args, **kwargs: None)
@@ -405,7 +408,7 @@ def test_one_bucket_instead_of_the_asked_for_ones_is_explained(caplog):
         home_sync_s=0.0,
     )  # fmt: skip
     stats = [BucketStats(rows=0.2, attention_fraction=1.0), BucketStats(15.7, 1.0)]
-    with caplog.at_level(logging.INFO, logger="memo_ext.hotspa.extension"):
+    with caplog.at_level(logging.INFO, logger="memo_ext.features.hotspa.extension"):
         _log_one_bucket(plan, requested=(128, 512), stats=stats, backfill=True)
         _log_one_bucket(plan, requested=(512,), stats=stats[1:], backfill=True)  # one asked for
     (record,) = caplog.records

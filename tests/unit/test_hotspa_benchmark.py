@@ -30,8 +30,8 @@ from memo_ext.data.lengths import (
     parse_spec,
     read_lengths_file,
 )
+from memo_ext.features.hotspa.auto import BucketStats
 from memo_ext.hardware import device_spec
-from memo_ext.hotspa.auto import BucketStats
 
 
 def test_spec_components_weights_and_argument_forms():

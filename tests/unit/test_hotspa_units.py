@@ -11,8 +11,7 @@ import torch
 from memo_ext.config import parse_buckets
 from memo_ext.data.documents import MockDocuments, global_batches
 from memo_ext.estimate.cost_model import Efficiency
-from memo_ext.hardware import device_spec
-from memo_ext.hotspa.auto import (
+from memo_ext.features.hotspa.auto import (
     BucketStats,
     StrategyError,
     _estimate,
@@ -21,6 +20,7 @@ from memo_ext.hotspa.auto import (
     choose_strategies,
     expected_rows,
 )
+from memo_ext.hardware import device_spec
 from memo_ext.hotspa.buckets import bucket_rows, pack_buckets
 from memo_ext.hotspa.switch import Shard, build_plan, element_count, merge_shards
 from memo_ext.parallel import LayoutError, ParallelLayout, parse_layout, parse_strategies

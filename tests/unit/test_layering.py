@@ -22,16 +22,16 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"planner", "allocator"}),
     frozenset({"memo"}),
     frozenset({"estimate"}),
-    frozenset({"hotspa", "megatron_lm", "memo.extension", "compare"}),
+    frozenset({"hotspa", "megatron_lm"}),
     frozenset({"features"}),
-    frozenset({"arguments", "training", "launch"}),
+    frozenset({"compare", "arguments", "training", "launch"}),
     frozenset({"hf"}),
     frozenset({"commands"}),
 )
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers
-only: not of its own layer (across), not of a higher one (up). A module named here
-(``memo.extension``: MEMO's connection to the trainer, which settles ``--memo-chunk-tokens auto``
-with the estimator) is a component of its own, above its package."""
+only: not of its own layer (across), not of a higher one (up). The libraries (``memo``,
+``hotspa``, the estimator) sit below ``features``, whose packages connect them to the trainer,
+the estimator's callers and the comparisons; nothing below ``features`` knows a feature."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -79,7 +79,7 @@ def read_package(root: Path = PACKAGE) -> dict[str, ast.AST]:
 
 def component(module: str) -> str:
     """``memo_ext.memo.runtime`` → ``memo``; a module declared in LAYERS is its own component
-    (``memo_ext.memo.extension`` → ``memo.extension``)."""
+    (``memo_ext.features.memo.extension`` → ``memo.extension``)."""
     parts = module.split(".")
     if len(parts) > 2 and layer_of(".".join(parts[1:3])) is not None:
         return ".".join(parts[1:3])

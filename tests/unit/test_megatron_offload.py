@@ -1,6 +1,6 @@
 """megatron-core's own activation offloading as trainer flags and as the comparison method
 ``megatron-offload``: parsing, the refusals (one sentence each), the ``TransformerConfig`` fields
-the trainer builds, and the refused rows of ``tools.compare_methods``. Nothing here offloads:
+the trainer builds, and the refused rows of ``memo-compare``. Nothing here offloads:
 both variants need CUDA and transformer-engine (tests/gpu/test_megatron_offload_cuda.py trains)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 import memo_ext.compare.jobs as mj
 import memo_ext.config as c
+import memo_ext.features.megatron_offload as offload_feature
 from memo_ext.arguments import parse_args
 from memo_ext.commands import compare_methods as cm
 from memo_ext.compare import runs as compare_runs
@@ -42,7 +43,7 @@ def parse(*extra: str, world_size: int = 1) -> c.RunConfig:
 def offload_machine(monkeypatch):
     """A process with CUDA and transformer-engine, as far as the checks can tell."""
     monkeypatch.setattr(megatron_offload, "megatron_offload_missing", lambda: None)
-    monkeypatch.setattr(mj, "megatron_offload_missing", lambda: None)
+    monkeypatch.setattr(offload_feature, "megatron_offload_missing", lambda: None)
 
 
 @pytest.fixture
@@ -51,7 +52,9 @@ def bare_machine(monkeypatch):
     monkeypatch.setattr(
         megatron_offload, "megatron_offload_missing", lambda: "CUDA and transformer-engine"
     )
-    monkeypatch.setattr(mj, "megatron_offload_missing", lambda: "CUDA and transformer-engine")
+    monkeypatch.setattr(
+        offload_feature, "megatron_offload_missing", lambda: "CUDA and transformer-engine"
+    )
 
 
 # --- the trainer's flags ------------------------------------------------------------------------
@@ -331,7 +334,7 @@ def test_a_refused_row_is_run_where_the_machine_can(tmp_path, bare_machine, monk
     comp, method = _offload_comparison(tmp_path)
     with tqdm(total=2, disable=True) as bar:
         assert cm.Runner(comp, cm.Results(comp), bar).run(method, 128)["status"] == mj.REFUSED
-    monkeypatch.setattr(mj, "megatron_offload_missing", lambda: None)
+    monkeypatch.setattr(offload_feature, "megatron_offload_missing", lambda: None)
     started = []
 
     def run_job(argv, **kwargs):
@@ -344,4 +347,4 @@ def test_a_refused_row_is_run_where_the_machine_can(tmp_path, bare_machine, monk
         record = cm.Runner(comp, cm.Results(comp), bar).run(method, 128)
     assert record["status"] == mj.OK and record["measured"]["step_time_s"] == 1.0
     (argv,) = started
-    assert " ".join(mj.MEGATRON_OFFLOAD_FLAGS) in " ".join(argv)
+    assert " ".join(offload_feature.MEGATRON_OFFLOAD_FLAGS) in " ".join(argv)

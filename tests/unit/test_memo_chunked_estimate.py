@@ -10,7 +10,6 @@ from memo_ext.config import MemoConfig, parse_chunk_tokens
 from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
-    auto_chunk_tokens,
     estimate,
     matmul_shape_factor,
 )
@@ -20,6 +19,8 @@ from memo_ext.estimate.measure import (
     layer_fit,
     trace_layer,
 )
+from memo_ext.features import memory_method
+from memo_ext.features.memo.stage import auto_chunk_tokens
 from memo_ext.hardware import DEVICES
 from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers
 from memo_ext.parallel import ParallelLayout
@@ -97,12 +98,12 @@ def test_estimator_chunked_peak_below_whole_layer_memo():
         model=GPT_7B,
         device=DEVICES["a800-80g"],
         layout=TP8,
-        method="memo",
+        method=memory_method("memo"),
         seq_length=1 << 20,
         host_memory_bytes=BIG_HOST,
     )
-    whole = estimate(**common, memo=MemoConfig(enabled=True, alpha=1.0))
-    chunked = estimate(**common, memo=MemoConfig(enabled=True, alpha=1.0, chunk_tokens=4096))
+    whole = estimate(**common, settings=MemoConfig(enabled=True, alpha=1.0))
+    chunked = estimate(**common, settings=MemoConfig(enabled=True, alpha=1.0, chunk_tokens=4096))
     assert chunked.keep_last_layers == 0 and chunked.memo_chunk_tokens == 4096
     assert chunked.device_peak_bytes <= 0.7 * whole.device_peak_bytes
     assert chunked.mfu >= 0.98 * whole.mfu

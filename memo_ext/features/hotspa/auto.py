@@ -37,6 +37,7 @@ from memo_ext.estimate.cost_model import (
     collective_latency_s,
     estimate,
 )
+from memo_ext.features.recompute import recompute_method
 from memo_ext.hardware import DeviceSpec
 from memo_ext.hotspa.buckets import bucket_rows
 from memo_ext.parallel import LayoutError, ParallelLayout
@@ -78,7 +79,8 @@ class BucketChoice:
     """Predicted weight + gradient switch time (0 on the home model)."""
     peak_bytes: int
     method: str = "none"
-    """Activation recomputation of the layout's model (the estimator's method names)."""
+    """Activation recomputation of the layout's model (a ``--recompute-granularity`` value, or
+    ``none``: ``memo_ext.features.recompute``)."""
 
     @property
     def total_s(self) -> float:
@@ -278,7 +280,7 @@ def _estimate(
         device=device,
         layout=layout,
         batch=batch,
-        method=method,
+        method=recompute_method(method),
         seq_length=length,
         host_memory_bytes=1 << 40,
         efficiency=replace(eff, attention_fraction=stats.attention_fraction, fill=stats.fill),

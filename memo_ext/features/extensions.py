@@ -1,17 +1,18 @@
-"""The trainer's features, each an ``memo_ext.extension.Extension``: the one list the trainer
-reads (``extensions_for``). A new feature is a package with its extension class, plus one line
-here (or one ``register`` call, as a test's own extension does)."""
+"""The trainer's features as ``memo_ext.extension.Extension`` classes: the one list the trainer
+reads (``extensions_for``). A new feature's extension is one line here, or one ``register``
+call (a test's own extension)."""
 
 from __future__ import annotations
 
 from memo_ext.config import RunConfig
 from memo_ext.extension import Extension
-from memo_ext.hotspa.extension import HotSPa
-from memo_ext.mcore.offloading import MegatronOffload
-from memo_ext.memo.extension import Memo
+from memo_ext.features.hotspa.extension import HotSPa
+from memo_ext.features.megatron_offload.extension import MegatronOffload
+from memo_ext.features.memo.extension import Memo
 
 FEATURES: list[type[Extension]] = [Memo, HotSPa, MegatronOffload]
-"""Every feature, in the order its hooks run (and its figures appear in a logged step)."""
+"""Every feature's extension, in the order its hooks run (and its figures appear in a logged
+step)."""
 
 
 def register(feature: type[Extension]) -> type[Extension]:

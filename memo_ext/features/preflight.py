@@ -1,11 +1,12 @@
 """Will this run fit? A check the trainer makes before building the model.
 
-``preflight(run)`` estimates the run's device peak and MEMO's host bytes (``estimate``) and
-returns a :class:`Report`; ``check_preflight(run)`` raises :class:`PreflightError` with the
-numbers and a suggestion (``--memo``, a larger CP, …) when the run cannot fit. The device is the
-CUDA device's preset (by name) or one given explicitly; on a machine without a GPU and without a
-given device nothing is checked. ``--calibration`` replaces the estimator's assumed efficiencies
-and host link with a machine's measured ones; ``--memory-limit-gb`` lowers the device's memory.
+``preflight(run)`` estimates the run's device peak and host bytes under the memory method its
+flags select (``memo_ext.features.memory_method_of``) and returns a :class:`Report`;
+``check_preflight(run)`` raises :class:`PreflightError` with the numbers and a suggestion (another
+method's flag such as ``--memo``, a larger CP, …) when the run cannot fit. The device is the CUDA
+device's preset (by name) or one given explicitly; on a machine without a GPU and without a given
+device nothing is checked. ``--calibration`` replaces the estimator's assumed efficiencies and
+host link with a machine's measured ones; ``--memory-limit-gb`` lowers the device's memory.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from memo_ext.config import MemoConfig, RunConfig
+from memo_ext.config import RunConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import apply_calibration
 from memo_ext.estimate.cost_model import Batch, Efficiency, Estimate, EstimateError
 from memo_ext.estimate.cost_model import estimate as run_estimate
+from memo_ext.estimate.stage import MemoryMethod
 from memo_ext.extension import PlanningTarget
+from memo_ext.features import METHODS, memory_method_of
 from memo_ext.hardware import (
     DEVICES,
     GIB,
@@ -64,12 +67,6 @@ def _batch(run: RunConfig) -> Batch:
     )
 
 
-def _method(run: RunConfig) -> str:
-    if run.memo.enabled:
-        return "memo"
-    return run.recompute.granularity or "none"
-
-
 def preflight(
     run: RunConfig,
     *,
@@ -103,13 +100,14 @@ def preflight(
     layout = run.layout
     if host_memory_bytes is None:
         host_memory_bytes = _host_memory_bytes(run, layout, device, efficiency)
+    method = memory_method_of(run)
     kwargs = dict(
         model=run.shape,
         device=device,
         batch=_batch(run),
-        method=_method(run),
+        method=method,
         host_memory_bytes=host_memory_bytes,
-        memo=run.memo,
+        settings=method.settings_of(run),
         efficiency=efficiency,
     )
     try:
@@ -117,9 +115,9 @@ def preflight(
     except EstimateError as err:
         return Report(checked=False, fits=True, message=f"preflight skipped: {err}")
     if est.fits:
-        return Report(checked=True, fits=True, message=_numbers(est), estimate=est)
+        return Report(checked=True, fits=True, message=_numbers(est, method), estimate=est)
     hint = _suggestion(est, layout=layout, seq_length=run.data.seq_length, **kwargs)
-    message = f"this run does not fit: {_numbers(est)}; {hint}"
+    message = f"this run does not fit: {_numbers(est, method)}; {hint}"
     return Report(checked=True, fits=False, message=message, estimate=est)
 
 
@@ -164,14 +162,14 @@ def _host_memory_bytes(
     return available_host_memory_bytes()
 
 
-def _numbers(est: Estimate) -> str:
+def _numbers(est: Estimate, method: MemoryMethod) -> str:
     gib = GIB
     text = (
         f"device peak {est.device_peak_bytes / gib:.1f} GiB of {est.device_usable_bytes / gib:.1f}"
         f" GiB usable (model states {est.model_state_bytes / gib:.1f}, activations "
         f"{est.activation_bytes / gib:.1f}, transient {est.transient_bytes / gib:.1f})"
     )
-    if est.method == "memo":
+    if method.uses_host_memory:
         text += (
             f", host {est.host_bytes / gib:.1f} GiB of a {est.host_budget_bytes / gib:.1f} GiB "
             f"budget per process at α = {est.alpha:.2f}"
@@ -180,10 +178,13 @@ def _numbers(est: Estimate) -> str:
 
 
 def _suggestion(est: Estimate, *, layout: ParallelLayout, seq_length: int, **kwargs) -> str:
-    """The first change that makes the run fit, among MEMO and larger CP / TP."""
-    tries = []
-    if est.method != "memo":
-        tries.append(("add --memo", layout, {"method": "memo", "memo": MemoConfig(enabled=True)}))
+    """The first change that makes the run fit, among the methods that suggest themselves
+    (:attr:`MemoryMethod.suggestion`: MEMO) and larger CP / TP."""
+    tries = [
+        (other.suggestion, layout, {"method": other, "settings": None})
+        for other in METHODS
+        if other.suggestion and other is not kwargs["method"]
+    ]
     if not est.fits_host:
         tries.append(("raise --memo-host-memory-gb or keep more layers", layout, {}))
     if layout.dp % 2 == 0:

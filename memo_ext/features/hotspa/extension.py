@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from memo_ext.config import RunConfig, resolve_attention_backend
 from memo_ext.extension import Built, Extension, MetricSource, ResolveContext, StepLoss
-from memo_ext.hotspa import auto
+from memo_ext.features.hotspa import auto
 from memo_ext.hotspa.buckets import hotspa_step_batches
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
 

@@ -15,13 +15,13 @@ import os
 
 from memo_ext.allocator.core import AllocatorCore
 from memo_ext.config import AUTO, RunConfig
-from memo_ext.estimate.cost_model import (
+from memo_ext.estimate.cost_model import Batch
+from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, ResolveContext
+from memo_ext.features.memo.stage import (
     AUTO_CHUNK_MIN_TOKENS,
     AUTO_CHUNK_SLOWDOWN,
-    Batch,
     auto_chunk_tokens,
 )
-from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, ResolveContext
 from memo_ext.memo.planned_memory import (
     PlannedMemory,
     format_plan_metrics,

@@ -1,0 +1,255 @@
+"""How the estimator prices MEMO: a stage's offloaded and kept layers, α by MEMO's rule on
+estimated figures, the host budget, and ``--memo-chunk-tokens auto``.
+
+The per-layer figures are traces of MEMO's own runtime on fake tensors
+(``memo_ext.estimate.measure``, at α = 0 and 1, with the run's chunk and offload rule); the
+device bytes a stage holds are the layer mode's rule (``memo_ext.memo.modes``), the one the
+runtime follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memo_ext.config import MemoConfig
+from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
+from memo_ext.estimate.cost_model import (
+    Batch,
+    Efficiency,
+    backward_flops,
+    collective_latency_s,
+    host_copy_gbps,
+    layer_figures,
+    layer_gemm_shapes,
+    layer_time,
+    matmul_shape_factor,
+    sub_sequence_chunks,
+)
+from memo_ext.estimate.fits import LayerFigures, memo_method
+from memo_ext.estimate.stage import LayerTime, Stage, StageContext
+from memo_ext.hardware import DeviceSpec
+from memo_ext.memo.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.memo.modes import StageBytes, layer_mode
+from memo_ext.parallel import ParallelLayout
+from memo_ext.shapes import ModelShape
+
+DEFAULT_EFFICIENCY = Efficiency()
+MEMO_DEFAULTS = MemoConfig(enabled=True)
+"""MEMO as ``--memo`` alone runs it: α by the rule, the last two layers kept."""
+AUTO_CHUNK_SLOWDOWN = 0.02
+"""``--memo-chunk-tokens auto``: the smallest chunk whose matrix products and TP collectives
+take at most this fraction longer than the whole sequence's (roofline and latencies above)."""
+AUTO_CHUNK_MIN_TOKENS = 256
+"""Smallest chunk ``auto`` considers (local tokens); candidates double from there."""
+
+
+@dataclass(frozen=True)
+class _Memo:
+    """MEMO's per-layer figures at one α."""
+
+    alpha: float
+    host_bytes: int
+    slot_bytes: int
+    backward: LayerFigures
+    live_bytes: int = 0
+    """Chunked: the largest total live over one offloaded layer's forward and backward."""
+
+
+def memo_at(
+    model: ModelShape,
+    layout: ParallelLayout,
+    batch: Batch,
+    *,
+    tokens: int,
+    alpha: float,
+    chunk_tokens: int | None = None,
+    offload_rule: str | None = None,
+) -> _Memo:
+    """MEMO at α (by chunks of ``chunk_tokens`` local tokens if given; its layers placing their
+    saves by ``offload_rule``, MEMO's own if ``None``), interpolated between the α = 0 and α = 1
+    traces (host bytes and recompute FLOPs are linear in α; a ping-pong slot pins whole
+    storages as soon as α > 0)."""
+    rule = None if offload_rule == DEFAULT_OFFLOAD_RULE else offload_rule
+    at = dict(chunk_tokens=chunk_tokens, rule=rule)
+    zero = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(0.0, **at))
+    one = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(1.0, **at))
+    mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
+    live = 0
+    if chunk_tokens:
+        from memo_ext.estimate.measure import chunked_live_fit
+
+        kw = dict(tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size)
+        lives = [
+            chunked_live_fit(model, alpha=a, chunk_tokens=chunk_tokens, **kw).at(tokens)
+            for a in (0.0, 1.0)
+        ]
+        live = mix(*lives)
+    backward = LayerFigures(
+        **{
+            name: mix(getattr(zero, name), getattr(one, name))
+            for name in LayerFigures.__dataclass_fields__
+        }
+    )
+    return _Memo(
+        alpha=alpha,
+        host_bytes=mix(zero.host_bytes, one.host_bytes),
+        slot_bytes=zero.slot_bytes if alpha == 0 else one.slot_bytes,
+        backward=backward,
+        live_bytes=live,
+    )
+
+
+def auto_chunk_tokens(
+    model: ModelShape,
+    layout: ParallelLayout,
+    batch: Batch,
+    *,
+    seq_length: int,
+    device: DeviceSpec,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> int:
+    """``--memo-chunk-tokens auto``: the smallest power-of-two chunk (local tokens, from
+    :data:`AUTO_CHUNK_MIN_TOKENS`) whose layer matrix products and TP collectives, forward and
+    backward, take at most :data:`AUTO_CHUNK_SLOWDOWN` longer than the whole sequence's; the
+    whole local sequence when none does."""
+    tokens = seq_length // layout.cp
+    local = tokens // (layout.tp if layout.sp else 1)
+    latency = collective_latency_s(layout.tp, device)
+
+    def seconds(chunk: int | None) -> float:
+        factor = matmul_shape_factor(
+            model, layout, batch, tokens=tokens, device=device, eff=eff, chunk_tokens=chunk
+        )
+        flops = sum(2 * m * k * n for m, k, n in layer_gemm_shapes(model, layout, tokens))
+        matmul = 3 * flops * batch.micro_batch_size / (device.peak_tflops * 1e12 * eff.matmul)
+        return matmul / factor + 8 * sub_sequence_chunks(layout, tokens, chunk) * latency
+
+    whole = seconds(None)
+    chunk = AUTO_CHUNK_MIN_TOKENS
+    while chunk < local:
+        if seconds(chunk) <= (1 + AUTO_CHUNK_SLOWDOWN) * whole:
+            return chunk
+        chunk *= 2
+    return max(1, local)
+
+
+def solve_memo_alpha(
+    *,
+    zero: _Memo,
+    one: _Memo,
+    forward_s: float,
+    device: DeviceSpec,
+    layout: ParallelLayout,
+    host_budget_bytes: int,
+    resident_layers: int,
+) -> float:
+    """MEMO's α rule (``memo_ext.memo.alpha.solve_alpha``) on estimated figures.
+
+    Raises:
+        HostMemoryError: when even α = 0 does not fit the host budget.
+    """
+    cost = LayerCost(
+        full_bytes=zero.host_bytes,
+        tokenwise_bytes=one.host_bytes - zero.host_bytes,
+        forward_s=forward_s,
+        copy_gbps=host_copy_gbps(device, layout),
+    )
+    return solve_alpha(cost, budget_bytes=host_budget_bytes, resident_layers=resident_layers)
+
+
+def memo_stage(ctx: StageContext) -> Stage:
+    """MEMO: the first layers of the stage offload, the last ``keep_last_layers`` do not
+    (``ctx.settings``: the run's ``MemoConfig``, else ``--memo`` alone's)."""
+    memo = ctx.settings or MEMO_DEFAULTS
+    none, plain, host_budget = ctx.none, ctx.plain, ctx.host_budget
+    layer_t, loss_t = ctx.layer_transient, ctx.loss_transient
+    in_flight, stage_layers = ctx.in_flight, ctx.stage_layers
+    model, layout, batch, tokens = ctx.model, ctx.layout, ctx.batch, ctx.tokens
+    keep = min(memo.kept_layers, stage_layers)
+    offloaded = stage_layers - keep
+    resident = in_flight * offloaded
+    chunk = memo.chunk_tokens
+    if chunk == "auto":
+        chunk = auto_chunk_tokens(
+            model,
+            layout,
+            batch,
+            seq_length=tokens * layout.cp,
+            device=ctx.device,
+            eff=ctx.eff,
+        )
+    at = dict(tokens=tokens, chunk_tokens=chunk, offload_rule=memo.offload_rule)
+    mode = layer_mode(chunk)
+    zero = memo_at(model, layout, batch, alpha=0.0, **at)
+    alpha, fits_host, notes = memo.alpha, True, []
+    # the last layers may keep their whole storages on the device when the host budget cannot
+    # hold every layer's (the runtime's mode decides, chunked only)
+    skeleton_bytes, budget = 0, host_budget
+    if offloaded:
+        full = zero.host_bytes
+        try:
+            skeletons = mode.skeletons(
+                LayerCost(full_bytes=full, tokenwise_bytes=0),
+                budget_bytes=host_budget,
+                offloaded=offloaded,
+                in_flight=in_flight,
+            )
+        except HostMemoryError as err:
+            skeletons, fits_host = 0, False
+            notes.append(str(err))
+        if skeletons:
+            notes.append(
+                f"whole storages of the last {skeletons} offloaded layers kept on the device"
+            )
+        skeleton_bytes = skeletons * in_flight * full
+        budget = host_budget + skeleton_bytes
+    if alpha is None:
+        one = memo_at(model, layout, batch, alpha=1.0, **at)
+        try:
+            alpha = solve_memo_alpha(
+                zero=zero,
+                one=one,
+                forward_s=plain.forward_s,
+                device=ctx.device,
+                layout=ctx.layout,
+                host_budget_bytes=budget,
+                resident_layers=resident,
+            )
+        except HostMemoryError as err:
+            alpha, fits_host = 0.0, False
+            notes.append(str(err))
+    m = memo_at(model, layout, batch, alpha=alpha, **at)
+    host = resident * m.host_bytes - skeleton_bytes
+    if chunk:
+        notes.append(f"MEMO by sub-sequence chunks of {chunk} local tokens")
+    stored, peak = mode.stage_bytes(
+        StageBytes(
+            keep=keep,
+            offloaded=offloaded,
+            in_flight=in_flight,
+            kept_saved_bytes=none.saved_bytes,
+            saved_bytes=m.backward.saved_bytes,
+            slot_bytes=m.slot_bytes,
+            whole_host_bytes=zero.host_bytes,
+            skeleton_bytes=skeleton_bytes,
+            layer_transient_bytes=layer_t,
+            live_bytes=m.live_bytes,
+            loss_transient_bytes=loss_t,
+        )
+    )
+    time = LayerTime()
+    # the layer's data goes out during its forward and comes back during the next backward
+    time.add(layer_time(m.backward, ctx, copy_bytes=m.host_bytes, chunk_tokens=chunk), offloaded)
+    time.add(layer_time(none, ctx, chunk_tokens=chunk) if chunk else plain, keep)
+    return Stage(
+        stored=stored,
+        peak_activations=peak,
+        time=time,
+        recompute_flops=offloaded * (backward_flops(m.backward) - backward_flops(none)),
+        alpha=alpha,
+        keep=keep,
+        chunk_tokens=chunk,
+        host_bytes=host,
+        fits_host=fits_host and host <= host_budget,
+        notes=notes,
+    )
