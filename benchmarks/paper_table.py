@@ -54,7 +54,7 @@ from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS
 
 ROWS = (("gpt-7b", 8), ("gpt-13b", 16), ("gpt-30b", 32), ("gpt-65b", 64))
-METHODS = ("full", "selective", "memo")
+METHODS = ("full", "selective", "memo")  # the table's columns (memo_ext.features.METHODS names)
 DEVICE = DEVICES["a800-80g"]
 HOST_BYTES_PER_NODE = 2048 * GIB
 K = 1024

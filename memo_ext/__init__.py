@@ -1,11 +1,13 @@
 """Long-context GPT pretraining on megatron-core with MEMO and HotSPa.
 
-Entry points: ``pretrain_gpt_memo.py`` (training, Megatron-LM's flags), ``memo_ext.launch``
-(torchrun, ending a failed run with its one sentence) and the command-line tools in ``tools/``.
+Entry points: ``pretrain_gpt_memo.py`` (training, Megatron-LM's flags; the installed trainer is
+``memo_ext.commands.pretrain_gpt_memo``), ``memo_ext.launch`` (torchrun, ending a failed run
+with its one sentence) and the installed commands of ``memo_ext.commands`` (``memo-estimate``,
+``memo-compare``, …; ``python -m tools.NAME`` in the repository).
 
 Layers, lowest first; a module imports only from lower layers (``tests/unit/test_layering.py``):
 
-    errors                              the error types entry points report in one sentence
+    errors, device                      the error types entry points report in one sentence
     shapes, parallel, hardware, flags,  one model shape, one parallel layout, one device table,
     collectives, extension              flags generated from dataclasses, the world's loss,
                                         the interface a feature implements
@@ -13,12 +15,15 @@ Layers, lowest first; a module imports only from lower layers (``tests/unit/test
     mcore, data                         megatron-core internals (specs, attention, compat,
                                         tracing, groups); tokenizers, datasets, packed documents
     planner, allocator                  the memory planner; the run-time side of a plan
-    memo                                MEMO's activation manager and its layer modes
-    estimate                            memory / time / MFU at any scale, the preflight
-    hotspa, megatron_lm, memo.extension length buckets in their own layouts; Megatron-LM's flags;
-                                        MEMO's connection to the trainer
-    features                            the features the trainer runs (one list)
-    arguments, training, launch         flags → a checked run; the training loop; the launcher
+    memo                                MEMO's library: activation manager, layer modes, rules
+    estimate                            memory / time / MFU at any scale, the stage protocol
+    hotspa, megatron_lm                 HotSPa's library; Megatron-LM's flags
+    features                            one package per feature (hooks, estimator stage,
+                                        compared methods), the registry, the preflight
+    compare, arguments, training,       the comparison harness; flags → a checked run; the
+    launch                              training loop; the launcher
+    hf                                  Hugging Face import / export
+    commands                            the installed commands and the trainer's main
 
 Importing the package filters what megatron-core and torch announce that no user can act on
 (below); the modules that import megatron-core are imported only when work starts, so

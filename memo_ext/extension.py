@@ -1,5 +1,5 @@
 """How a memory or parallelism feature plugs into the trainer: one :class:`Extension` per
-feature, registered once in ``memo_ext.features``.
+feature, registered once in ``memo_ext.features.extensions``.
 
 The trainer (``memo_ext.training.loop``) names no feature. It asks the registry for the
 extensions a run enables and calls their hooks at fixed points of a run:
@@ -31,6 +31,40 @@ if TYPE_CHECKING:
 
     from memo_ext.config import RunConfig
     from memo_ext.hardware import DeviceSpec
+
+
+@dataclass(frozen=True)
+class MetricKey:
+    """Keys of the metrics file (one row of the README's table): their type and meaning.
+    Every key a logged record holds is one of these, written where the feature or the part of
+    the trainer that collects it is (``memo_ext.training.metric_keys`` gathers them)."""
+
+    names: tuple[str, ...]
+    type: str
+    """``int``, ``float``, ``str``, ``list[int]``, ``dict[str, float]``, optionally
+    ``| null``."""
+    meaning: str
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` (as read back from JSON) has this key's type."""
+        kinds = self.type.split(" | ")
+        if value is None:
+            return "null" in kinds
+        if isinstance(value, bool):
+            return False
+        if isinstance(value, list):
+            return "list[int]" in kinds and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            )
+        if isinstance(value, dict):
+            return "dict[str, float]" in kinds and all(
+                isinstance(k, str) and isinstance(v, (int, float)) for k, v in value.items()
+            )
+        if isinstance(value, int):
+            return "int" in kinds or "float" in kinds
+        if isinstance(value, float):
+            return "float" in kinds
+        return isinstance(value, str) and "str" in kinds
 
 
 @dataclass(frozen=True)
@@ -99,7 +133,7 @@ class StepLoss:
 
 class Extension(abc.ABC):
     """A feature of the trainer. Subclass it, override the hooks the feature needs, and add the
-    class to ``memo_ext.features.FEATURES`` (or call ``memo_ext.features.register``).
+    class to ``memo_ext.features.extensions.FEATURES`` (or call its ``register``).
 
     An extension is made from the run as parsed (``self.run``), before the run is resolved; the
     resolved run reaches the hooks that need it as an argument (:meth:`layer_spec`,
@@ -115,6 +149,9 @@ class Extension(abc.ABC):
     cannot be used)."""
     finalizes_gradients: bool = False
     """Reduces gradients itself: megatron-core's schedules must not finalize them."""
+    metric_keys: ClassVar[tuple[MetricKey, ...]] = ()
+    """The keys its :meth:`metric_sources` add to a logged record, documented (the README's
+    metrics table is made from them)."""
 
     @classmethod
     @abc.abstractmethod

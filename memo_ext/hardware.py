@@ -182,7 +182,7 @@ def available_host_memory_bytes() -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Calibration: what a machine really achieves, measured by tools.compare_methods --calibrate
+# Calibration: what a machine really achieves, measured by memo-compare --calibrate
 # ---------------------------------------------------------------------------------------------
 
 CALIBRATION_FORMAT = "memo-calibration/1"
@@ -244,7 +244,7 @@ def read_calibration(path: str) -> Calibration:
     if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
         raise UsageError(
             f"--calibration {path}: not a {CALIBRATION_FORMAT} file (write one with "
-            "python -m tools.compare_methods --calibrate)"
+            "memo-compare --calibrate)"
         )
     names = {f.name for f in dataclasses.fields(Calibration)}
     try:

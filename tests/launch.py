@@ -122,7 +122,18 @@ def run_pretrain(
         timeout_s=timeout_s,
     )
     assert result.status == 0, f"{name} failed:\n{result.describe()}"
-    return read_metrics(metrics)
+    return documented(read_metrics(metrics))
+
+
+def documented(records: list[dict]) -> list[dict]:
+    """``records``, once every key of each is found documented with its type (the README's
+    metrics table, ``memo_ext.training.metric_keys``)."""
+    from memo_ext.training.metric_keys import undocumented
+
+    for record in records:
+        problems = undocumented(record)
+        assert not problems, f"iteration {record.get('iteration')}: {'; '.join(problems)}"
+    return records
 
 
 def run_job(
@@ -233,7 +244,7 @@ def launch_pretrain(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return read_metrics(metrics)
+    return documented(read_metrics(metrics))
 
 
 def assert_same_curves(reference: list[dict], other: list[dict], *, rtol: float) -> None:

@@ -1,10 +1,12 @@
-"""Print the trainer's flag reference as Markdown tables (the README's "Flag reference").
+"""Print the trainer's flag reference and the metrics file's keys as Markdown tables (the
+README's "Flag reference" and "Metrics").
 
     python -m tools.flag_reference            # print
-    python -m tools.flag_reference --update   # rewrite the section of README.md in place
+    python -m tools.flag_reference --update   # rewrite both sections of README.md in place
 
-The README section lies between ``<!-- flags:begin -->`` and ``<!-- flags:end -->``; a test
-checks that it matches this output.
+The sections lie between ``<!-- flags:begin -->`` and ``<!-- flags:end -->``, and between
+``<!-- metrics:begin -->`` and ``<!-- metrics:end -->``; a test checks that each matches this
+output.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import warnings
 from pathlib import Path
 
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+METRICS_BEGIN, METRICS_END = "<!-- metrics:begin -->", "<!-- metrics:end -->"
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -48,8 +51,13 @@ def flag_tables(parser: argparse.ArgumentParser) -> str:
     return "\n".join(out)
 
 
-def readme_section(text: str) -> str:
-    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
+def readme_section(text: str, begin: str = BEGIN, end: str = END) -> str:
+    return text[text.index(begin) + len(begin) : text.index(end)].strip("\n")
+
+
+def _replace_section(text: str, body: str, begin: str, end: str) -> str:
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + body + "\n" + text[stop:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     from memo_ext.arguments import build_parser
+    from memo_ext.training.metric_keys import metrics_table
 
-    tables = flag_tables(build_parser())
+    tables, metrics = flag_tables(build_parser()), metrics_table()
     if not args.update:
-        print(tables)
+        print(tables + "\n" + metrics)
         return 0
-    text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + tables + "\n" + text[end:])
+    text = _replace_section(README.read_text(), tables, BEGIN, END)
+    README.write_text(_replace_section(text, metrics, METRICS_BEGIN, METRICS_END))
     return 0
 
 

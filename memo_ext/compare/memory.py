@@ -19,7 +19,8 @@ from memo_ext.memo.alpha import slots_after_forward
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
-METHODS = ("none", "full", "selective", "memo-0", "memo-0.5", "memo-1")
+ROWS = ("none", "full", "selective", "memo-0", "memo-0.5", "memo-1")
+"""The report's rows: traced methods (``memo_ext.estimate.fits``), MEMO at three α."""
 CHUNKED = ("memo-chunked-0", "memo-chunked-1")
 DEFAULT_CHUNK_TOKENS = 4096
 """Chunk of the ``memo-chunked`` rows without ``--memo-chunk-tokens`` (local tokens)."""
@@ -114,7 +115,7 @@ def trace_methods(setup: Setup) -> dict[str, LayerFigures]:
             method=_traced(method, setup),
             fp32=setup.fp32,
         )
-        for method in METHODS + CHUNKED
+        for method in ROWS + CHUNKED
     }
 
 

@@ -1,4 +1,4 @@
-"""The console table, the summary and the plot of ``tools.compare_methods``.
+"""The console table, the summary and the plot of ``memo-compare``.
 
 Every function reads the run records of the comparison's JSON file (one dict per configuration:
 ``method``, ``seq_length``, ``status``, ``measured``, ``predicted``, ``deterministic`` and, after

@@ -1,4 +1,4 @@
-"""``tools.compare_methods``' record of runs (``compare.json``, :class:`Results`) and the runner
+"""``memo-compare``' record of runs (``compare.json``, :class:`Results`) and the runner
 that starts each configuration's job at most once (:class:`Runner`)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ what one machine achieves:
   minimise the squared relative error are found by least squares;
 - :func:`apply_calibration` turns a calibration into the ``DeviceSpec`` and ``Efficiency`` the
   estimator takes (``tools.estimate --calibration``, the trainer's preflight,
-  ``tools.compare_methods``).
+  ``memo-compare``).
 """
 
 from __future__ import annotations

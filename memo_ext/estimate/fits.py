@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("none", "full", "selective", "memo-0", "memo-1")
+TRACED = ("none", "full", "selective", "memo-0", "memo-1")
 """Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α).
 ``memo-A@C`` is MEMO at α ``A`` by sub-sequence chunks of ``C`` local tokens; ``memo-A:RULE``
 is MEMO whose layers place their saves by the offload rule ``RULE`` (``memo_ext.memo.rules``)."""
@@ -30,9 +30,9 @@ class TracedMemo:
 def parse_method(method: str) -> TracedMemo | None:
     """The MEMO settings of a traced method name; ``None`` for a method without MEMO."""
     if not method.startswith("memo-"):
-        if method not in METHODS:
+        if method not in TRACED:
             raise ValueError(
-                f"method must be one of {METHODS} or memo-ALPHA[@CHUNK][:RULE], got {method!r}"
+                f"method must be one of {TRACED} or memo-ALPHA[@CHUNK][:RULE], got {method!r}"
             )
         return None
     settings, _, rule = method.removeprefix("memo-").partition(":")

@@ -152,7 +152,7 @@ def trace_layer(
         tp: tensor-parallel size; ``sp`` shards the layer input over it.
         tokens: tokens of one sequence on this process (``s / cp``).
         micro_batch_size: sequences per micro-batch.
-        method: one of :data:`~memo_ext.estimate.fits.METHODS`, or MEMO at another α, chunk
+        method: one of :data:`~memo_ext.estimate.fits.TRACED`, or MEMO at another α, chunk
             or offload rule (:func:`~memo_ext.estimate.fits.parse_method`).
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """

@@ -17,11 +17,87 @@ import torch
 from memo_ext.allocator.cuda import cuda_allocator_installed
 from memo_ext.device import on_gpu
 from memo_ext.errors import ReportedError, UsageError
+from memo_ext.extension import MetricKey
 
 logger = logging.getLogger(__name__)
 
 CURVE_KEYS = ("loss", "grad_norm")
 """What two runs that should be the same must agree on, step by step."""
+
+STEP_KEYS: tuple[MetricKey, ...] = (
+    MetricKey(("iteration",), "int", "optimizer step, from 1"),
+    MetricKey(("loss",), "float", "mean loss over all real tokens of the global batch"),
+    MetricKey(("grad_norm",), "float", "global L2 gradient norm before clipping"),
+    MetricKey(("lr",), "float", "learning rate used by this step"),
+    MetricKey(
+        ("step_time_s",),
+        "float",
+        "wall time of the step, less one-off work inside it (`plan_time_s`)",
+    ),
+    MetricKey(("tokens_per_s",), "float", "global batch tokens / step time"),
+    MetricKey(("consumed_samples",), "int", "samples trained on so far"),
+    MetricKey(
+        ("skipped_iterations",),
+        "int",
+        "steps so far whose update was skipped (an fp16 overflow, non-finite gradients under "
+        "`--skip-iterations-with-nan`)",
+    ),
+    MetricKey(
+        ("global_batch_size",),
+        "int",
+        "sequences of this step (smaller while `--rampup-batch-size` / "
+        "`--step-batch-size-schedule` ramps up; documents with `--variable-seq-lengths`)",
+    ),
+    MetricKey(
+        ("tflops_per_device",),
+        "float",
+        "model FLOPs (attention included, causal half; recomputation not counted) per device "
+        "per second",
+    ),
+    MetricKey(
+        ("mfu",), "float", "`tflops_per_device` / device peak (CUDA, or `--device-peak-tflops`)"
+    ),
+    MetricKey(
+        ("mem_allocated_bytes", "mem_reserved_bytes"),
+        "int",
+        "CUDA peak memory since the last log; with `--memo-allocator plan` (any device), the "
+        "allocator core's: arena peak + caching-path peak, and arena + caching-path blocks held",
+    ),
+)
+"""The keys of :class:`StepMetrics`, the ones every record may hold."""
+
+TRAINER_KEYS: tuple[MetricKey, ...] = (
+    MetricKey(
+        ("loss_scale",),
+        "float",
+        "`--fp16`: the loss scale after this step (megatron-core's grad scaler)",
+    ),
+    MetricKey(
+        ("params_norm",),
+        "float",
+        "`--log-params-norm`: L2 norm of all weights after the step's update (each weight once "
+        "over TP / PP ranks; fp32 master weights where megatron's optimizer keeps them)",
+    ),
+    MetricKey(
+        ("num_zeros_in_grad",),
+        "int",
+        "`--log-num-zeros-in-grad`: zero elements of the step's reduced gradient (each weight "
+        "once over TP / PP ranks)",
+    ),
+    MetricKey(
+        ("val_loss", "val_ppl"),
+        "float",
+        "`--eval-interval`: loss on `--eval-iters` validation batches, and its exponential",
+    ),
+    MetricKey(
+        ("val_loss_by_position",),
+        "dict[str, float]",
+        "`--eval-interval` with `--eval-position-min-tokens` above 0 (64 by default): the "
+        'validation loss per position bucket, `{"0-63": 5.1, "64-127": 4.9, ...}`',
+    ),
+)
+"""Keys the trainer adds to a record besides :class:`StepMetrics`' (features add theirs:
+``Extension.metric_keys``)."""
 
 
 @dataclass

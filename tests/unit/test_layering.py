@@ -234,3 +234,77 @@ def test_the_checks_catch_what_they_are_for():
     assert private_megatron_uses(ast.parse(private)) == [
         "parallel_state._GLOBAL_MEMORY_BUFFER (line 2)"
     ]
+
+
+# --- no module outside memo_ext/features names a feature --------------------------------------
+
+MEGATRON_GRANULARITIES = frozenset({"full", "selective"})
+"""megatron-core's own ``recompute_granularity`` values, which ``mcore`` and the tracer speak to
+build its layers (the recompute feature's methods take their names)."""
+
+NAMED_OUTSIDE_FEATURES: dict[tuple[str, str], str] = {
+    ("memo_ext/estimate/fits.py", "memo-"): "the tracer's name of a MEMO trace (memo-A@C:RULE)",
+    ("memo_ext/compare/memory.py", "memo-"): "the activation report's MEMO rows",
+    ("memo_ext/compare/report.py", "none"): "the comparison table's baseline column",
+    ("memo_ext/mcore/transformer_config.py", "none"): "HotSPa's per-layout recomputation value",
+}
+"""The comparisons with a feature's name still made outside ``memo_ext/features``, each with why.
+A ratchet (as torchtitan's ``test_no_new_cli_options``): a new one fails the test, and so does
+one that is gone but still listed."""
+
+
+def feature_names() -> frozenset[str]:
+    """Every name a feature answers to: its package, its extension's, its methods'."""
+    from memo_ext.features import COMPARED, METHODS
+    from memo_ext.features.extensions import FEATURES
+
+    packages = {p.name for p in (PACKAGE / "features").iterdir() if (p / "__init__.py").exists()}
+    names = packages | {p.replace("_", "-") for p in packages}
+    names |= {f.name for f in FEATURES} | {m.name for m in METHODS} | {m.name for m in COMPARED}
+    return frozenset(names - MEGATRON_GRANULARITIES)
+
+
+def _strings(node: ast.AST):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        for element in node.elts:
+            yield from _strings(element)
+
+
+def compared_names(tree: ast.AST, names: frozenset[str]) -> set[str]:
+    """Strings a module compares with a name of ``names``: ``x == "memo"``, ``x in ("memo",
+    ...)``, or a prefix / suffix test such as ``x.startswith("memo-")``."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                found |= {s for s in _strings(side) if s in names}
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith", "removeprefix", "removesuffix")
+        ):
+            for arg in node.args:
+                found |= {s for s in _strings(arg) if s.strip("-=+@:") in names}
+    return found
+
+
+def test_no_module_outside_features_compares_a_string_with_a_features_name():
+    names = feature_names()
+    assert {"memo", "hotspa", "megatron-offload", "memo+plan", "none"} <= names
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).as_posix()
+        if relative.startswith("memo_ext/features/"):
+            continue
+        found |= {(relative, s) for s in compared_names(ast.parse(path.read_text()), names)}
+    assert sorted(found - set(NAMED_OUTSIDE_FEATURES)) == [], "a new comparison with a name"
+    assert sorted(set(NAMED_OUTSIDE_FEATURES) - found) == [], "listed, but gone: unlist it"
+
+
+def test_the_name_rule_catches_what_it_is_for():
+    names = frozenset({"memo", "hotspa"})
+    planted = "if method == 'memo' or x in ('a', 'hotspa') or y.startswith('memo-'):\n    pass\n"
+    assert compared_names(ast.parse(planted), names) == {"memo", "hotspa", "memo-"}
+    assert compared_names(ast.parse("x = 'memo'\nf('memo')\n"), names) == set()

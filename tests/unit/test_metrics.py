@@ -173,3 +173,24 @@ def test_metrics_tools_report_argument_errors_in_one_sentence(tool, argv, messag
     assert importlib.import_module(f"tools.{tool}").main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "usage:" not in err and err.count("\n") == 1
+
+
+def test_every_key_of_a_step_record_is_documented_with_its_type():
+    from dataclasses import fields
+
+    from memo_ext.training.metric_keys import metric_keys, undocumented
+    from memo_ext.training.metrics import STEP_KEYS, StepMetrics
+
+    documented = {name for key in STEP_KEYS for name in key.names}
+    assert {f.name for f in fields(StepMetrics)} - {"extra"} == documented
+    names = [name for key in metric_keys() for name in key.names]
+    assert len(names) == len(set(names)), "a key documented twice"
+    record = StepMetrics(
+        iteration=1, loss=2.5, grad_norm=1.0, lr=1e-3, step_time_s=0.1, tokens_per_s=10.0,
+        consumed_samples=4, extra={"memo_alpha": float("nan"), "hotspa_bucket_rows": [1, 0]},
+    ).to_json()  # fmt: skip
+    assert undocumented(record) == []
+    assert undocumented({"loss": "2.5", "no_such_key": 1, "hotspa_predicted_gain": None}) == [
+        "loss: '2.5' is not float",
+        "no_such_key: not documented",
+    ]

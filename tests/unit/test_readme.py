@@ -1,14 +1,21 @@
-"""The README's flag reference is the trainer's, and its two quick-start commands stay."""
+"""The README's flag reference is the trainer's, its metrics table the documented keys', and its
+two quick-start commands stay."""
 
 from __future__ import annotations
 
 from memo_ext.arguments import build_parser
-from tools.flag_reference import README, flag_tables, readme_section
+from memo_ext.training.metric_keys import metrics_table
+from tools.flag_reference import METRICS_BEGIN, METRICS_END, README, flag_tables, readme_section
 
 
 def test_flag_reference_matches_the_parser():
     # regenerate with: python -m tools.flag_reference --update
     assert readme_section(README.read_text()) == flag_tables(build_parser()).strip("\n")
+
+
+def test_metrics_table_matches_the_documented_keys():
+    # regenerate with: python -m tools.flag_reference --update
+    assert readme_section(README.read_text(), METRICS_BEGIN, METRICS_END) == metrics_table()
 
 
 def test_every_flag_has_help():

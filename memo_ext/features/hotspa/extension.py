@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from memo_ext.config import RunConfig, resolve_attention_backend
-from memo_ext.extension import Built, Extension, MetricSource, ResolveContext, StepLoss
+from memo_ext.extension import (
+    Built,
+    Extension,
+    MetricKey,
+    MetricSource,
+    ResolveContext,
+    StepLoss,
+)
 from memo_ext.features.hotspa import auto
 from memo_ext.hotspa.buckets import hotspa_step_batches
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
@@ -31,6 +38,42 @@ class HotSPa(Extension):
 
     name = "hotspa"
     finalizes_gradients = True  # each layout's gradients once all its buckets have run
+    metric_keys = (
+        MetricKey(
+            ("hotspa_bucket_rows", "hotspa_bucket_documents"),
+            "list[int]",
+            "packed rows and documents per bucket in this step (empty buckets: 0)",
+        ),
+        MetricKey(
+            ("hotspa_weight_switch_bytes", "hotspa_grad_switch_bytes"),
+            "int",
+            "bytes sent between processes by the whole job for the weight switches (home → "
+            "bucket layouts) and the gradient switches (back)",
+        ),
+        MetricKey(
+            ("hotspa_switch_bytes_sent", "hotspa_switch_bytes_reused"),
+            "int",
+            "this process: bytes it sent, and bytes it copied from shards it already held",
+        ),
+        MetricKey(("hotspa_switch_s",), "float", "this process's time in switches"),
+        MetricKey(
+            ("hotspa_working_copy_bytes",),
+            "int",
+            "this process: the most bytes of non-home working copies (weights + gradient "
+            "buffers) held at once during the step; 0 when none ran",
+        ),
+        MetricKey(
+            ("hotspa_plan",),
+            "str",
+            "`switch`, or `single-layout` when `auto` found that switching does not pay",
+        ),
+        MetricKey(
+            ("hotspa_predicted_gain",),
+            "float | null",
+            "the estimator's predicted speed-up of the layouts in use over one layout for every "
+            "bucket (empty without a device to predict for)",
+        ),
+    )
 
     def __init__(self, run: RunConfig):
         super().__init__(run)

@@ -16,7 +16,14 @@ import os
 from memo_ext.allocator.core import AllocatorCore
 from memo_ext.config import AUTO, RunConfig
 from memo_ext.estimate.cost_model import Batch
-from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, ResolveContext
+from memo_ext.extension import (
+    Built,
+    Extension,
+    MetricKey,
+    MetricSource,
+    PlanningTarget,
+    ResolveContext,
+)
 from memo_ext.features.memo.stage import (
     AUTO_CHUNK_MIN_TOKENS,
     AUTO_CHUNK_SLOWDOWN,
@@ -39,6 +46,79 @@ class Memo(Extension):
 
     name = "memo"
     rebuilds_layers = True
+    metric_keys = (
+        MetricKey(("memo_alpha",), "float", "MEMO's α in use (NaN until `auto` is solved)"),
+        MetricKey(
+            ("host_offload_bytes", "memo_d2h_bytes"),
+            "int",
+            "bytes MEMO copied device → host in the step (the same figure twice)",
+        ),
+        MetricKey(("memo_h2d_bytes",), "int", "bytes MEMO copied host → device in the step"),
+        MetricKey(
+            ("memo_recomputed_tokens",),
+            "int",
+            "token positions × sequences MEMO recomputed in the step",
+        ),
+        MetricKey(("memo_offloaded_layers",), "int", "layer forwards MEMO offloaded in the step"),
+        MetricKey(("memo_host_pool_bytes",), "int", "host memory MEMO's pool holds"),
+        MetricKey(
+            ("memo_device_skeletons",),
+            "int",
+            "`--memo-chunk-tokens`: offloaded layers whose whole storages stay on the device for "
+            "want of host memory",
+        ),
+        MetricKey(
+            ("memo_copy_wait_s",),
+            "float",
+            "CUDA: seconds the compute stream waited for MEMO's copies in the step",
+        ),
+        MetricKey(
+            ("plan_hit_ratio",),
+            "float",
+            "`--memo-allocator plan`: requests of the layer passes served at their planned "
+            "offsets / (those + the passes' own misses)",
+        ),
+        MetricKey(
+            ("plan_requests", "plan_hits", "plan_hit_bytes", "plan_misses"),
+            "int",
+            "the step's layer-pass requests, hits (count, bytes) and misses (size, extra, "
+            "overlap, stream, no plan)",
+        ),
+        MetricKey(
+            (
+                "plan_miss_size",
+                "plan_miss_extra",
+                "plan_miss_overlap",
+                "plan_miss_stream",
+                "plan_miss_no_plan",
+                "plan_miss_thread",
+            ),
+            "int",
+            "misses by reason; `plan_miss_thread` counts other threads' requests made while a "
+            "pass was open (no part of its sequence, not in the ratio)",
+        ),
+        MetricKey(
+            ("plan_unplanned_bytes",),
+            "int",
+            "bytes of pass tensors the plan leaves to the caching path (they outlive their pass)",
+        ),
+        MetricKey(
+            ("plan_arena_bytes", "plan_arena_peak_bytes"),
+            "int",
+            "the arena (the largest pass plan's peak) and its peak live bytes in the step",
+        ),
+        MetricKey(
+            ("plan_fallback_peak_bytes", "plan_replans"),
+            "int",
+            "the caching path's peak live bytes in the step; pass kinds planned again",
+        ),
+        MetricKey(
+            ("plan_time_s",),
+            "float",
+            "seconds the step spent planning its layer passes (the recording step, re-plans); "
+            "left out of `step_time_s`, `tokens_per_s`, `tflops_per_device` and `mfu`",
+        ),
+    )
 
     def __init__(self, run: RunConfig):
         super().__init__(run)
