@@ -41,8 +41,8 @@ class MetricKey:
 
     names: tuple[str, ...]
     type: str
-    """``int``, ``float``, ``str``, ``list[int]``, ``dict[str, float]``, optionally
-    ``| null``."""
+    """``int``, ``float``, ``str``, ``list[int]``, ``dict[str, float]`` or ``object`` (any JSON
+    object), optionally ``| null``."""
     meaning: str
 
     def accepts(self, value: Any) -> bool:
@@ -57,8 +57,12 @@ class MetricKey:
                 isinstance(v, int) and not isinstance(v, bool) for v in value
             )
         if isinstance(value, dict):
-            return "dict[str, float]" in kinds and all(
-                isinstance(k, str) and isinstance(v, (int, float)) for k, v in value.items()
+            return (
+                "object" in kinds
+                or "dict[str, float]" in kinds
+                and all(
+                    isinstance(k, str) and isinstance(v, (int, float)) for k, v in value.items()
+                )
             )
         if isinstance(value, int):
             return "int" in kinds or "float" in kinds

@@ -9,6 +9,7 @@ launches a real ``torchrun``, for what only a launch shows.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -105,11 +106,15 @@ def run_pretrain(
     name: str,
     timeout_s: int = 600,
     module: str | None = None,
+    own_keys: tuple[str, ...] = (),
 ) -> list[dict]:
-    """Train with ``args`` on ``nproc`` ranks of the session's worker pool; the metrics records.
+    """Train with ``args`` on ``nproc`` ranks of the session's worker pool; the metrics records,
+    each checked against the documented keys (:func:`documented`).
 
     ``module``: a module whose ``main(argv)`` runs instead of ``pretrain_gpt_memo.main``, for
-    tests that patch the trainer first (it must undo its patches when it returns).
+    tests that patch the trainer first (it must undo its patches when it returns); the keys it
+    adds to a record are its ``METRIC_KEYS``. ``own_keys``: keys the test itself wrote into the
+    metrics file before the run appended to it.
 
     Raises:
         AssertionError: when the job fails, with every rank's output for diagnosis.
@@ -122,16 +127,21 @@ def run_pretrain(
         timeout_s=timeout_s,
     )
     assert result.status == 0, f"{name} failed:\n{result.describe()}"
-    return documented(read_metrics(metrics))
+    extra = getattr(importlib.import_module(module), "METRIC_KEYS", ()) if module else ()
+    return documented(read_metrics(metrics), extra=extra, own_keys=own_keys)
 
 
-def documented(records: list[dict]) -> list[dict]:
+def documented(
+    records: list[dict], *, extra: tuple = (), own_keys: tuple[str, ...] = ()
+) -> list[dict]:
     """``records``, once every key of each is found documented with its type (the README's
-    metrics table, ``memo_ext.training.metric_keys``)."""
+    metrics table, ``memo_ext.training.metric_keys``; ``extra``: the ``MetricKey`` of a
+    test's own extension), ``own_keys`` aside."""
     from memo_ext.training.metric_keys import undocumented
 
     for record in records:
-        problems = undocumented(record)
+        kept = {k: v for k, v in record.items() if k not in own_keys}
+        problems = undocumented(kept, extra)
         assert not problems, f"iteration {record.get('iteration')}: {'; '.join(problems)}"
     return records
 

@@ -19,10 +19,11 @@ def metric_keys() -> tuple[MetricKey, ...]:
     return tuple(keys)
 
 
-def undocumented(record: dict) -> list[str]:
-    """The keys of ``record`` no :class:`MetricKey` documents, or whose value has another type,
-    one phrase each (empty: the record is as documented)."""
-    by_name = {name: key for key in metric_keys() for name in key.names}
+def undocumented(record: dict, extra: tuple[MetricKey, ...] = ()) -> list[str]:
+    """The keys of ``record`` no :class:`MetricKey` documents (of :func:`metric_keys`, or
+    ``extra``: a feature registered outside the package), or whose value has another type, one
+    phrase each (empty: the record is as documented)."""
+    by_name = {name: key for key in (*metric_keys(), *extra) for name in key.names}
     problems = []
     for name, value in record.items():
         key = by_name.get(name)

@@ -80,9 +80,9 @@ TRAINER_KEYS: tuple[MetricKey, ...] = (
     ),
     MetricKey(
         ("num_zeros_in_grad",),
-        "int",
+        "float",
         "`--log-num-zeros-in-grad`: zero elements of the step's reduced gradient (each weight "
-        "once over TP / PP ranks)",
+        "once over TP / PP ranks), a count megatron-core's optimizer gives as a float",
     ),
     MetricKey(
         ("val_loss", "val_ppl"),

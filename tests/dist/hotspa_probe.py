@@ -21,6 +21,7 @@ import contextlib
 import sys
 from unittest import mock
 
+from memo_ext.extension import MetricKey
 from memo_ext.hotspa.engine import HotSPaEngine
 from memo_ext.training import loop
 
@@ -46,6 +47,17 @@ def nonhome_held_bytes(engine: HotSPaEngine) -> int:
         total += sum(p.untyped_storage().nbytes() for p in rt.model.parameters())
         total += sum(b.grad_data.untyped_storage().nbytes() for b in rt.model.buffers)
     return total
+
+
+METRIC_KEYS = (
+    MetricKey(
+        ("probe_nonhome_held_bytes",),
+        "int",
+        "storage behind the non-home models' parameters and gradient buffers after the step",
+    ),
+    MetricKey(("probe_recompute",), "object", "each layout model's recomputation"),
+)
+"""What :func:`main`'s jobs add to a record (``tests.launch.run_pretrain`` reads it)."""
 
 
 def check_released_after_steps():

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from memo_ext.extension import Extension, MetricSource
+from memo_ext.extension import Extension, MetricKey, MetricSource
 from memo_ext.features.extensions import register, unregister
 from tests.launch import assert_same_curves, cli, reference_run, run_pretrain
 
@@ -35,6 +35,9 @@ class LayerCalls(Extension):
     ``layer_calls``."""
 
     name = "layer-calls"
+    metric_keys = (
+        MetricKey(("layer_calls",), "int", "transformer-layer forward calls in the step"),
+    )
 
     @classmethod
     def enabled(cls, run) -> bool:
@@ -53,6 +56,10 @@ class LayerCalls(Extension):
                 describe=lambda v: f"layer calls {v['layer_calls']}",
             )
         ]
+
+
+METRIC_KEYS = LayerCalls.metric_keys
+"""What :func:`main`'s jobs add to a record (``tests.launch.run_pretrain`` reads it)."""
 
 
 def main(argv: list[str]) -> int:

@@ -73,7 +73,9 @@ def test_rampup_run_grows_the_batch_and_resumes_on_schedule(tmp_path):
     # the tail appends to the head's records, marked: a resumed run keeps them, a fresh one not
     marked = [json.dumps({**r, "head": True}) + "\n" for r in head]
     (tmp_path / "tail.jsonl").write_text("".join(marked))
-    records = run_pretrain(common + cli(load=save), nproc=1, workdir=tmp_path, name="tail")
+    records = run_pretrain(
+        common + cli(load=save), nproc=1, workdir=tmp_path, name="tail", own_keys=("head",)
+    )
     assert [r["iteration"] for r in records if r.get("head")] == [1, 2, 3, 4]
 
     batches = ramp_batches(40, 6, start=2, incr=2, ramp=12)
