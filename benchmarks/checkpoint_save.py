@@ -3,7 +3,7 @@
 Builds a small GPT the way the trainer does (flags parsed into a ``RunConfig``, megatron's
 parallel state, ``build_gpt_model``, megatron-core DDP, the optimizer after one step so that its
 moments exist, the LR schedule) on ``--nproc`` gloo processes (data parallel), then saves it
-``--saves`` times with ``memo_ext.training.checkpointing.save_checkpoint``. With
+``--saves`` times with ``memo_ext.training.checkpoint.save_checkpoint``. With
 ``--megatron-lm PATH`` (a Megatron-LM source checkout whose ``megatron/core`` is the installed
 megatron-core's version) the same model, built again in fresh processes, is saved as many times
 with Megatron-LM's ``megatron.training.checkpointing.save_checkpoint`` (torch_dist, its
@@ -135,7 +135,7 @@ def time_saves(save: Callable[[int], None], *, saves: int) -> list[float]:
 
 def save_ours(state: TrainingState, save_dir: Path) -> Callable[[int], None]:
     """``save(iteration)`` with this project's ``save_checkpoint``."""
-    from memo_ext.training.checkpointing import TrainProgress, save_checkpoint
+    from memo_ext.training.checkpoint import TrainProgress, save_checkpoint
 
     def save(iteration: int) -> None:
         save_checkpoint(

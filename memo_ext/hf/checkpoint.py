@@ -4,7 +4,7 @@ Import: the model that config.json describes is built from the trainer flags
 (:func:`memo_ext.hf.weights.trainer_flags`) in one process at TP 1 / PP 1, its tensors
 are filled from the safetensors files one at a time (``safe_open``: only the tensors of one
 megatron-core key are read at once, beside the model), and it is saved with
-:func:`memo_ext.training.checkpointing.save_checkpoint` as iteration 0 without optimizer state.
+:func:`memo_ext.training.checkpoint.save_checkpoint` as iteration 0 without optimizer state.
 megatron-core reshards the checkpoint on load, so the trainer starts from it under any TP / PP.
 Next to the checkpoint: ``model_flags.txt`` (the trainer flags) and ``hf_config.json`` (the
 source config, for the fields an export keeps).
@@ -44,7 +44,7 @@ from memo_ext.mcore.compat import cpu_compat
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import padded_vocab_size
-from memo_ext.training.checkpointing import (
+from memo_ext.training.checkpoint import (
     MODEL_FLAGS_FILE,
     WEIGHTS_ONLY,
     TrainProgress,

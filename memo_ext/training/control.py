@@ -21,7 +21,7 @@ import torch.distributed as dist
 from memo_ext.collectives import all_reduce_values
 from memo_ext.config import CheckpointConfig, RunConfig
 from memo_ext.errors import ReportedError, UsageError
-from memo_ext.training.checkpointing import latest_iteration
+from memo_ext.training.checkpoint import latest_iteration
 
 logger = logging.getLogger(__name__)
 

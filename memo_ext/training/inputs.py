@@ -16,7 +16,7 @@ from memo_ext.data.batches import packed_step_batches
 from memo_ext.data.datasets import build_batch_iterator, build_gpt_datasets
 from memo_ext.data.documents import document_source
 from memo_ext.extension import Extension
-from memo_ext.training.checkpointing import TrainProgress
+from memo_ext.training.checkpoint import TrainProgress
 from memo_ext.training.initialize import ParallelContext
 
 

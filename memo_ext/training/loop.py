@@ -44,7 +44,7 @@ from memo_ext.features.extensions import extensions_for
 from memo_ext.features.preflight import check_preflight, planning_target
 from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
 from memo_ext.mcore.transformer_config import run_transformer_config
-from memo_ext.training.checkpointing import (
+from memo_ext.training.checkpoint import (
     TrainProgress,
     checkpoint_source,
     hold_save_dir,

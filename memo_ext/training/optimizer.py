@@ -225,7 +225,7 @@ def build_lr_scheduler(
     """megatron-core's scheduler over :func:`schedule_steps`.
 
     ``schedule`` is whose schedule a checkpoint load keeps: ``flags``, ``checkpoint``, or
-    ``strict`` (they must agree; ``memo_ext.training.checkpointing`` refuses them otherwise).
+    ``strict`` (they must agree; ``memo_ext.training.checkpoint`` refuses them otherwise).
     """
     steps = schedule_steps(train)
     start_wd, end_wd = train.weight_decay_span

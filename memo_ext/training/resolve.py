@@ -7,7 +7,7 @@
   lcm(``--make-vocab-size-divisible-by``, every TP degree the run uses) rather than Megatron-LM's
   divisible-by × TP: padded logits enter the softmax, so the table must not change with TP; a
   run that loads a Megatron-LM checkpoint adopts that checkpoint's padded rows instead
-  (``memo_ext.training.checkpointing.padded_vocab_to_load``);
+  (``memo_ext.training.checkpoint.padded_vocab_to_load``);
 - each feature's own open choices (``Extension.resolve``): HotSPa's layouts and home layout,
   MEMO's ``--memo-chunk-tokens auto``, for the one device the run plans for
   (``memo_ext.features.preflight.planning_target``).
@@ -26,7 +26,7 @@ from memo_ext.extension import Extension, PlanningTarget, ResolveContext
 from memo_ext.features.extensions import extensions_for
 from memo_ext.features.preflight import planning_target
 from memo_ext.shapes import padded_vocab_size
-from memo_ext.training.checkpointing import padded_vocab_to_load
+from memo_ext.training.checkpoint import padded_vocab_to_load
 
 
 def resolve_run(

@@ -307,7 +307,7 @@ def write_megatron_lm(argv: list[str]) -> int:
 
 def _save_ours(state, run, out: Path, *, iteration: int) -> None:
     """The same weights, moments and position saved as this trainer saves them."""
-    from memo_ext.training.checkpointing import TrainProgress, save_checkpoint
+    from memo_ext.training.checkpoint import TrainProgress, save_checkpoint
 
     state.scheduler.step(increment=iteration)  # an iteration-based run counts steps
     progress = TrainProgress(iteration, iteration * run.train.global_batch_size)

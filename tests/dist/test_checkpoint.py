@@ -146,7 +146,7 @@ def load_fails(save: Path, tmp_path: Path, train_iters: int = 2) -> str:
 
 def _refresh_manifest(directory: Path) -> None:
     """Re-checksum after tampering, so only the content checks can catch it."""
-    from memo_ext.training.checkpointing import _sha256
+    from memo_ext.training.checkpoint.integrity import _sha256
 
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["files"] = {name: _sha256(directory / name) for name in manifest["files"]}

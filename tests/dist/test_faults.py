@@ -144,7 +144,7 @@ def test_a_second_run_saving_into_the_same_folder_is_refused(tmp_path):
     """Two runs with one --save would delete each other's staging folders: while one holds the
     folder (here: this test process), a run saving there stops before training, naming the
     holder; once it is released, the run trains and saves."""
-    from memo_ext.training.checkpointing import hold_save_dir
+    from memo_ext.training.checkpoint import hold_save_dir
     from tests.launch import train_fails
 
     save = tmp_path / "ckpt"
@@ -161,7 +161,7 @@ def test_a_second_run_saving_into_the_same_folder_is_refused(tmp_path):
 def test_the_save_folder_is_held_until_the_run_ends(tmp_path):
     """A run's hold ends with it: the same process (a test worker runs many jobs) can take the
     folder right after."""
-    from memo_ext.training.checkpointing import hold_save_dir
+    from memo_ext.training.checkpoint import hold_save_dir
 
     save = tmp_path / "ckpt"
     result = run_job([*MODEL, "--mock-data", "--save", str(save)], nproc=1)

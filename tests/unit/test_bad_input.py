@@ -112,14 +112,15 @@ def test_a_metrics_file_that_cannot_be_written_is_named(tmp_path):
 
 
 def test_disk_full_names_the_disk_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    from memo_ext.training import checkpointing
+    from memo_ext.training import checkpoint as checkpointing
+    from memo_ext.training.checkpoint import save
 
     (tmp_path / checkpointing.TRACKER).write_text("3\n")
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpointing, "_save", full)
+    monkeypatch.setattr(save, "_save", full)
     with pytest.raises(checkpointing.CheckpointError) as err:
         checkpointing.save_checkpoint(
             save_dir=str(tmp_path),

@@ -1,4 +1,4 @@
-"""Saving a checkpoint (``memo_ext.training.checkpointing``) in one gloo process: checksums taken
+"""Saving a checkpoint (``memo_ext.training.checkpoint``) in one gloo process: checksums taken
 while the files are written are the files' own, and the checkpoint loads; a write that fails in
 one of the writer's threads fails the save and publishes nothing; ``benchmarks/checkpoint_save.py``
 runs end to end, writes its JSON, and refuses a Megatron-LM checkout it cannot compare with."""
@@ -17,15 +17,17 @@ import pytest
 import torch
 
 from benchmarks.checkpoint_save import build_training_state, check_megatron_lm, main
-from memo_ext.training import checkpointing as ckpt
-from memo_ext.training.checkpointing import (
+from memo_ext.training import checkpoint as ckpt
+from memo_ext.training.checkpoint import (
     MANIFEST,
     TRACKER,
     CheckpointError,
     TrainProgress,
+    integrity,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
+    writer,
 )
 from tests.workers import free_port
 
@@ -58,8 +60,8 @@ def test_checksums_taken_while_writing_are_the_files_and_the_checkpoint_loads(
     state, tmp_path, monkeypatch
 ):
     read_back = []
-    sha256 = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda path: read_back.append(path.name) or sha256(path))
+    sha256 = integrity._sha256
+    monkeypatch.setattr(integrity, "_sha256", lambda path: read_back.append(path.name) or sha256(path))
     directory = _save(state, tmp_path, 1)
     files = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
     manifest = json.loads((directory / MANIFEST).read_text())
@@ -70,7 +72,7 @@ def test_checksums_taken_while_writing_are_the_files_and_the_checkpoint_loads(
     assert sorted(read_back) == ["common.pt", "metadata.json"]
     monkeypatch.undo()
     for name, digest in manifest["files"].items():
-        assert ckpt._sha256(directory / name) == digest, name
+        assert integrity._sha256(directory / name) == digest, name
     verify_checkpoint(directory)
 
     weight = next(state.model.parameters())
@@ -91,7 +93,7 @@ def test_a_write_failing_in_a_writer_thread_fails_the_save(state, tmp_path, monk
     _save(state, tmp_path, 1)
     # torch's writer runs its files in this thread and in helper threads, whose own errors it
     # only prints; the slow first write here leaves a file to a helper thread, whose write fails
-    write = ckpt._HashingWriter.write
+    write = writer._HashingWriter.write
     slowed = []
 
     def full_disk_in_helpers(self, data):
@@ -101,7 +103,7 @@ def test_a_write_failing_in_a_writer_thread_fails_the_save(state, tmp_path, monk
             slowed.append(time.sleep(0.5))
         return write(self, data)
 
-    monkeypatch.setattr(ckpt._HashingWriter, "write", full_disk_in_helpers)
+    monkeypatch.setattr(writer._HashingWriter, "write", full_disk_in_helpers)
     with pytest.raises(CheckpointError) as caught:
         _save(state, tmp_path, 2)
     message = str(caught.value)

@@ -1,4 +1,4 @@
-"""Megatron-LM's checkpoints in this trainer's terms (``memo_ext.training.megatron_lm_checkpoint``)
+"""Megatron-LM's checkpoints in this trainer's terms (``memo_ext.training.checkpoint.megatron_lm``)
 and the flags that choose what a load takes: the model a checkpoint's ``args`` describe (as
 Megatron-LM's ``validate_args`` completes them), its LR schedule in steps, the padded vocabulary a
 run adopts, and the checks of --finetune / --pretrained-checkpoint / --no-load-* / --no-save-optim.
@@ -13,8 +13,8 @@ import pytest
 
 from memo_ext.arguments import parse_args
 from memo_ext.errors import UsageError
-from memo_ext.training import megatron_lm_checkpoint as megatron_lm
-from memo_ext.training.checkpointing import WEIGHTS_ONLY, LoadScope, checkpoint_source
+from memo_ext.training.checkpoint import WEIGHTS_ONLY, LoadScope, checkpoint_source
+from memo_ext.training.checkpoint import megatron_lm as megatron_lm
 from tests.launch import SMALL_GPT
 
 HERE = Path("ckpt/iter_0000010")

@@ -35,7 +35,7 @@ from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.megatron_lm.translate import translate
 from memo_ext.memo.policy import apply_memo
 from memo_ext.shapes import ModelShape
-from memo_ext.training.checkpointing import _model_identity
+from memo_ext.training.checkpoint.identity import model_identity as _model_identity
 from memo_ext.training.model import build_gpt_model
 from tests.launch import cli
 from tests.models import build_gpt, cpu_config

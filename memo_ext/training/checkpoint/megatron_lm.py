@@ -7,7 +7,7 @@ for the model, but no manifest of ours. What describes the checkpoint is its com
 (``common.pt``): its command line as ``args`` (an ``argparse.Namespace``), ``iteration``,
 ``checkpoint_version``, the optimizer's non-tensor state, ``opt_param_scheduler``. This module
 recognises such a directory, checks its files with megatron-core's own metadata, and turns its
-``args`` into what :mod:`memo_ext.training.checkpointing` compares and loads: the model's
+``args`` into what :mod:`memo_ext.training.checkpoint` compares and loads: the model's
 identity, the data position, the LR schedule in this run's units, the padded vocabulary.
 
 Nothing here unpickles more than megatron-core itself allows: ``common.pt`` is read with
@@ -124,7 +124,7 @@ def _qkv_bias(args) -> bool | None:
 
 def model_identity(args, *, embedding_rows: int | None) -> dict:
     """The model a Megatron-LM checkpoint holds, under the keys of this trainer's record
-    (``checkpointing._model_identity``): its flags, completed the way Megatron-LM's
+    (``identity.model_identity``): its flags, completed the way Megatron-LM's
     ``validate_args`` completes them; ``embedding_rows`` (from the tensors) is the padded
     vocabulary. Unknown entries are left out."""
     heads, hidden = _arg(args, "num_attention_heads"), _arg(args, "hidden_size")

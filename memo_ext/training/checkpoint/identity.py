@@ -1,0 +1,115 @@
+"""The model a checkpoint holds, as its identity (shape, vocabulary, positions) and the flags
+that would rebuild it: written with every save, compared before every load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from memo_ext.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``sharded_state_dict`` megatron defines (under DDP / Float16Module)."""
+    while not hasattr(model, "sharded_state_dict") or hasattr(model, "zero_grad_buffer"):
+        model = model.module
+    return model
+
+
+def model_identity(model: torch.nn.Module) -> dict:
+    """What a checkpoint's weights are the weights of, beyond their shapes: written to its
+    manifest and compared on load, so that weights that happen to fit another model (a padded
+    vocabulary, a norm without its bias) are not loaded into it. Facts of the model the weights
+    define, not how its flags were spelt: a QKV bias is there or not (``--add-qkv-bias`` with
+    the linear layers' biases on changes nothing)."""
+    gpt = model
+    while not hasattr(gpt, "position_embedding_type") and hasattr(gpt, "module"):
+        gpt = gpt.module
+    c = gpt.config
+    return {
+        "num_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "ffn_hidden_size": c.ffn_hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_query_groups": c.num_query_groups,
+        "kv_channels": c.kv_channels,
+        "normalization": c.normalization,
+        "layernorm_zero_centered_gamma": bool(c.layernorm_zero_centered_gamma),
+        "activation": getattr(c.activation_func, "__name__", str(c.activation_func)),
+        "gated_linear_unit": bool(c.gated_linear_unit),
+        "add_bias_linear": bool(c.add_bias_linear),
+        "qkv_bias": bool(c.add_bias_linear or c.add_qkv_bias),
+        # YaRN rescales RoPE's table, not its weights: a RoPE checkpoint extends to YaRN
+        "position_embedding_type": (
+            "rope" if gpt.position_embedding_type == "yarn" else gpt.position_embedding_type
+        ),
+        "padded_vocab_size": gpt.vocab_size,
+        "tied_embeddings": bool(gpt.share_embeddings_and_output_weights),
+    }
+
+
+def check_model_identity(directory: Path, model: torch.nn.Module, saved: dict | None) -> bool:
+    """Refuse a checkpoint of another model (``saved``: the identity it records), naming each
+    difference; True when the checkpoint records its model (one written before the manifest did
+    is not checked: False)."""
+    here = model_identity(model)
+    if not isinstance(saved, dict):
+        return False
+    saved = normalized_identity(saved)
+    differences = [
+        f"{key} {saved[key]} there, {here[key]} here ({_IDENTITY_FLAGS[key](saved[key])})"
+        for key in here
+        if key in saved and saved[key] != here[key]
+    ]
+    if differences:
+        raise UsageError(
+            f"the checkpoint in {directory} holds another model: {'; '.join(differences)}; "
+            "load it with the model flags it was trained with"
+        )
+    return True
+
+
+def normalized_identity(record: dict) -> dict:
+    """A model record as :func:`model_identity` writes it now: one written before it recorded
+    whether QKV has a bias (``add_qkv_bias``, a flag's value) says it the current way."""
+    record = dict(record)
+    if "add_qkv_bias" in record and "qkv_bias" not in record:
+        record["qkv_bias"] = bool(record.pop("add_qkv_bias") or record.get("add_bias_linear"))
+    record.pop("add_qkv_bias", None)
+    return record
+
+
+def _switch(flag: str, *, on: bool = True) -> Callable[[bool], str]:
+    """The hint for a model fact a switch sets: add it where the checkpoint has the fact."""
+    return lambda there: f"{'give' if bool(there) == on else 'drop'} {flag}"
+
+
+_IDENTITY_FLAGS: dict[str, Callable[[object], str]] = {
+    "num_layers": lambda v: f"--num-layers {v}",
+    "hidden_size": lambda v: f"--hidden-size {v}",
+    "ffn_hidden_size": lambda v: f"--ffn-hidden-size {v}",
+    "num_attention_heads": lambda v: f"--num-attention-heads {v}",
+    "num_query_groups": lambda v: f"--group-query-attention --num-query-groups {v}",
+    "kv_channels": lambda v: f"--kv-channels {v}",
+    "normalization": lambda v: f"--normalization {v}",
+    "layernorm_zero_centered_gamma": _switch("--apply-layernorm-1p"),
+    "activation": lambda v: {"silu": "give --swiglu", "openai_gelu": "give --openai-gelu"}.get(
+        v, "drop --swiglu / --openai-gelu"
+    ),  # fmt: skip
+    "gated_linear_unit": _switch("--swiglu"),
+    "add_bias_linear": _switch("--disable-bias-linear", on=False),
+    "qkv_bias": _switch("--add-qkv-bias"),
+    "position_embedding_type": lambda v: f"--position-embedding-type {v}",
+    "padded_vocab_size": lambda v: (
+        f"{v} rows: the vocabulary comes from the tokenizer, padded to "
+        "--make-vocab-size-divisible-by; use the tokenizer it was trained with"
+    ),
+    "tied_embeddings": _switch("--untie-embeddings-and-output-weights", on=False),
+}
+"""Per identity key, what to change so that a run builds the checkpoint's model."""
