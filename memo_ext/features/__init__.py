@@ -14,8 +14,9 @@ A feature's package holds its faces:
   :class:`~memo_ext.features.compared.ComparedMethod`).
 
 These lists are all the rest of the house knows of the features: nothing below this package
-names one. A new feature is a package plus one line in each list it joins, or a ``register`` /
-``register_method`` call from anywhere (a test's own extension).
+names one. A new feature is a package plus one line in each list it joins, or a ``register``
+call from anywhere (a test's own: ``register(METHODS, method)``; an extension:
+``memo_ext.features.extensions.register``).
 """
 
 from __future__ import annotations
@@ -41,32 +42,19 @@ def compared_method(name: str) -> ComparedMethod | None:
     return next((m for m in COMPARED if m.name == name), None)
 
 
-def register_method(method: MemoryMethod) -> MemoryMethod:
-    """Add ``method`` to :data:`METHODS`; its name must be new."""
-    if any(m.name == method.name for m in METHODS):
-        raise ValueError(f"a memory method named {method.name!r} is registered already")
-    METHODS.append(method)
-    return method
+def register(registry: list, item):
+    """Add ``item`` (a :class:`MemoryMethod` to :data:`METHODS`, a :class:`ComparedMethod` to
+    :data:`COMPARED`) to ``registry``; its name must be new there. Returns ``item``."""
+    if any(known.name == item.name for known in registry):
+        raise ValueError(f"{item.name!r} is registered already")
+    registry.append(item)
+    return item
 
 
-def unregister_method(method: MemoryMethod) -> None:
-    """Take ``method`` out of :data:`METHODS`."""
-    if method in METHODS:
-        METHODS.remove(method)
-
-
-def register_compared(method: ComparedMethod) -> ComparedMethod:
-    """Add ``method`` to :data:`COMPARED`; its name must be new."""
-    if compared_method(method.name) is not None:
-        raise ValueError(f"a compared method named {method.name!r} is registered already")
-    COMPARED.append(method)
-    return method
-
-
-def unregister_compared(method: ComparedMethod) -> None:
-    """Take ``method`` out of :data:`COMPARED`."""
-    if method in COMPARED:
-        COMPARED.remove(method)
+def unregister(registry: list, item) -> None:
+    """Take ``item`` out of ``registry`` (a test's own, after the test)."""
+    if item in registry:
+        registry.remove(item)
 
 
 def method_names() -> list[str]:

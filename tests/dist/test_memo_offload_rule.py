@@ -15,7 +15,8 @@ import pytest
 
 from memo_ext.arguments import parse_args
 from memo_ext.memo.rules import RULES, OffloadRule, Placement, SavedTensor, register, unregister
-from tests.launch import SMALL_LLAMA, assert_same_curves, cli, reference_run, run_pretrain
+from tests.dist.test_memo_parity import COMMON, LLAMA
+from tests.launch import assert_same_curves, reference_run, run_pretrain
 
 pytestmark = pytest.mark.dist
 
@@ -59,17 +60,7 @@ def main(argv: list[str]) -> int:
 
 
 ALPHA = "0.3"
-ARGS = SMALL_LLAMA + cli(
-    num_layers=3,
-    micro_batch_size=2,
-    global_batch_size=4,
-    train_iters=3,
-    lr="2e-3",
-    mock_data=True,
-    seed=5,
-    hidden_dropout=0,
-    attention_dropout=0,
-)
+ARGS = LLAMA + COMMON  # the MEMO parity tests' one-process run: its plain run is shared
 MEMO = ["--memo", "--memo-alpha", ALPHA, "--memo-keep-last-layers", "0"]
 
 

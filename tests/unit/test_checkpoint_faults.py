@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from memo_ext.training.checkpoint import save as ckpt
 from memo_ext.training.checkpoint import CheckpointError, TrainProgress, save_checkpoint
+from memo_ext.training.checkpoint import save as ckpt
 
 
 def _save_failing_with(monkeypatch, error: Exception, tmp_path):

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from benchmarks.checkpoint_save import build_training_state, check_megatron_lm, main
-from memo_ext.training import checkpoint as ckpt
 from memo_ext.training.checkpoint import (
     MANIFEST,
     TRACKER,
@@ -61,7 +60,9 @@ def test_checksums_taken_while_writing_are_the_files_and_the_checkpoint_loads(
 ):
     read_back = []
     sha256 = integrity._sha256
-    monkeypatch.setattr(integrity, "_sha256", lambda path: read_back.append(path.name) or sha256(path))
+    monkeypatch.setattr(
+        integrity, "_sha256", lambda path: read_back.append(path.name) or sha256(path)
+    )
     directory = _save(state, tmp_path, 1)
     files = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
     manifest = json.loads((directory / MANIFEST).read_text())
