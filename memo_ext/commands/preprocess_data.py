@@ -30,7 +30,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from memo_ext.arguments import OneSentenceParser
-from memo_ext.config import TOKENIZER_TYPES, check_writable_directory
+from memo_ext.config import TOKENIZER_TYPES, TokenizerSpec, check_writable_directory
 from memo_ext.errors import UsageError
 
 if TYPE_CHECKING:
@@ -120,19 +120,21 @@ def main(argv: list[str] | None = None) -> int:
         summary = preprocess_jsonl(
             input_path=args.input,
             output_prefix=args.output_prefix,
-            tokenizer_type=args.tokenizer_type,
-            vocab_size=args.vocab_size,
-            tokenizer_model=args.tokenizer_model,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tiktoken_pattern=args.tiktoken_pattern,
-            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-            tiktoken_special_tokens=args.tiktoken_special_tokens,
             json_keys=args.json_keys,
             append_eod=args.append_eod,
             workers=args.workers,
             chunk_size=args.chunk_size,
             show_progress=not args.no_progress,
+            tokenizer=TokenizerSpec(
+                tokenizer_type=args.tokenizer_type,
+                vocab_size=args.vocab_size,
+                tokenizer_model=args.tokenizer_model,
+                vocab_file=args.vocab_file,
+                merge_file=args.merge_file,
+                tiktoken_pattern=args.tiktoken_pattern,
+                tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                tiktoken_special_tokens=args.tiktoken_special_tokens,
+            ),
         )
     except (UsageError, FileNotFoundError, ValueError) as err:
         print(f"preprocess_data: error: {err}", file=sys.stderr)

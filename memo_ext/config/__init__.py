@@ -29,6 +29,7 @@ from memo_ext.config.data import (
     DEFAULT_SPLIT,
     TOKENIZER_TYPES,
     DataConfig,
+    TokenizerSpec,
     check_split,
 )
 from memo_ext.config.hotspa import (
@@ -79,6 +80,7 @@ __all__ = [
     "OFFLOAD_MODULES",
     "RECOMPUTE_CHOICES",
     "TOKENIZER_TYPES",
+    "TokenizerSpec",
     "CheckpointConfig",
     "CleanupConfig",
     "DataConfig",

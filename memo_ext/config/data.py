@@ -6,6 +6,7 @@ Its checks read flags only; the files they name (datasets, tokenizer files) are 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -60,6 +61,27 @@ def check_split(split: str) -> None:
             f"--split must be up to three comma-separated non-negative weights with a positive "
             f"sum, such as 969,30,1; got {split!r}."
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSpec:
+    """Which tokenizer, from which local files: the run's ``--tokenizer-*`` flags, and what
+    ``memo-preprocess-data`` builds its tokenizer from (``memo_ext.data.tokenizers``), so data
+    and training agree on every id."""
+
+    tokenizer_type: str = "ByteTokenizer"
+    vocab_size: int | None = None
+    tokenizer_model: str | None = None
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: tuple[str, ...] = ()
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    """Each as the ``DataConfig`` field of the same name documents it."""
+
+
+TOKENIZER_FIELDS = tuple(f.name for f in dataclasses.fields(TokenizerSpec))
+"""The fields of ``DataConfig`` that choose the tokenizer (and so the vocabulary)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +162,11 @@ class DataConfig:
     def split_or_default(self) -> str:
         """--split as given, else the default before it is fitted to a corpus."""
         return DEFAULT_SPLIT if self.split is None else self.split
+
+    @property
+    def tokenizer(self) -> TokenizerSpec:
+        """The tokenizer these flags choose."""
+        return TokenizerSpec(**{name: getattr(self, name) for name in TOKENIZER_FIELDS})
 
     def check(self) -> None:
         """The flags alone; the files they name are checked by ``memo_ext.data.input_files``."""

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from memo_ext.config.common import check_writable_directory
-from memo_ext.config.data import DataConfig
+from memo_ext.config.data import TOKENIZER_FIELDS, DataConfig
 from memo_ext.config.hotspa import HotSPaConfig
 from memo_ext.config.megatron_offload import MegatronOffloadConfig
 from memo_ext.config.memo import MemoConfig
@@ -34,11 +34,6 @@ MODEL_DEFINING_FIELDS = (
     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "apply_layernorm_1p",
 )  # fmt: skip
 """The fields of ``ModelConfig`` that change what the weights compute (not how they train)."""
-TOKENIZER_FIELDS = (
-    "tokenizer_type", "vocab_size", "tokenizer_model", "tiktoken_pattern",
-    "tiktoken_num_special_tokens", "tiktoken_special_tokens", "vocab_file", "merge_file",
-)  # fmt: skip
-"""The fields of ``DataConfig`` that choose the tokenizer (and so the vocabulary)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,7 +48,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tqdm import tqdm
 
-from memo_ext.config.data import check_split
+from memo_ext.config.data import TokenizerSpec, check_split
 from memo_ext.data.tokenizers import build_tokenizer
 from memo_ext.errors import UsageError
 
@@ -214,14 +214,7 @@ def preprocess_jsonl(
     *,
     input_path: str | Path,
     output_prefix: str,
-    tokenizer_type: str,
-    vocab_size: int | None = None,
-    tokenizer_model: str | None = None,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-    tiktoken_pattern: str | None = None,
-    tiktoken_num_special_tokens: int = 1000,
-    tiktoken_special_tokens: Sequence[str] = (),
+    tokenizer: TokenizerSpec,
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     workers: int = 1,
@@ -235,14 +228,7 @@ def preprocess_jsonl(
     Args:
         input_path: The ``.jsonl`` file; each line a JSON object holding ``json_keys``.
         output_prefix: Outputs go to ``{output_prefix}_{key}_document.bin`` / ``.idx``.
-        tokenizer_type: See ``memo_ext.data.tokenizers.build_tokenizer``.
-        vocab_size: ``--vocab-size`` (``NullTokenizer`` only).
-        tokenizer_model: ``--tokenizer-model`` (the file of a tokenizer read from one).
-        vocab_file: ``--vocab-file`` (``GPT2BPETokenizer`` only).
-        merge_file: ``--merge-file`` (``GPT2BPETokenizer`` only).
-        tiktoken_pattern: ``--tiktoken-pattern`` (``TikTokenizer`` only).
-        tiktoken_num_special_tokens: ``--tiktoken-num-special-tokens`` (``TikTokenizer`` only).
-        tiktoken_special_tokens: ``--tiktoken-special-tokens`` (``TikTokenizer`` only).
+        tokenizer: The tokenizer (``memo_ext.data.tokenizers.build_tokenizer``).
         json_keys: The keys to tokenize, one output dataset each.
         append_eod: Append the end-of-document id to every non-empty document.
         workers: Number of forked tokenizer processes (1 tokenizes in this process).
@@ -263,18 +249,9 @@ def preprocess_jsonl(
         raise FileNotFoundError(
             f"Input file {input_path} does not exist; pass --input an existing .jsonl file."
         )
-    tokenizer = build_tokenizer(
-        tokenizer_type=tokenizer_type,
-        vocab_size=vocab_size,
-        tokenizer_model=tokenizer_model,
-        vocab_file=vocab_file,
-        merge_file=merge_file,
-        tiktoken_pattern=tiktoken_pattern,
-        tiktoken_num_special_tokens=tiktoken_num_special_tokens,
-        tiktoken_special_tokens=tiktoken_special_tokens,
-    )
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    encoder = _Encoder(tokenizer, tuple(json_keys), append_eod, dtype)
+    built = build_tokenizer(tokenizer)
+    dtype = DType.optimal_dtype(built.vocab_size)
+    encoder = _Encoder(built, tuple(json_keys), append_eod, dtype)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     writers = {
         key: _AtomicIndexedWriter(document_prefix(output_prefix, key), dtype) for key in json_keys

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from memo_ext.config import TokenizerSpec
 from memo_ext.data.datasets import preprocess_jsonl
 from tests.launch import ROOT, cli, free_port, run_job
 
@@ -89,7 +90,7 @@ def test_data_made_with_another_tokenizer_is_named(tmp_path):
     prefix = preprocess_jsonl(
         input_path=tmp_path / "in.jsonl",
         output_prefix=str(tmp_path / "c"),
-        tokenizer_type="ByteTokenizer",
+        tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
     ).prefixes["text"]
     run = run_job(
         [

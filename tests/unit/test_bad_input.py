@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from memo_ext.arguments import parse_args
-from memo_ext.config import DEFAULT_SPLIT
+from memo_ext.config import DEFAULT_SPLIT, TokenizerSpec
 from memo_ext.data.datasets import fit_split, preprocess_jsonl
 from memo_ext.errors import UsageError
 from memo_ext.planner import (
@@ -146,7 +146,9 @@ def small_corpus(tmp_path_factory) -> str:
     lines = [json.dumps({"text": "x" * int(n)}) for n in rng.integers(40, 80, size=10)]
     (root / "in.jsonl").write_text("\n".join(lines) + "\n")
     summary = preprocess_jsonl(
-        input_path=root / "in.jsonl", output_prefix=str(root / "c"), tokenizer_type="ByteTokenizer"
+        input_path=root / "in.jsonl",
+        output_prefix=str(root / "c"),
+        tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
     )
     return summary.prefixes["text"]
 
@@ -211,7 +213,7 @@ def test_preprocessing_an_empty_input_is_refused(tmp_path):
         preprocess_jsonl(
             input_path=tmp_path / "empty.jsonl",
             output_prefix=str(tmp_path / "e"),
-            tokenizer_type="ByteTokenizer",
+            tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
         )
     assert not list(tmp_path.glob("e_*"))  # nothing half-written is left
 

@@ -9,6 +9,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from memo_ext.config import TokenizerSpec
 from memo_ext.data.datasets import preprocess_jsonl
 from memo_ext.data.tokenizers import build_tokenizer
 from tests.launch import cli
@@ -38,13 +39,17 @@ def bpe_dir(tmp_path_factory):
 def test_round_trip_and_eod(bpe_dir, kind):
     if kind == "gpt2":
         tok = build_tokenizer(
-            tokenizer_type="GPT2BPETokenizer",
-            vocab_file=str(bpe_dir / "vocab.json"),
-            merge_file=str(bpe_dir / "merges.txt"),
+            TokenizerSpec(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=str(bpe_dir / "vocab.json"),
+                merge_file=str(bpe_dir / "merges.txt"),
+            )
         )
     else:
         path = bpe_dir / "tokenizer.json" if kind == "file" else bpe_dir
-        tok = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path))
+        tok = build_tokenizer(
+            TokenizerSpec(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path))
+        )
     for text in TEXTS:
         assert tok.detokenize(tok.tokenize(text)) == text
     vocab = json.loads((bpe_dir / "vocab.json").read_text())
@@ -55,12 +60,16 @@ def test_round_trip_and_eod(bpe_dir, kind):
 
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json there"):
-        build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+        build_tokenizer(
+            TokenizerSpec(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+        )
     with pytest.raises(ValueError, match="--vocab-file .* is not a file"):
         build_tokenizer(
-            tokenizer_type="GPT2BPETokenizer",
-            vocab_file=str(tmp_path / "v.json"),
-            merge_file=str(tmp_path / "m.txt"),
+            TokenizerSpec(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=str(tmp_path / "v.json"),
+                merge_file=str(tmp_path / "m.txt"),
+            )
         )
 
 
@@ -78,12 +87,11 @@ def test_preprocess_with_tokenizer_files(bpe_dir, tmp_path, tokenizer_type):
     summary = preprocess_jsonl(
         input_path=corpus,
         output_prefix=str(tmp_path / "out"),
-        tokenizer_type=tokenizer_type,
         append_eod=True,
         show_progress=False,
-        **files,
+        tokenizer=TokenizerSpec(tokenizer_type=tokenizer_type, **files),
     )
-    tok = build_tokenizer(tokenizer_type=tokenizer_type, **files)
+    tok = build_tokenizer(TokenizerSpec(tokenizer_type=tokenizer_type, **files))
     dataset = IndexedDataset(summary.prefixes["text"])
     for i, text in enumerate(t for t in TEXTS if t):
         assert np.array_equal(dataset[i], np.array(tok.tokenize(text) + [tok.eod]))
@@ -165,11 +173,15 @@ def test_the_tokenizers_own_post_processor_adds_bos_as_transformers_does(bpe_dir
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>"})
     )
-    ours = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    ours = build_tokenizer(
+        TokenizerSpec(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    )
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     for text in TEXTS:
         ids = ours.tokenize(text)
         assert ids == theirs(text).input_ids
         assert ids[0] == bos == ours.bos
-    plain = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(bpe_dir))
+    plain = build_tokenizer(
+        TokenizerSpec(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(bpe_dir))
+    )
     assert plain.tokenize("") == []

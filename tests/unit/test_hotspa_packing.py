@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from memo_ext.config import TokenizerSpec
 from memo_ext.data.packing import first_fit_decreasing, pack_documents
 from memo_ext.mcore.packed import build_packed_seq_params
 from tests.models import LLAMA_TINY, build_gpt, cpu_config
@@ -246,9 +247,9 @@ def test_indexed_documents_read_back_the_corpus(tmp_path):
     summary = preprocess_jsonl(
         input_path=corpus,
         output_prefix=str(tmp_path / "c"),
-        tokenizer_type="ByteTokenizer",
         append_eod=True,
         show_progress=False,
+        tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
     )
     docs = IndexedDocuments(summary.prefixes["text"])
     assert len(docs) == len(texts)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from memo_ext.arguments import parse_args
+from memo_ext.config import TokenizerSpec
 from memo_ext.data.datasets import build_gpt_datasets, preprocess_jsonl
 from memo_ext.data.tokenizers import ByteTokenizer
 from memo_ext.errors import UsageError
@@ -27,8 +28,8 @@ def _corpus(root: Path, name: str, letter: str) -> str:
     summary = preprocess_jsonl(
         input_path=root / f"{name}.jsonl",
         output_prefix=str(root / name),
-        tokenizer_type="ByteTokenizer",
         show_progress=False,
+        tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
     )
     return summary.prefixes["text"]
 

@@ -12,6 +12,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from memo_ext.commands.preprocess_data import main
+from memo_ext.config import TokenizerSpec
 from memo_ext.data import datasets
 from memo_ext.data.datasets import preprocess_jsonl
 from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer
@@ -86,11 +87,10 @@ def test_workers_tokenize_with_the_tokenizer_loaded_here(tmp_path, monkeypatch):
     summary = preprocess_jsonl(
         input_path=source,
         output_prefix=str(tmp_path / "w"),
-        tokenizer_type="NullTokenizer",
-        vocab_size=2**23,  # above any process id
         workers=2,
         chunk_size=4,
         show_progress=False,
+        tokenizer=TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=2**23),
     )
     pids = {document[0] for document in _read_documents(summary.prefixes["text"])}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
@@ -126,9 +126,9 @@ def test_the_eta_is_a_fair_guess_from_the_first_draw(tmp_path, monkeypatch, caps
     summary = preprocess_jsonl(
         input_path=source,
         output_prefix=str(tmp_path / "e"),
-        tokenizer_type="ByteTokenizer",
         workers=workers,
         chunk_size=12,
+        tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
     )
     assert _RecordedBar.drawn, "the bar was never drawn with a rate"
     for elapsed, eta in _RecordedBar.drawn:

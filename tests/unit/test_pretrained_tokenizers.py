@@ -24,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from memo_ext.arguments import parse_args
 from memo_ext.commands.preprocess_data import main as preprocess_main
+from memo_ext.config import TokenizerSpec
 from memo_ext.data.tokenizers import SENTENCEPIECE_TOKENIZERS, build_tokenizer
 from memo_ext.errors import UsageError
 from tests.launch import SMALL_GPT
@@ -198,7 +199,9 @@ def _assert_same_ids(ours, theirs) -> None:
 
 @pytest.mark.parametrize("tokenizer_type", list(SENTENCEPIECE_TOKENIZERS))
 def test_sentencepiece_ids_equal_megatron_lms(megatron_lm, sp_model, tokenizer_type):
-    ours = build_tokenizer(tokenizer_type=tokenizer_type, tokenizer_model=str(sp_model))
+    ours = build_tokenizer(
+        TokenizerSpec(tokenizer_type=tokenizer_type, tokenizer_model=str(sp_model))
+    )
     _assert_same_ids(ours, _megatron_lm_tokenizer(megatron_lm, tokenizer_type, sp_model))
 
 
@@ -207,12 +210,14 @@ def test_sentencepiece_ids_equal_megatron_lms(megatron_lm, sp_model, tokenizer_t
 def test_tiktoken_ids_equal_megatron_lms(megatron_lm, tiktoken_file, pattern, specials):
     options = _tiktoken_options(pattern, specials)
     ours = build_tokenizer(
-        tokenizer_type="TikTokenizer",
-        tokenizer_model=str(tiktoken_file),
-        vocab_size=options["vocab_size"],
-        tiktoken_pattern=pattern,
-        tiktoken_num_special_tokens=options["num_special_tokens"],
-        tiktoken_special_tokens=specials or (),
+        TokenizerSpec(
+            tokenizer_type="TikTokenizer",
+            tokenizer_model=str(tiktoken_file),
+            vocab_size=options["vocab_size"],
+            tiktoken_pattern=pattern,
+            tiktoken_num_special_tokens=options["num_special_tokens"],
+            tiktoken_special_tokens=specials or (),
+        )
     )
     theirs = _megatron_lm_tokenizer(megatron_lm, "TikTokenizer", tiktoken_file, **options)
     _assert_same_ids(ours, theirs)
@@ -224,7 +229,9 @@ def test_tiktoken_ids_equal_megatron_lms(megatron_lm, tiktoken_file, pattern, sp
 def test_sentencepiece_types_by_hand(sp_model):
     processor = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
     pieces = len(processor)
-    build = lambda kind: build_tokenizer(tokenizer_type=kind, tokenizer_model=str(sp_model))
+    build = lambda kind: build_tokenizer(
+        TokenizerSpec(tokenizer_type=kind, tokenizer_model=str(sp_model))
+    )
     gpt, llama = build("GPTSentencePieceTokenizer"), build("Llama2Tokenizer")
     megatron = build("SentencePieceTokenizer")
     text = CORPUS[0]
@@ -247,7 +254,9 @@ def test_sentencepiece_types_by_hand(sp_model):
 
 @pytest.mark.parametrize("tokenizer_type", list(SENTENCEPIECE_TOKENIZERS))
 def test_sentencepiece_round_trip(sp_model, tokenizer_type):
-    tokenizer = build_tokenizer(tokenizer_type=tokenizer_type, tokenizer_model=str(sp_model))
+    tokenizer = build_tokenizer(
+        TokenizerSpec(tokenizer_type=tokenizer_type, tokenizer_model=str(sp_model))
+    )
     for text in CORPUS:  # the model's own characters, single spaces: nothing is normalised away
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
 
@@ -255,11 +264,13 @@ def test_sentencepiece_round_trip(sp_model, tokenizer_type):
 def test_tiktoken_round_trips_any_text(tiktoken_file):
     options = _tiktoken_options("v2", None)
     tokenizer = build_tokenizer(
-        tokenizer_type="TikTokenizer",
-        tokenizer_model=str(tiktoken_file),
-        vocab_size=options["vocab_size"],
-        tiktoken_pattern="v2",
-        tiktoken_num_special_tokens=options["num_special_tokens"],
+        TokenizerSpec(
+            tokenizer_type="TikTokenizer",
+            tokenizer_model=str(tiktoken_file),
+            vocab_size=options["vocab_size"],
+            tiktoken_pattern="v2",
+            tiktoken_num_special_tokens=options["num_special_tokens"],
+        )
     )
     for text in TEXTS:
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
@@ -317,7 +328,9 @@ def hf_dir(tmp_path) -> Path:
 
 
 def _hf(path: Path):
-    return build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path))
+    return build_tokenizer(
+        TokenizerSpec(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path))
+    )
 
 
 def test_hf_bos_and_eos_come_from_tokenizer_config(hf_dir):
@@ -376,7 +389,9 @@ def test_hf_config_naming_a_token_the_tokenizer_lacks_is_refused(hf_dir):
 
 @pytest.mark.parametrize("tokenizer_type", list(SENTENCEPIECE_TOKENIZERS))
 def test_bad_sentencepiece_files_fail_in_one_sentence(tmp_path, tokenizer_type):
-    build = lambda path: build_tokenizer(tokenizer_type=tokenizer_type, tokenizer_model=path)
+    build = lambda path: build_tokenizer(
+        TokenizerSpec(tokenizer_type=tokenizer_type, tokenizer_model=path)
+    )
     with pytest.raises(ValueError, match="needs --tokenizer-model PATH"):
         build(None)
     with pytest.raises(ValueError, match=r"missing.model is not a file; give the local"):
@@ -397,12 +412,16 @@ def test_bad_sentencepiece_files_fail_in_one_sentence(tmp_path, tokenizer_type):
 def test_a_model_without_the_pieces_a_type_needs_is_refused(tmp_path):
     model = _train_sentencepiece(tmp_path / "no_bos_eos.model", bos_id=-1, eos_id=-1)
     with pytest.raises(ValueError, match="has no end-of-sentence piece"):
-        build_tokenizer(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=str(model))
+        build_tokenizer(
+            TokenizerSpec(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=str(model))
+        )
     model = _train_sentencepiece(tmp_path / "no_bos.model", bos_id=-1)
     with pytest.raises(ValueError, match="has no beginning-of-sentence piece"):
-        build_tokenizer(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(model))
+        build_tokenizer(TokenizerSpec(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(model)))
     # Megatron-LM's SentencePieceTokenizer adds <BOS> / <EOS> itself
-    tokenizer = build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(model))
+    tokenizer = build_tokenizer(
+        TokenizerSpec(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(model))
+    )
     assert tokenizer.bos == tokenizer.vocab["<BOS>"]
 
 
@@ -410,7 +429,9 @@ def test_bad_tiktoken_settings_fail_in_one_sentence(tmp_path, tiktoken_file):
     def build(path=tiktoken_file, **options):
         settings = {"tiktoken_pattern": "v2", "tiktoken_num_special_tokens": 10}
         settings |= {"vocab_size": TIKTOKEN_FILE_TOKENS + 10} | options
-        return build_tokenizer(tokenizer_type="TikTokenizer", tokenizer_model=str(path), **settings)
+        return build_tokenizer(
+            TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model=str(path), **settings)
+        )
 
     with pytest.raises(ValueError, match="needs --tiktoken-pattern v1 or v2, got None"):
         build(tiktoken_pattern=None)

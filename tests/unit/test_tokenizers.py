@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from memo_ext.config import TokenizerSpec
 from memo_ext.config.data import TOKENIZER_TYPES
 from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer, build_tokenizer
 from memo_ext.megatron_lm.flag_table import megatron_flags
@@ -24,7 +25,7 @@ TEXTS = [
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_byte_tokenizer_round_trips_exactly(text):
-    tokenizer = build_tokenizer(tokenizer_type="ByteTokenizer")
+    tokenizer = build_tokenizer(TokenizerSpec(tokenizer_type="ByteTokenizer"))
     ids = tokenizer.tokenize(text)
     assert ids == list(text.encode("utf-8"))
     assert all(0 <= i < 256 for i in ids)
@@ -47,7 +48,7 @@ def test_null_tokenizer_matches_megatron():
         NullTokenizer as MegatronNull,
     )
 
-    ours = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=1000)
+    ours = build_tokenizer(TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=1000))
     theirs = MegatronNull(1000)
     assert isinstance(ours, NullTokenizer)
     assert (ours.eod, ours.vocab_size) == (theirs.eod, theirs.vocab_size) == (1000, 1001)
@@ -62,18 +63,18 @@ def test_null_tokenizer_matches_megatron():
 
 
 def test_null_tokenizer_rejects_bad_ids():
-    tokenizer = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=10)
+    tokenizer = build_tokenizer(TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=10))
     with pytest.raises(ValueError, match="outside"):
         tokenizer.tokenize("1 11")
     with pytest.raises(ValueError, match="integer ids"):
         tokenizer.tokenize("1 two")
     with pytest.raises(ValueError, match="--vocab-size"):
-        build_tokenizer(tokenizer_type="NullTokenizer")
+        build_tokenizer(TokenizerSpec(tokenizer_type="NullTokenizer"))
 
 
 def test_unknown_tokenizer_type_lists_valid_types():
     with pytest.raises(ValueError, match="ByteTokenizer, NullTokenizer, HuggingFaceTokenizer"):
-        build_tokenizer(tokenizer_type="BertWordPieceCase")
+        build_tokenizer(TokenizerSpec(tokenizer_type="BertWordPieceCase"))
 
 
 def test_the_data_docs_name_every_tokenizer_type():
@@ -86,9 +87,13 @@ def test_the_data_docs_name_every_tokenizer_type():
 
 
 def test_unique_identifiers_distinguish_tokenizers():
-    a = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=10).unique_identifiers
-    b = build_tokenizer(tokenizer_type="NullTokenizer", vocab_size=11).unique_identifiers
-    c = build_tokenizer(tokenizer_type="ByteTokenizer").unique_identifiers
+    a = build_tokenizer(
+        TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=10)
+    ).unique_identifiers
+    b = build_tokenizer(
+        TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=11)
+    ).unique_identifiers
+    c = build_tokenizer(TokenizerSpec(tokenizer_type="ByteTokenizer")).unique_identifiers
     assert len({str(a), str(b), str(c)}) == 3
 
 
