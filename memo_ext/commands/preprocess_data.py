@@ -34,7 +34,7 @@ from memo_ext.config import TOKENIZER_TYPES, TokenizerSpec, check_writable_direc
 from memo_ext.errors import UsageError
 
 if TYPE_CHECKING:
-    from memo_ext.data.datasets import PreprocessSummary
+    from memo_ext.data.preprocess import PreprocessSummary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print("preprocess_data: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
         return 2
     # megatron-core's dataset writer, imported once the flags are good (--help answers at once)
-    from memo_ext.data.datasets import preprocess_jsonl
+    from memo_ext.data.preprocess import preprocess_jsonl
 
     try:
         parent = os.path.dirname(os.path.abspath(args.output_prefix))

@@ -63,10 +63,14 @@ def packed_step_batches(
     that cuts into ``2·CP`` chunks.
     """
     for documents in global_batches(
-        source, global_batch_size=global_batch_size, seq_length=seq_length, seed=seed,
+        source,
+        global_batch_size=global_batch_size,
+        seq_length=seq_length,
+        seed=seed,
         consumed_documents=consumed_documents,
     ):
-        rows = pack_documents([d for d in documents if len(d)], row_tokens=seq_length,
-                              pad_multiple=pad_multiple)
+        rows = pack_documents(
+            [d for d in documents if len(d)], row_tokens=seq_length, pad_multiple=pad_multiple
+        )
         dealt = deal_rows(rows, dp_rank=dp_rank, dp_size=dp_size, row_tokens=seq_length)
         yield [row_to_micro_batch(row) for row in dealt]

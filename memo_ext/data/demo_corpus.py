@@ -28,7 +28,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tqdm import tqdm
 
 from memo_ext.config import TokenizerSpec
-from memo_ext.data.datasets import document_prefix, preprocess_jsonl
+from memo_ext.data.preprocess import document_prefix, preprocess_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,13 @@ def build_demo_corpus(
     (out_dir / "manifest.json").unlink(missing_ok=True)
     jsonl_path = out_dir / f"{_NAME}.jsonl"
     _write_jsonl(files=files, path=jsonl_path, show_progress=show_progress)
-    summary = preprocess_jsonl(input_path=jsonl_path, output_prefix=str(out_dir / _NAME), append_eod=True, show_progress=show_progress, tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"))
+    summary = preprocess_jsonl(
+        input_path=jsonl_path,
+        output_prefix=str(out_dir / _NAME),
+        append_eod=True,
+        show_progress=show_progress,
+        tokenizer=TokenizerSpec(tokenizer_type="ByteTokenizer"),
+    )
     jsonl_path.unlink()
     # The manifest is written last: its presence marks a complete build.
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

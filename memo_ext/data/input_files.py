@@ -25,13 +25,7 @@ def check_inputs(run: RunConfig) -> RunConfig:
         UsageError: naming the file and what is wrong with it.
     """
     # megatron-core's readers, imported here: --help and a wrong flag import no megatron-core
-    from memo_ext.data.datasets import (
-        SPLIT_PARTS,
-        check_indexed_dataset,
-        check_split_documents,
-        fit_split,
-        parse_blend,
-    )
+    from memo_ext.data.datasets import SPLIT_PARTS, check_indexed_dataset, check_split_documents, fit_split, parse_blend
     from memo_ext.data.tokenizers import tokenizer_for
 
     data = read_data_args(run.data)

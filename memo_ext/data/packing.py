@@ -114,9 +114,11 @@ def pack_row(
     lengths = [len(doc) for doc in documents]
     slots = [slot_length(n, pad_multiple) for n in lengths]
     if not documents or sum(slots) > row_tokens or row_tokens % pad_multiple:
-        raise ValueError(f"a row needs 1 or more documents of {row_tokens} tokens in all, "
-                         f"got {len(documents)} documents in {sum(slots)} tokens of slots "
-                         f"(multiples of {pad_multiple})")
+        raise ValueError(
+            f"a row needs 1 or more documents of {row_tokens} tokens in all, "
+            f"got {len(documents)} documents in {sum(slots)} tokens of slots "
+            f"(multiples of {pad_multiple})"
+        )
     tokens = np.full(row_tokens, PAD_TOKEN_ID, dtype=np.int64)
     labels = np.zeros(row_tokens, dtype=np.int64)
     loss_mask = np.zeros(row_tokens, dtype=np.float32)
@@ -145,10 +147,13 @@ def empty_row(*, row_tokens: int) -> PackedRow:
     data-parallel ranks; ``cu_seqlens_padded`` makes the padding one segment."""
     zeros = torch.zeros(row_tokens, dtype=torch.int64)
     return PackedRow(
-        tokens=zeros.clone(), labels=zeros.clone(),
+        tokens=zeros.clone(),
+        labels=zeros.clone(),
         loss_mask=torch.zeros(row_tokens, dtype=torch.float32),
-        position_ids=torch.arange(row_tokens), cu_seqlens=torch.zeros(2, dtype=torch.int32),
-        cu_seqlens_padded=torch.tensor([0, row_tokens], dtype=torch.int32), document_ids=[],
+        position_ids=torch.arange(row_tokens),
+        cu_seqlens=torch.zeros(2, dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor([0, row_tokens], dtype=torch.int32),
+        document_ids=[],
     )
 
 
@@ -170,8 +175,11 @@ def pack_documents(
     groups = first_fit_decreasing(slots, row_tokens=row_tokens)
     rows = []
     for group in groups:
-        row = pack_row([np.asarray(documents[i]) for i in group], row_tokens=row_tokens,
-                       pad_multiple=pad_multiple)
+        row = pack_row(
+            [np.asarray(documents[i]) for i in group],
+            row_tokens=row_tokens,
+            pad_multiple=pad_multiple,
+        )
         row.document_ids = list(group)
         rows.append(row)
     return rows

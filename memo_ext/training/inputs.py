@@ -13,8 +13,9 @@ from collections.abc import Iterator, Sequence
 
 from memo_ext.config import RunConfig
 from memo_ext.data.batches import packed_step_batches
-from memo_ext.data.datasets import build_batch_iterator, build_gpt_datasets
+from memo_ext.data.datasets import build_gpt_datasets
 from memo_ext.data.documents import document_source
+from memo_ext.data.sampler import build_batch_iterator
 from memo_ext.extension import Extension
 from memo_ext.training.checkpoint import TrainProgress
 from memo_ext.training.initialize import ParallelContext

@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from memo_ext import device
 from memo_ext.collectives import loss_pair, mean_loss, world_loss_pair
 from memo_ext.config import RunConfig
-from memo_ext.data.datasets import close_batch_iterator
+from memo_ext.data.sampler import close_batch_iterator
 from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, StepLoss
 from memo_ext.features.extensions import extensions_for

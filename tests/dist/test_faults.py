@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from memo_ext.config import TokenizerSpec
-from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.data.preprocess import preprocess_jsonl
 from tests.launch import ROOT, cli, free_port, run_job
 
 pytestmark = pytest.mark.dist

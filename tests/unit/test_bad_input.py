@@ -19,7 +19,8 @@ import torch
 
 from memo_ext.arguments import parse_args
 from memo_ext.config import DEFAULT_SPLIT, TokenizerSpec
-from memo_ext.data.datasets import fit_split, preprocess_jsonl
+from memo_ext.data.datasets import fit_split
+from memo_ext.data.preprocess import preprocess_jsonl
 from memo_ext.errors import UsageError
 from memo_ext.planner import (
     Alloc,

@@ -10,13 +10,9 @@ import pytest
 import torch
 
 from memo_ext.data import demo_corpus
-from memo_ext.data.datasets import (
-    build_batch_iterator,
-    build_gpt_datasets,
-    micro_batch_indices,
-    parse_blend,
-)
+from memo_ext.data.datasets import build_gpt_datasets, parse_blend
 from memo_ext.data.demo_corpus import build_demo_corpus, document_lengths, select_stdlib_files
+from memo_ext.data.sampler import build_batch_iterator, micro_batch_indices
 from memo_ext.data.tokenizers import ByteTokenizer
 from tests.launch import run_job
 

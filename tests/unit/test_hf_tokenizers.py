@@ -10,7 +10,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from memo_ext.config import TokenizerSpec
-from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.data.preprocess import preprocess_jsonl
 from memo_ext.data.tokenizers import build_tokenizer
 from tests.launch import cli
 

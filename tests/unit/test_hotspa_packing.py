@@ -238,8 +238,8 @@ def test_global_batches_resume_and_cross_epochs():
 def test_indexed_documents_read_back_the_corpus(tmp_path):
     import json
 
-    from memo_ext.data.datasets import preprocess_jsonl
     from memo_ext.data.documents import IndexedDocuments
+    from memo_ext.data.preprocess import preprocess_jsonl
 
     texts = ["a", "hello world", "x" * 300, "long tail"]
     corpus = tmp_path / "c.jsonl"

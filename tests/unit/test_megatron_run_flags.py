@@ -18,8 +18,9 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from memo_ext.arguments import parse_args
 from memo_ext.config import CleanupConfig, ProfileConfig
-from memo_ext.data.datasets import build_batch_iterator, build_gpt_datasets
+from memo_ext.data.datasets import build_gpt_datasets
 from memo_ext.data.demo_corpus import build_demo_corpus
+from memo_ext.data.sampler import build_batch_iterator
 from memo_ext.data.tokenizers import ByteTokenizer
 from memo_ext.errors import UsageError
 from memo_ext.mcore.norms import Norm

@@ -11,7 +11,8 @@ import pytest
 
 from memo_ext.arguments import parse_args
 from memo_ext.config import TokenizerSpec
-from memo_ext.data.datasets import build_gpt_datasets, preprocess_jsonl
+from memo_ext.data.datasets import build_gpt_datasets
+from memo_ext.data.preprocess import preprocess_jsonl
 from memo_ext.data.tokenizers import ByteTokenizer
 from memo_ext.errors import UsageError
 from tests.launch import SMALL_GPT, run_pretrain

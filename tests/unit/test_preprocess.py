@@ -13,8 +13,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from memo_ext.commands.preprocess_data import main
 from memo_ext.config import TokenizerSpec
-from memo_ext.data import datasets
-from memo_ext.data.datasets import preprocess_jsonl
+from memo_ext.data import preprocess
+from memo_ext.data.preprocess import preprocess_jsonl
 from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_workers_tokenize_with_the_tokenizer_loaded_here(tmp_path, monkeypatch):
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
 
 
-class _RecordedBar(datasets.tqdm):
+class _RecordedBar(preprocess.tqdm):
     """The progress bar, recording (elapsed s, ETA s) whenever it is drawn with a rate."""
 
     drawn: list[tuple[float, float]] = []
@@ -120,7 +120,7 @@ def test_the_eta_is_a_fair_guess_from_the_first_draw(tmp_path, monkeypatch, caps
         return list(text.encode())
 
     monkeypatch.setattr(ByteTokenizer, "tokenize", slow_bytes)
-    monkeypatch.setattr(datasets, "tqdm", _RecordedBar)
+    monkeypatch.setattr(preprocess, "tqdm", _RecordedBar)
     monkeypatch.setattr(_RecordedBar, "drawn", [])
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "x" * 100}] * 120)
     summary = preprocess_jsonl(
