@@ -7,16 +7,25 @@ first failed rank's message last and exits with that rank's status (128 + the si
 for a killed rank, as a shell would)::
 
     python -m memo_ext.launch --nproc-per-node 8 pretrain_gpt_memo.py --num-layers 32 ...
+
+Stopped itself by SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C), torchrun forwards the
+signal to the workers, waits for them, and raises; this exits 0 when every worker then exited 0
+(with ``--exit-signal-handler`` each saves a checkpoint first), else 128 + the signal number, in
+one line instead of torchrun's traceback: a requeue script can tell a clean stop from a crash.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun_main
 
@@ -45,11 +54,47 @@ def main(argv: list[str] | None = None) -> int:
         # has none); each worker gets its own file from torchrun either way
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(scratch, "error.json"))
         os.environ[REPORTS_ERRORS] = "1"  # the workers leave their sentence to this line
+        stopped: dict[int, int | None] = {}
         try:
-            torchrun_main(argv)
+            with _recording_stopped_workers(stopped):
+                torchrun_main(argv)
         except ChildFailedError as err:
             return _report(err)
+        except SignalException as err:
+            return _stopped_by(signal.Signals(err.sigval), stopped)
     return 0
+
+
+@contextlib.contextmanager
+def _recording_stopped_workers(statuses: dict[int, int | None]) -> Iterator[None]:
+    """Record each worker's exit code when torchrun's agent shuts its workers down (on a
+    signal, after forwarding it): the agent keeps them to itself and raises. torch's agent
+    internals (``LocalElasticAgent._shutdown``, ``SubprocessContext.subprocess_handlers``) are
+    checked by ``tests/unit/test_launch.py``."""
+    shutdown = LocalElasticAgent._shutdown
+
+    def recording(agent, death_sig=signal.SIGTERM, timeout=30):
+        shutdown(agent, death_sig, timeout)
+        handlers = getattr(agent._pcontext, "subprocess_handlers", None) or {}
+        statuses.update({rank: h.proc.returncode for rank, h in handlers.items()})
+
+    LocalElasticAgent._shutdown = recording
+    try:
+        yield
+    finally:
+        LocalElasticAgent._shutdown = shutdown
+
+
+def _stopped_by(sig: signal.Signals, statuses: dict[int, int | None]) -> int:
+    """The exit status after a signal stopped the launch: 0 when every worker exited 0."""
+    if statuses and all(code == 0 for code in statuses.values()):
+        print(f"stopped by {sig.name}: every rank exited cleanly", file=sys.stderr)
+        return 0
+    failed = sorted(rank for rank, code in statuses.items() if code != 0)
+    ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+    detail = f"{ranks} did not exit cleanly" if failed else "no rank ran"
+    print(f"stopped by {sig.name}: {detail}", file=sys.stderr)
+    return 128 + sig.value
 
 
 def first_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:

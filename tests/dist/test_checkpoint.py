@@ -318,3 +318,55 @@ def test_a_resume_prints_no_library_warnings(tmp_path):
     console = done.stdout + done.stderr
     assert "loaded checkpoint" in console
     assert "Warning" not in console and "warnings.warn" not in console, console[-3000:]
+
+
+def _launch_until_records(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """``python -m memo_ext.launch`` of 2 ranks training on, once 3 steps are logged."""
+    save, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    save.mkdir()
+    cmd = [
+        *(sys.executable, "-m", "memo_ext.launch", "--nproc-per-node", "2"),
+        *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
+        str(ROOT / "pretrain_gpt_memo.py"),
+        *MODEL,
+        *("--train-iters", "100000", "--save", str(save), "--metrics-file", str(metrics)),
+        *("--log-interval", "1", *extra),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            return proc, save
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no 3 steps in 120 s:\n{proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.launch  # signals reach the processes of a real launch
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signalled_launcher_saves_and_exits_zero(tmp_path, sig):
+    """The launcher alone is signalled (a scheduler's preemption of the job step, Ctrl-C): it
+    forwards the signal, every rank saves at the next step and exits, and the launch exits 0
+    with one line, not torchrun's traceback."""
+    proc, save = _launch_until_records(tmp_path, "--exit-signal-handler")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    assert err.strip().splitlines()[-1] == f"stopped by {sig.name}: every rank exited cleanly"
+    assert "Traceback" not in err
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert (save / f"iter_{saved:07d}" / "manifest.json").is_file()
+
+
+@pytest.mark.launch
+def test_a_signalled_launcher_without_the_handler_is_no_clean_stop(tmp_path):
+    """Without --exit-signal-handler the ranks die of the signal: 128 + 15, and no checkpoint."""
+    proc, save = _launch_until_records(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert err.strip().splitlines()[-1] == "stopped by SIGTERM: ranks 0, 1 did not exit cleanly"
+    assert not (save / "latest_checkpointed_iteration.txt").exists()

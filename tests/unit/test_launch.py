@@ -43,3 +43,33 @@ def test_among_failures_of_their_own_the_earliest_is_reported():
         {0: _failure(0, 1, timestamp=9), 1: _failure(1, 2, timestamp=7), 2: _failure(2, 3, 8)},
     )
     assert first_failure(err)[0] == 1
+
+
+def test_a_signal_stop_is_clean_only_when_every_worker_exited_zero(capsys):
+    from memo_ext.launch import _stopped_by
+
+    assert _stopped_by(signal.SIGTERM, {0: 0, 1: 0}) == 0
+    assert _stopped_by(signal.SIGINT, {0: 0, 1: -15}) == 128 + signal.SIGINT
+    assert _stopped_by(signal.SIGTERM, {}) == 128 + signal.SIGTERM
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "stopped by SIGTERM: every rank exited cleanly",
+        "stopped by SIGINT: rank 1 did not exit cleanly",
+        "stopped by SIGTERM: no rank ran",
+    ]
+
+
+def test_the_torch_agent_internals_the_launcher_reads_are_there():
+    """``memo_ext.launch`` reads the workers' exit codes where torch's agent keeps them."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    assert list(inspect.signature(LocalElasticAgent._shutdown).parameters) == [
+        "self",
+        "death_sig",
+        "timeout",
+    ]
+    assert "self._pcontext" in inspect.getsource(LocalElasticAgent._shutdown)
+    assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext.__init__)
