@@ -59,6 +59,9 @@ if [[ ! -f "$OUT/import/latest_checkpointed_iteration.txt" ]]; then
 fi
 read -ra IMPORT_FLAGS < "$OUT/import/model_flags.txt"
 ORIGINAL=$(sed -E 's/.*--max-position-embeddings ([0-9]+).*/\1/' "$OUT/import/model_flags.txt")
+LAYERS=$(sed -E 's/.*--num-layers ([0-9]+).*/\1/' "$OUT/import/model_flags.txt")
+# MEMO keeps its last two layers on the device (its default), and one fewer than the model has
+KEEP=$((LAYERS > 2 ? 2 : LAYERS - 1))
 SEQ_LENGTH=${SEQ_LENGTH:-$((FACTOR * ORIGINAL))}
 if grep -q -- "--use-rope-scaling" "$OUT/import/model_flags.txt"; then
     echo "extend_context: the model carries Llama 3.1 RoPE scaling already; it is kept (FACTOR only sets the context)"
@@ -100,6 +103,7 @@ TRAINING_ARGS=(
     --attention-dropout 0.0
     --hidden-dropout 0.0
     --memo
+    --memo-keep-last-layers "$KEEP"
 )
 CHECKPOINT_ARGS=(--load "$OUT/import" --finetune --save "$OUT/ckpt" --save-interval "$TRAIN_ITERS")
 DATA_ARGS=(--data-path "$DATA_PREFIX" --split 98,2,0 "${TOKENIZER[@]}" --data-cache-path "$OUT/cache")

@@ -29,12 +29,11 @@ FACTOR = 4
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """The script's OUT folder and the source HF model, after a 2-step run."""
-    tmp = tmp_path_factory.mktemp("extend_context")
+def _extend(tmp, *, train_iters: int = 2, **model):
+    """The script on a tiny random Llama made in ``tmp`` (``model``: its config's changes): its
+    completed process and the source model."""
     source = make_hf_model(
-        "llama2", tmp / "hf", vocab_size=VOCAB, max_position_embeddings=ORIGINAL_TOKENS
+        "llama2", tmp / "hf", vocab_size=VOCAB, max_position_embeddings=ORIGINAL_TOKENS, **model
     )
     env = {
         **os.environ,
@@ -44,8 +43,8 @@ def run(tmp_path_factory):
         "DATA_DIR": str(tmp / "data"),
         "FACTOR": str(FACTOR),
         "NPROC": "1",
-        "TRAIN_ITERS": "2",
-        "EVAL_INTERVAL": "2",
+        "TRAIN_ITERS": str(train_iters),
+        "EVAL_INTERVAL": str(train_iters),
         "EVAL_ITERS": "1",
         "MASTER_PORT": str(free_port()),
     }
@@ -55,6 +54,14 @@ def run(tmp_path_factory):
         ["bash", "scripts/extend_context.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
+    return done, source
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The script's OUT folder and the source HF model, after a 2-step run."""
+    tmp = tmp_path_factory.mktemp("extend_context")
+    done, source = _extend(tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "context 64 → 256 tokens" in done.stdout
     return tmp / "out", source
@@ -108,3 +115,9 @@ def _our_logits(ckpt, tokens: torch.Tensor) -> torch.Tensor:
 def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(tokens).logits
+
+
+def test_a_two_layer_model_extends_with_its_defaults(tmp_path):
+    """MEMO keeps one fewer layer than the model has: a two-layer model still offloads one."""
+    done, _ = _extend(tmp_path, train_iters=1, num_hidden_layers=2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
