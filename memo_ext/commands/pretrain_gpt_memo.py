@@ -88,13 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         _tell_torchrun(str(err))
         return err.exit_status
     if int(os.environ.get("RANK", "0")) == 0 and summary.losses:
-        logging.getLogger("pretrain_gpt_memo").info(
-            "done: %d iterations, loss %.4f -> %.4f, %.0f tokens/s (median)",
-            summary.iterations,
-            summary.first_loss,
-            summary.last_loss,
-            sorted(summary.tokens_per_s)[len(summary.tokens_per_s) // 2],
-        )
+        logging.getLogger("pretrain_gpt_memo").info(summary.line())
     return 0
 
 

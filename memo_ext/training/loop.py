@@ -389,7 +389,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
     )
     housekeeping = Housekeeping(run, rank=s.ctx.rank)  # --manual-gc, --profile
     housekeeping.start()
-    summary = TrainSummary()
+    summary = TrainSummary(resumed_at=progress.iteration)
     skipped = 0
     saved_at = progress.iteration  # a resumed run's checkpoint is on disk already
     # megatron-core's calculator at the samples consumed so far (resumed: the checkpoint's)

@@ -36,6 +36,9 @@ class TrainSummary:
     """What a finished run reports back to its launcher."""
 
     iterations: int = 0
+    """The last step trained."""
+    resumed_at: int = 0
+    """The step of the checkpoint the run resumed from (0: a fresh start)."""
     losses: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     stopped_early: bool = False
@@ -52,6 +55,19 @@ class TrainSummary:
     @property
     def last_loss(self) -> float:
         return self.losses[-1]
+
+    def line(self) -> str:
+        """The run's last log line: steps, first and last logged loss, median throughput."""
+        steps = f"{self.iterations} iterations"
+        if self.resumed_at:  # the first loss is the resumed run's, not the start of training
+            steps = (
+                f"iterations {self.resumed_at + 1}-{self.iterations} (resumed at {self.resumed_at})"
+            )
+        median = sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]
+        return (
+            f"done: {steps}, loss {self.first_loss:.4f} -> {self.last_loss:.4f}, "
+            f"{median:.0f} tokens/s (median)"
+        )
 
 
 def is_logged(iteration: int, run: RunConfig) -> bool:

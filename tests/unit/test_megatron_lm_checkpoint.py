@@ -160,3 +160,9 @@ def test_the_flags_choose_what_a_load_takes(tmp_path):
     (load / "iter_0000003").mkdir()  # checkpoints without a tracker are not skipped unseen
     with pytest.raises(UsageError, match="holds checkpoints"):
         checkpoint_source(both)
+
+
+def test_a_load_scope_says_what_it_left_out_in_one_phrase():
+    assert LoadScope().describe() == ""
+    assert WEIGHTS_ONLY.describe() == "; its weights only"
+    assert LoadScope(optimizer=False).describe() == "; fresh: optimizer and LR schedule"

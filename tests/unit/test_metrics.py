@@ -194,3 +194,14 @@ def test_every_key_of_a_step_record_is_documented_with_its_type():
         "loss: '2.5' is not float",
         "no_such_key: not documented",
     ]
+
+
+def test_a_resumed_runs_summary_says_where_its_first_loss_is_from():
+    from memo_ext.training.report import TrainSummary
+
+    fresh = TrainSummary(iterations=300, losses=[5.6527, 1.4868], tokens_per_s=[9.0, 12.0, 11.0])
+    assert fresh.line() == "done: 300 iterations, loss 5.6527 -> 1.4868, 11 tokens/s (median)"
+    resumed = TrainSummary(iterations=8, resumed_at=4, losses=[3.0071, 3.007], tokens_per_s=[5.0])
+    assert resumed.line() == (
+        "done: iterations 5-8 (resumed at 4), loss 3.0071 -> 3.0070, 5 tokens/s (median)"
+    )

@@ -60,6 +60,8 @@ class LoadScope:
             )
             if not kept
         ]
+        if len(fresh) == 3:  # --finetune, an export: what was read is the shorter phrase
+            return "; its weights only"
         return f"; fresh: {', '.join(fresh)}" if fresh else ""
 
 
