@@ -28,7 +28,7 @@ from memo_ext.flags import (
     from_flags,
     unknown_flag_message,
 )
-from memo_ext.megatron_lm.translate import translate
+from memo_ext.megatron_lm.translate import lookup, translate
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
@@ -150,6 +150,7 @@ def parse_tool_args(
     argv = list(sys.argv[1:] if argv is None else argv)
     trainer = build_parser()._option_string_actions
     known = [*parser._option_string_actions, *trainer]
+    argv, megatron_lm = _without_megatron_lm_flags(argv, known)
     for token in argv:  # before argparse reports a required flag a misspelling left out
         name = token.partition("=")[0]
         if name.startswith("--") and name not in known:
@@ -172,6 +173,31 @@ def parse_tool_args(
                     break
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    ignored += megatron_lm
     if ignored:
-        logger.warning("%s: ignoring the trainer's %s", tool, ", ".join(dict.fromkeys(ignored)))
+        print(
+            f"{tool}: ignoring the trainer's {', '.join(dict.fromkeys(ignored))}", file=sys.stderr
+        )
     return args
+
+
+def _without_megatron_lm_flags(
+    argv: list[str], known: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """``argv`` without the flags of Megatron-LM's ``pretrain_gpt.py`` that are neither the
+    tool's nor the trainer's (``--no-create-attention-mask-in-dataloader`` in a script written
+    for both programs), and those flags' names."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    skipping = False  # the values after a dropped flag, up to the next flag
+    for token in argv:
+        if token.startswith("--") or token == "-h":
+            name = token.partition("=")[0]
+            skipping = name not in known and lookup(name) is not None
+            if skipping:
+                dropped.append(name)
+                continue
+        elif skipping:
+            continue
+        kept.append(token)
+    return kept, dropped

@@ -229,11 +229,17 @@ def format_estimate(est: Estimate) -> str:
             if est.reserved_bytes is not None
             else []
         ),
-        (
-            "host (MEMO)",
-            f"{est.host_bytes / gib:.2f} GiB of {est.host_budget_bytes / gib:.2f} per GPU "
-            f"({host_fit}); copies at {est.host_copy_gbps:g} GB/s per GPU (its share of the "
-            "host link while the node's GPUs copy)",
+        *(
+            [
+                (
+                    "host memory",
+                    f"{est.host_bytes / gib:.2f} GiB of {est.host_budget_bytes / gib:.2f} per GPU "
+                    f"({host_fit}); copies at {est.host_copy_gbps:g} GB/s per GPU (its share of "
+                    "the host link while the node's GPUs copy)",
+                )
+            ]
+            if est.host_bytes or est.alpha is not None  # a method that keeps activations there
+            else []
         ),
         (
             "step time",

@@ -249,3 +249,12 @@ def test_preflight_refuses_too_big_and_passes_small():
     with pytest.raises(PreflightError, match="does not fit"):
         check_preflight(_run_config(1 << 21, memo=True), device=device)
     assert not preflight(_run_config(8192, memo=False)).checked  # no GPU, no device given
+
+
+def test_the_host_line_is_for_a_method_that_keeps_activations_there():
+    from memo_ext.commands.estimate import format_estimate
+
+    memo = _est("memo", seq=1 << 14)
+    full = _est("full", seq=1 << 14)
+    assert "host memory" in format_estimate(memo) and memo.host_bytes > 0
+    assert "host memory" not in format_estimate(full) and full.host_bytes == 0
