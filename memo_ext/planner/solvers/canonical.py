@@ -288,8 +288,10 @@ class CanonicalSearch:
         self.run_nodes = int(counters[kernel.NODES])
         self.nodes += self.run_nodes
         if first_call and elapsed > 1.0:
-            logger.info(
-                "compiled the canonical search loop in %.0f s (cached for later runs)", elapsed
+            # a process's first call compiles, or loads numba's cache (make install fills it):
+            # either way nothing the user acts on, every planning process
+            logger.debug(
+                "first call of the canonical search loop: %.0f s (compiled or loaded)", elapsed
             )
         else:
             self._timed_nodes += self.run_nodes
