@@ -65,6 +65,11 @@ def _train_reporting_oom(argv: list[str] | None):
     """Train; an allocator's out-of-memory error becomes :class:`OutOfMemory` (one sentence with
     the bytes asked for, exit status 3): too big for this machine is a result, not a bug."""
     run = parse_args(argv)
+    if int(os.environ.get("RANK", "0")) == 0:  # the imports below take seconds, more when loaded
+        logging.getLogger("pretrain_gpt_memo").info(
+            "flags checked; loading megatron-core and building the run on %d process(es)",
+            run.world_size,
+        )
     # imported once the flags are good: --help and a wrong flag answer without megatron-core
     from memo_ext.training.loop import train
 
