@@ -81,17 +81,29 @@ class _Parser(SpellCheckedParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--model", default="gpt-7b", help=f"Preset: {', '.join(MODELS)}.")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs in the job.")
-    p.add_argument("--gpu", default="a800-80g", help=f"Device preset: {', '.join(DEVICES)}.")
     p.add_argument(
-        "--host-memory-gb", type=finite_float, default=2048, help="Host memory per node, GiB."
+        "--model",
+        default="gpt-7b",
+        help=f"Preset, its sizes changed by the model flags below: {', '.join(MODELS)} "
+        "(default: %(default)s).",
+    )
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the job (default: %(default)s).")
+    p.add_argument(
+        "--gpu",
+        default="a800-80g",
+        help=f"Device preset: {', '.join(DEVICES)} (default: %(default)s).",
+    )
+    p.add_argument(
+        "--host-memory-gb",
+        type=finite_float,
+        default=2048,
+        help="Host memory per node, GiB (default: %(default)s).",
     )
     p.add_argument(
         "--method",
         choices=method_names(),
         default="memo",
-        help="Memory method.",
+        help="Memory method (default: %(default)s).",
     )
     what = p.add_mutually_exclusive_group()
     add_flags(what, DataConfig, section="data", overrides=True, only=("seq_length",))

@@ -102,3 +102,17 @@ def test_a_misspelt_flag_is_named_with_the_closest_one(main, argv, suggested, ca
     err = capsys.readouterr().err.strip()
     assert f"unrecognized flag {argv[-2]}; did you mean {suggested}?" in err
     assert "required" not in err and err.count("\n") == 0
+
+
+def test_estimate_s_help_says_what_it_assumes_unless_told():
+    from memo_ext.commands import estimate
+
+    text = " ".join(estimate.build_parser().format_help().split())
+    for assumed in (
+        "(default: gpt-7b)",
+        "GPUs in the job (default: 8)",
+        "(default: a800-80g)",
+        "GiB (default: 2048)",
+        "Memory method (default: memo)",
+    ):
+        assert assumed in text
