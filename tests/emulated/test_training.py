@@ -104,3 +104,28 @@ def test_loss_chunks_copy_nothing_from_the_host(cuda, tmp_path, monkeypatch):
     summary, _ = train_on(cuda, tmp_path, "--loss-chunks", "4", "--train-iters", "1")
     assert summary.iterations == 1
     assert copies == [0, 0], copies  # one chunked loss per micro-batch, none copied
+
+
+def test_memo_offload_rules_of_a_test_file_on_the_device(cuda, tmp_path):
+    """The offload rules of ``tests/dist/test_memo_offload_rule.py`` with the device not the
+    host: a save sent whole joins the storages copied out on the copy stream, a save kept stays
+    a device tensor, and the steps are the same as with MEMO's own rule."""
+    from memo_ext.memo.rules import register, unregister
+    from tests.dist.test_memo_offload_rule import OURS, WideKept, WideWhole
+
+    memo = ["--memo", "--memo-alpha", "0.5", "--memo-keep-last-layers", "1"]
+    host, losses = {}, {}
+    for rule in OURS:
+        register(rule)
+    try:
+        for name in ("tokenwise", WideWhole.name, WideKept.name):
+            folder = tmp_path / name
+            folder.mkdir()
+            _, records = train_on(cuda, folder, *memo, "--memo-offload-rule", name)
+            host[name] = records[-1]["host_offload_bytes"]
+            losses[name] = [r["loss"] for r in records]
+    finally:
+        for rule in OURS:
+            unregister(rule)
+    assert host[WideWhole.name] > host["tokenwise"] > host[WideKept.name] > 0
+    assert losses[WideWhole.name] == losses["tokenwise"] == losses[WideKept.name]
