@@ -32,9 +32,9 @@ from memo_ext.arguments import parse_args
 from memo_ext.config import RunConfig
 from memo_ext.device import compute_device, on_gpu
 from memo_ext.errors import UsageError
+from memo_ext.hf.files import check_names, check_tied_head, read_config, tensor_files
 from memo_ext.hf.weights import (
     VOCAB_DIVISIBLE_BY,
-    HFShape,
     hf_config,
     hf_shape,
     links_for,
@@ -114,60 +114,28 @@ def build_model(
     return run, model
 
 
+def check_new_folder(out: Path, *, what: str) -> None:
+    """Both directions write into a new or empty folder only: files already there would be
+    replaced, or, worse, stay beside ours (another model's shards and index, which
+    ``transformers`` would then load with ours).
+
+    Raises:
+        UsageError: ``out`` is a file or holds anything.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a new folder for {what}")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UsageError(
+            f"--out {out} already holds {shown}; give a new or empty folder for {what} (nothing "
+            "in a folder is replaced or mixed with this tool's files)"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # import
 # ---------------------------------------------------------------------------------------------
-
-
-def read_config(hf_dir: Path) -> dict:
-    """``hf_dir``'s config.json.
-
-    Raises:
-        UsageError: no such folder or file.
-    """
-    path = hf_dir / "config.json"
-    if not path.is_file():
-        raise UsageError(
-            f"--hf-dir {hf_dir} holds no config.json; give a Hugging Face model folder"
-        )
-    return json.loads(path.read_text())
-
-
-def tensor_files(hf_dir: Path) -> dict[str, Path]:
-    """HF tensor name → the safetensors file that holds it (from the shard index when there is
-    one, else from the files' headers).
-
-    Raises:
-        UsageError: no safetensors file.
-    """
-    from safetensors import safe_open
-
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise UsageError(
-            f"--hf-dir {hf_dir} holds no *.safetensors file (PyTorch .bin weights are not read: "
-            "save the model with safe_serialization=True)"
-        )
-    found = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            found.update(dict.fromkeys(f.keys(), file))
-    return found
-
-
-def _check_sources(shape: HFShape, files: dict[str, Path], hf_dir: Path) -> None:
-    missing = [
-        n for link in links_for(shape, names=set(files)) for n in link.sources if n not in files
-    ]
-    if missing:
-        raise UsageError(
-            f"{hf_dir} lacks {len(missing)} tensor(s) a {shape.family} model has, e.g. "
-            f"{missing[0]}; is config.json the one of these weights?"
-        )
 
 
 def import_hf(*, hf_dir: Path, out: Path, progress: bool = True) -> list[str]:
@@ -179,22 +147,23 @@ def import_hf(*, hf_dir: Path, out: Path, progress: bool = True) -> list[str]:
     _require_safetensors()
     from safetensors import safe_open
 
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out} is not empty; give a new folder for the checkpoint")
+    check_new_folder(out, what="the checkpoint")
     config = read_config(hf_dir)
     flags = trainer_flags(config)
     shape = hf_shape(config)
     files = tensor_files(hf_dir)
-    _check_sources(shape, files, hf_dir)
+    check_names(shape, files, hf_dir)
     with single_process(), contextlib.ExitStack() as stack:
-        _, model = build_model(flags, vocab_size=shape.vocab_size)
-        params = model.state_dict(keep_vars=True)
         handles = {
             f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())
         }
+        read = lambda name: handles[files[name]].get_tensor(name)  # noqa: E731
+        check_tied_head(shape, files, read)
+        _, model = build_model(flags, vocab_size=shape.vocab_size)
+        params = model.state_dict(keep_vars=True)
         links = links_for(shape, names=set(files))
         for link in tqdm(links, desc="import", unit="tensor", disable=not progress):
-            tensors = [handles[files[name]].get_tensor(name) for name in link.sources]
+            tensors = [read(name) for name in link.sources]
             _copy_into(params[link.key], link.to_mcore(tensors), key=link.key)
         _check_all_filled(params, links)
         out.mkdir(parents=True, exist_ok=True)
@@ -293,6 +262,7 @@ def export_hf(
     _require_safetensors()
     from safetensors.torch import save_file
 
+    check_new_folder(out, what="the Hugging Face model")
     flags = model_flags(load, flags or [])
     source = (
         json.loads((load / SOURCE_CONFIG).read_text()) if (load / SOURCE_CONFIG).is_file() else None

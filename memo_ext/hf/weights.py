@@ -25,6 +25,7 @@ checkpoint's keys are those a transformer-engine model asks for too.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,7 +79,8 @@ def hf_shape(config: dict) -> HFShape:
     """The shape of the model an HF ``config.json`` describes.
 
     Raises:
-        UsageError: a family this tool does not convert.
+        UsageError: a family this tool does not convert, or a size that is missing or not a
+            whole number (named).
     """
     family = config.get("model_type")
     if family not in FAMILIES:
@@ -87,32 +89,89 @@ def hf_shape(config: dict) -> HFShape:
         )
     if family == "gpt2":
         return _gpt2_shape(config)
-    heads = config["num_attention_heads"]
+    hidden = whole_field(config, "hidden_size")
+    heads = whole_field(config, "num_attention_heads")
+    groups = whole_field(config, "num_key_value_heads", default=heads)
+    if heads % groups:
+        raise UsageError(
+            f"config.json's num_attention_heads {heads} is not a multiple of its "
+            f"num_key_value_heads {groups}"
+        )
+    if config.get("head_dim") is None and hidden % heads:
+        raise UsageError(
+            f"config.json's hidden_size {hidden} is not a multiple of its num_attention_heads "
+            f"{heads}, and it gives no head_dim"
+        )
     return HFShape(
         family=family,
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
+        num_layers=whole_field(config, "num_hidden_layers"),
+        hidden_size=hidden,
         heads=heads,
-        groups=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        vocab_size=config["vocab_size"],
-        tied=bool(config.get("tie_word_embeddings", False)),
+        groups=groups,
+        head_dim=whole_field(config, "head_dim", default=hidden // heads),
+        vocab_size=whole_field(config, "vocab_size"),
+        tied=_switch(config, "tie_word_embeddings", default=False),
         qkv_bias=family == "qwen2",
     )
 
 
 def _gpt2_shape(config: dict) -> HFShape:
-    hidden, heads = config["n_embd"], config["n_head"]
+    hidden, heads = whole_field(config, "n_embd"), whole_field(config, "n_head")
+    if hidden % heads:
+        raise UsageError(f"config.json's n_embd {hidden} is not a multiple of its n_head {heads}")
     return HFShape(
         family="gpt2",
-        num_layers=config["n_layer"],
+        num_layers=whole_field(config, "n_layer"),
         hidden_size=hidden,
         heads=heads,
         groups=heads,
         head_dim=hidden // heads,
-        vocab_size=config["vocab_size"],
-        tied=bool(config.get("tie_word_embeddings", True)),
+        vocab_size=whole_field(config, "vocab_size"),
+        tied=_switch(config, "tie_word_embeddings", default=True),
     )
+
+
+_MISSING = object()
+
+
+def whole_field(config: dict, name: str, *, default=_MISSING) -> int:
+    """``config[name]``, a whole number of at least 1 (``default`` when absent or null).
+
+    Raises:
+        UsageError: absent without a default, or not a whole number ≥ 1.
+    """
+    value = config.get(name)
+    if value is None:
+        if default is _MISSING:
+            family = config.get("model_type")
+            raise UsageError(f"config.json lacks {name}, which a {family} model needs")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"config.json's {name} is {value!r}; it must be a whole number ≥ 1")
+    return value
+
+
+def number_field(config: dict, name: str, *, default: float) -> float:
+    """``config[name]``, a positive finite number (``default`` when absent or null).
+
+    Raises:
+        UsageError: not a positive finite number.
+    """
+    value = config.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UsageError(f"config.json's {name} is {value!r}; it must be a positive number")
+    return float(value)
+
+
+def _switch(config: dict, name: str, *, default: bool) -> bool:
+    value = config.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UsageError(f"config.json's {name} is {value!r}; it must be true or false")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,12 +181,19 @@ def _gpt2_shape(config: dict) -> HFShape:
 
 def rope_settings(config: dict) -> tuple[float, dict | None]:
     """RoPE base and scaling dict, as transformers 4 (``rope_theta`` / ``rope_scaling``) or 5
-    (``rope_parameters``) spells them; ``None`` for plain RoPE."""
+    (``rope_parameters``) spells them; ``None`` for plain RoPE.
+
+    Raises:
+        UsageError: a base that is not a positive number, or a scaling that is not an object.
+    """
+    for name in ("rope_parameters", "rope_scaling"):
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise UsageError(f"config.json's {name} is {config[name]!r}; it must be an object")
     params = dict(config.get("rope_parameters") or {})
-    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    theta = number_field({**config, **params}, "rope_theta", default=10000.0)
     scaling = config.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return float(theta), None if kind == "default" else {**scaling, "rope_type": kind}
+    return theta, None if kind == "default" else {**scaling, "rope_type": kind}
 
 
 def _rope_flags(config: dict) -> list[str]:
@@ -151,7 +217,10 @@ def _rope_flags(config: dict) -> list[str]:
             f"rope_scaling {given} differs from megatron-core's fixed Llama 3.1 settings {fixed}; "
             "this model cannot be represented by --use-rope-scaling"
         )
-    return flags + ["--use-rope-scaling", "--rope-scaling-factor", str(float(scaling["factor"]))]
+    if scaling.get("factor") is None:
+        raise UsageError("config.json's rope_scaling gives no factor, which Llama 3.1's needs")
+    factor = number_field(scaling, "factor", default=1.0)
+    return flags + ["--use-rope-scaling", "--rope-scaling-factor", str(factor)]
 
 
 def trainer_flags(config: dict) -> list[str]:
@@ -177,21 +246,22 @@ def trainer_flags(config: dict) -> list[str]:
     flags = [
         "--num-layers", str(shape.num_layers),
         "--hidden-size", str(shape.hidden_size),
-        "--ffn-hidden-size", str(config["intermediate_size"]),
+        "--ffn-hidden-size", str(whole_field(config, "intermediate_size")),
         "--num-attention-heads", str(shape.heads),
         "--group-query-attention",
         "--num-query-groups", str(shape.groups),
     ]  # fmt: skip
     if shape.head_dim * shape.heads != shape.hidden_size:
         flags += ["--kv-channels", str(shape.head_dim)]
+    positions = whole_field(config, "max_position_embeddings", default=2048)
     flags += [
         "--normalization", "RMSNorm",
-        "--norm-epsilon", repr(float(config.get("rms_norm_eps", 1e-6))),
+        "--norm-epsilon", repr(number_field(config, "rms_norm_eps", default=1e-6)),
         "--swiglu",
         "--disable-bias-linear",
         *(["--add-qkv-bias"] if shape.qkv_bias else []),
         *_rope_flags(config),
-        "--max-position-embeddings", str(config.get("max_position_embeddings", 2048)),
+        "--max-position-embeddings", str(positions),
         "--make-vocab-size-divisible-by", str(VOCAB_DIVISIBLE_BY),
     ]  # fmt: skip
     if not shape.tied:
@@ -215,13 +285,13 @@ def _gpt2_flags(config: dict, shape: HFShape) -> list[str]:
     flags = [
         "--num-layers", str(shape.num_layers),
         "--hidden-size", str(shape.hidden_size),
-        "--ffn-hidden-size", str(config.get("n_inner") or 4 * shape.hidden_size),
+        "--ffn-hidden-size", str(whole_field(config, "n_inner", default=4 * shape.hidden_size)),
         "--num-attention-heads", str(shape.heads),
         "--normalization", "LayerNorm",
-        "--norm-epsilon", repr(float(config.get("layer_norm_epsilon", 1e-5))),
+        "--norm-epsilon", repr(number_field(config, "layer_norm_epsilon", default=1e-5)),
         "--openai-gelu",
         "--position-embedding-type", "learned_absolute",
-        "--max-position-embeddings", str(config.get("n_positions", 1024)),
+        "--max-position-embeddings", str(whole_field(config, "n_positions", default=1024)),
         "--make-vocab-size-divisible-by", str(VOCAB_DIVISIBLE_BY),
     ]  # fmt: skip
     return flags

@@ -162,7 +162,7 @@ def test_export_of_a_checkpoint_the_import_did_not_write(tmp_path, tokens, megat
 def test_import_refuses_a_folder_that_holds_something(tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "latest_checkpointed_iteration.txt").write_text("100\n")
-    with pytest.raises(UsageError, match="not empty"):
+    with pytest.raises(UsageError, match="already holds latest_checkpointed_iteration.txt"):
         import_hf(hf_dir=tmp_path / "hf", out=tmp_path / "c", progress=False)
 
 

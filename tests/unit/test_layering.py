@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors", "device"}),
+    frozenset({"files"}),
     frozenset({"shapes", "parallel", "hardware", "flags", "collectives", "extension"}),
     frozenset({"config"}),
     frozenset({"mcore", "data"}),
