@@ -214,3 +214,22 @@ def test_a_fifo_for_any_path_flag_is_refused_without_hanging(tmp_path, flag):
     assert result.status == 2, result.describe()
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert str(fifo) in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_finetune_saving_over_the_checkpoints_it_started_from_is_refused(tmp_path):
+    """``--finetune --load X --save X`` would start again at iteration 0 and move X's tracker
+    to its own saves: refused before any work, and X's checkpoint stays the one a resume loads."""
+    from tests.launch import train_fails
+
+    ckpt = tmp_path / "ckpt"
+    base = [*MODEL, "--mock-data", "--save", str(ckpt)]
+    assert run_job(base, nproc=1).status == 0
+    before = sorted(p.name for p in ckpt.iterdir())
+    line = train_fails([*base, "--finetune", "--load", str(ckpt)], status=2)
+    assert f"--save {ckpt} holds the checkpoints of another run (up to iteration 2)" in line
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2\n"
+    resumed = run_job([*base, "--load", str(ckpt), "--train-iters", "3",
+                       "--override-opt_param-scheduler"], nproc=1)  # fmt: skip
+    assert resumed.status == 0, resumed.describe()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3\n"

@@ -44,3 +44,56 @@ def test_a_writer_error_without_a_file_system_reason_is_not_disguised(monkeypatc
         _save_failing_with(
             monkeypatch, RuntimeError("shape mismatch in a sharded tensor"), tmp_path
         )
+
+
+def test_torchs_zip_writer_stopping_on_a_full_disk_is_one_sentence(monkeypatch, tmp_path):
+    # torch.save's writer reports a short write with no errno (a full disk under DP 2)
+    error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4736 vs 4624")
+    with pytest.raises(CheckpointError) as caught:
+        _save_failing_with(monkeypatch, error, tmp_path)
+    message = str(caught.value)
+    assert "torch's file writer stopped short (unexpected pos 4736 vs 4624)" in message
+    assert "free on the disk" in message and "iteration 4 is still the latest" in message
+
+
+def _tracked(folder, iteration: int):
+    (folder / f"iter_{iteration:07d}").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (dict(load="SAVE", finetune=True), "--finetune takes its weights and starts again"),
+        ({}, "it loads no checkpoint"),
+        (dict(load="OTHER"), "it starts from --load OTHER"),
+        (dict(pretrained_checkpoint="OTHER"), "it starts from --pretrained-checkpoint OTHER"),
+    ],
+)
+def test_a_save_never_replaces_checkpoints_the_run_does_not_resume(tmp_path, flags, why):
+    from memo_ext.config.output import CheckpointConfig
+    from memo_ext.errors import UsageError
+    from memo_ext.training.checkpoint import check_save_target
+
+    save, other = _tracked(tmp_path / "save", 20), _tracked(tmp_path / "other", 7)
+    names = {"SAVE": str(save), "OTHER": str(other)}
+    given = {k: names.get(v, v) for k, v in flags.items()}
+    config = CheckpointConfig(save=str(save), **given)
+    with pytest.raises(UsageError) as caught:
+        check_save_target(config)
+    message = str(caught.value)
+    assert f"--save {save} holds the checkpoints of another run (up to iteration 20)" in message
+    assert why.replace("OTHER", str(other)) in message
+
+
+def test_a_save_may_go_where_the_run_resumes_or_where_nothing_is(tmp_path):
+    from memo_ext.config.output import CheckpointConfig
+    from memo_ext.training.checkpoint import check_save_target
+
+    save = _tracked(tmp_path / "save", 20)
+    check_save_target(CheckpointConfig(save=str(save), load=str(save)))
+    check_save_target(CheckpointConfig(save=str(save), load=str(save), load_optim=False))
+    (tmp_path / "new").mkdir()
+    check_save_target(CheckpointConfig(save=str(tmp_path / "new"), load=str(save), finetune=True))
+    check_save_target(CheckpointConfig(save=str(tmp_path / "absent")))

@@ -130,7 +130,7 @@ def save_checkpoint(
         )
     except (OSError, RuntimeError, CheckpointException) as err:
         # torch.distributed.checkpoint reports its writers' OSErrors as "Worker failure: ..."
-        reason = _os_reason(err) if isinstance(err, OSError) else _wrapped_reason(err)
+        reason = _os_reason(err) if isinstance(err, OSError) else _wrapped_reason(err, save_dir)
         if reason is None:
             raise
         previous = latest_iteration(Path(save_dir))
@@ -140,15 +140,27 @@ def save_checkpoint(
         ) from err
 
 
-def _wrapped_reason(err: Exception) -> str | None:
+def _wrapped_reason(err: Exception, save_dir: str) -> str | None:
     """The file-system reason inside an error torch's checkpoint writer raised, or ``None``
     when it carries none (a bug, not a fault: raised as it is)."""
     text = str(err)
+    short = re.search(r"inline_container\.cc.*?(unexpected pos \d+ vs \d+|file write failed)", text)
+    if short is not None:  # torch.save's zip writer: a write came back short, with no errno
+        return (
+            f"torch's file writer stopped short ({short.group(1)}), with "
+            f"{_free_bytes(Path(save_dir)) / 2**20:.0f} MiB free on the disk"
+        )
     match = re.search(r"\[Errno (\d+)\] ([^'\n]*)", text)
     if match is None:
         return None
     number, strerror = int(match.group(1)), match.group(2).strip()
     return _os_reason(OSError(number, strerror))
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _save(

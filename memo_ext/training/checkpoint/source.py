@@ -120,6 +120,43 @@ def checkpoint_source(config: CheckpointConfig) -> CheckpointSource | None:
     return CheckpointSource(load, scope, "--load")
 
 
+def check_save_target(config: CheckpointConfig) -> None:
+    """What a save may overwrite: a ``--save`` folder that already holds checkpoints takes this
+    run's only when the run resumes from them (``--load`` the same folder, without
+    ``--finetune``). Any other run would replace them (its iterations start again, the tracker
+    moves to its own), so the checkpoints a run started from are never lost to it.
+
+    Raises:
+        UsageError: naming the folder, what it holds and why this run does not resume from it.
+    """
+    if not config.save or not Path(config.save).is_dir():
+        return
+    root = Path(config.save)
+    latest = latest_iteration(root)
+    held = sorted(p.name for p in root.iterdir() if _ITERATION_DIR.fullmatch(p.name))
+    if latest is None and not held:
+        return
+    source = checkpoint_source(config)
+    if source is not None and source.scope.progress and _same_folder(source.root, root):
+        return
+    if source is not None and _same_folder(source.root, root):
+        why = "--finetune takes its weights and starts again at iteration 0"
+    elif source is not None:
+        why = f"it starts from {source.flag} {source.root}"
+    else:
+        why = "it loads no checkpoint"
+    holds = f"iteration {latest}" if latest is not None else ", ".join(held)
+    raise UsageError(
+        f"--save {root} holds the checkpoints of another run (up to {holds}), which this run "
+        f"does not resume from ({why}): its saves would replace them; give a new --save folder, "
+        f"or --load {root} without --finetune to resume them"
+    )
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
 def iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
