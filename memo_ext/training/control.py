@@ -93,6 +93,70 @@ def check_finite(run: RunConfig, iteration: int, loss: float, grad_norm: float |
     )
 
 
+class LossWatch:
+    """A loss that blows up while staying finite (too high an LR, say) trains on, and is saved
+    like any other: this watches the training loss against its best so far and, when it rises
+    far above it (by :data:`RISE` nats or half the best, whichever is more), says which
+    checkpoint is the last one saved before the rise, again at every save made during it and at
+    the end of the run. It takes the loss back as near its best only once it is within half
+    that margin, and counts a save as good only then."""
+
+    RISE = 1.0
+
+    def __init__(self, *, save_dir: str | None, saved_at: int | None = None) -> None:
+        self.save_dir = save_dir
+        self.best, self.best_at = math.inf, 0
+        self.rose_at: int | None = None
+        """The step whose loss rose far above the best; None while the loss is near it."""
+        self.last_loss = math.inf
+        self.good_save = saved_at
+        """The last checkpoint saved while the loss was near its best."""
+
+    def step(self, iteration: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            return  # check_finite's to handle
+        self.last_loss = loss
+        if loss < self.best:
+            self.best, self.best_at = loss, iteration
+        margin = max(self.RISE, 0.5 * self.best)
+        if self.rose_at is None and loss > self.best + margin:
+            self.rose_at = iteration
+            logger.warning("iteration %d: %s", iteration, self._rise())
+        elif self.rose_at is not None and loss <= self.best + margin / 2:  # not on noise
+            logger.info(
+                "iteration %d: the loss %.4f is back near its best, %.4f",
+                iteration,
+                loss,
+                self.best,
+            )
+            self.rose_at = None
+
+    def saved(self, iteration: int) -> None:
+        if self.rose_at is not None:
+            logger.warning("saved iteration %d during the rise: %s", iteration, self._kept())
+        elif self.last_loss <= self.best + max(self.RISE, 0.5 * self.best) / 2:
+            self.good_save = iteration
+
+    def closing_note(self) -> str | None:
+        """The line that ends a run whose loss is still far above its best, else None."""
+        return None if self.rose_at is None else f"at the end: {self._rise()}"
+
+    def _rise(self) -> str:
+        return (
+            f"the loss {self.last_loss:.4f} is far above its best, {self.best:.4f} at iteration "
+            f"{self.best_at}, since iteration {self.rose_at} (diverging? a lower --lr may "
+            f"help); {self._kept()}"
+        )
+
+    def _kept(self) -> str:
+        if self.good_save is None or not self.save_dir:
+            return "no checkpoint was saved before the rise"
+        return (
+            f"the last checkpoint saved before the rise is iteration {self.good_save} in "
+            f"{self.save_dir}"
+        )
+
+
 def _last_good_checkpoint_hint(run: RunConfig) -> str:
     for directory in (run.checkpoint.save, run.checkpoint.load):
         if directory and (it := latest_iteration(Path(directory))) is not None:

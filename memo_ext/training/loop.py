@@ -46,13 +46,20 @@ from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.training.checkpoint import (
     TrainProgress,
+    check_save_target,
     checkpoint_source,
     hold_save_dir,
     load_checkpoint,
     save_checkpoint,
     schedule_policy,
 )
-from memo_ext.training.control import StopConditions, check_finite, check_resumable, save_due
+from memo_ext.training.control import (
+    LossWatch,
+    StopConditions,
+    check_finite,
+    check_resumable,
+    save_due,
+)
 from memo_ext.training.housekeeping import (
     Housekeeping,
     maybe_empty_cache,
@@ -99,6 +106,7 @@ def train(run: RunConfig) -> TrainSummary:
     tokenizer = tokenizer_for(run.data)
     target = planning_target(run)
     run = resolve_run(run, tokenizer=tokenizer, extensions=extensions, target=target)
+    check_save_target(run.checkpoint)  # before any work: nothing it started from is replaced
     if _is_logging_process():
         write_settings(run)
     _maybe_preflight(run, extensions, target)
@@ -392,6 +400,10 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
     summary = TrainSummary(resumed_at=progress.iteration)
     skipped = 0
     saved_at = progress.iteration  # a resumed run's checkpoint is on disk already
+    watch = LossWatch(
+        save_dir=run.checkpoint.save,
+        saved_at=saved_at if saved_at and run.checkpoint.save == run.checkpoint.load else None,
+    )
     # megatron-core's calculator at the samples consumed so far (resumed: the checkpoint's)
     update_num_microbatches(progress.consumed_samples, consistency_check=False)
     num_microbatches = get_num_microbatches()
@@ -402,6 +414,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
                 # as Megatron-LM: a checkpoint of the steps so far whenever the batch grows
                 _save(s, progress)
                 saved_at = progress.iteration
+                watch.saved(saved_at)
             num_microbatches = get_num_microbatches()
             global_batch = get_current_global_batch_size()
             housekeeping.before_step(iteration)
@@ -419,6 +432,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             if run.data.variable_seq_lengths:  # documents of any length: count what was trained
                 step_tokens = step.labelled_tokens
             summary.record(iteration, step.loss, step_tokens / step_time)
+            watch.step(iteration, step.loss)
             progress = TrainProgress(iteration, progress.consumed_samples + global_batch)
             extra = {}
             if run.evaluation.enabled and iteration % run.evaluation.eval_interval == 0:
@@ -447,6 +461,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             if reason or save_due(iteration, run):
                 _save(s, progress)
                 saved_at = iteration
+                watch.saved(iteration)
             housekeeping.after_step(iteration)
             if reason:
                 logger.info("stopping after iteration %d: %s", iteration, reason)
@@ -455,6 +470,8 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
     finally:
         housekeeping.close()
         reporter.close()
+    if (note := watch.closing_note()) is not None:
+        logger.warning(note)
     return summary
 
 
