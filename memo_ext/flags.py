@@ -208,9 +208,16 @@ def _default(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45
+"""float32's largest finite number and smallest subnormal: a float flag lands in a float32
+tensor (the learning rate in the optimizer's, a loss scale, an epsilon) as often as not."""
+
+
 def finite_float(text: str) -> float:
-    """A float flag's value: any finite number (``nan``, ``inf`` are not one; ``x <= 0`` is
-    false for ``nan``, so every range check downstream would let it through).
+    """A float flag's value: any number float32 holds (``nan``, ``inf`` are not one, and
+    ``x <= 0`` is false for ``nan``, so every range check downstream would let it through;
+    ``1e39`` is finite in Python but ``inf`` in a float32 tensor, ``1e-50`` is 0 there).
 
     Raises:
         argparse.ArgumentTypeError: naming the text.
@@ -221,6 +228,11 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    if abs(value) > FLOAT32_MAX or 0 < abs(value) < FLOAT32_TINY:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number within float32's range (|x| <= 3.4e38, and 0 or at "
+            f"least 1.4e-45), got {text!r}"
+        )
     return value
 
 

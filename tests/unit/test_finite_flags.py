@@ -77,8 +77,9 @@ def test_the_trainer_has_float_flags_to_check():
 
 
 @pytest.mark.parametrize("flag", _float_flags(build_parser()))
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "1e39", "-4e38", "1e-50"])
 def test_every_float_flag_of_the_trainer_refuses_non_finite_values(flag, value):
+    # 1e39 is finite in Python, inf in the float32 tensor a flag often lands in
     with pytest.raises(UsageError, match=f"argument {flag}: must be a finite number"):
         parse_args([*BASE, flag, value], world_size=1)
 
@@ -100,6 +101,18 @@ def test_every_float_flag_of_the_tools_refuses_nan(name, flag, capsys):
     else:
         pytest.fail(f"{name} accepted {flag} nan")
     assert f"argument {flag}: must be a finite number, got 'nan'" in message
+
+
+def test_float32s_extremes_are_taken():
+    assert finite_float("3.4e38") == 3.4e38 and finite_float("-1.5e-45") == -1.5e-45
+    assert finite_float("0") == 0.0 and finite_float("-0.0") == 0.0
+
+
+def test_the_trainer_reports_a_learning_rate_float32_cannot_hold_in_one_sentence():
+    from tests.launch import train_fails
+
+    line = train_fails([*BASE, "--lr", "1e39"], status=2)
+    assert "argument --lr: must be a finite number within float32's range" in line
 
 
 def test_memo_alpha_refuses_nan():
