@@ -19,14 +19,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
 from collections.abc import Iterator
 
+from torch.distributed import DistNetworkError
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
 
 from memo_ext.errors import REPORTS_ERRORS
@@ -45,7 +48,23 @@ def _reported(failure) -> str | None:
     return message.get("message") if isinstance(message, dict) else message
 
 
+def check_arguments(argv: list[str] | None) -> str | None:
+    """What torchrun would trip over with an assertion or a traceback (a process count below
+    one), as one sentence; None when there is nothing to say."""
+    args = get_args_parser().parse_args(argv)  # torchrun's own parser: its --help and errors
+    nproc = str(args.nproc_per_node)
+    if re.fullmatch(r"-?[0-9]+", nproc) and int(nproc) < 1:
+        return f"--nproc-per-node {nproc}: a node runs at least one process"
+    if not 0 < args.master_port < 65536:
+        return f"--master-port {args.master_port} is not a port (1-65535)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    problem = check_arguments(argv)
+    if problem is not None:
+        print(f"memo_ext.launch: error: {problem}", file=sys.stderr)
+        return 2
     # torchrun logs each worker it stops and each failure with its own timestamps; the one line
     # this prints at the end says which rank failed and why
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -62,7 +81,21 @@ def main(argv: list[str] | None = None) -> int:
             return _report(err)
         except SignalException as err:
             return _stopped_by(signal.Signals(err.sigval), stopped)
+        except DistNetworkError as err:  # the launcher's own store, before any worker starts
+            print(f"memo_ext.launch: error: {_store_failure(err)}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _store_failure(err: DistNetworkError) -> str:
+    text = str(err)
+    port = re.search(r"port: (\d+)", text)
+    if "EADDRINUSE" in text and port:
+        return (
+            f"port {port.group(1)} is in use on this machine (another run?); give another "
+            "--master-port"
+        )
+    return f"the rendezvous store could not start: {text.strip().splitlines()[0]}"
 
 
 @contextlib.contextmanager

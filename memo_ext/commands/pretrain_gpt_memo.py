@@ -54,7 +54,7 @@ def _print_once(err: ReportedError) -> None:
         return
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if isinstance(err, UsageError):
-        if rank == 0:
+        if rank == 0 or rank >= world:  # a rank outside the world has no rank 0 to speak for it
             print(f"pretrain_gpt_memo.py: error: {err}", file=sys.stderr)
         return
     where = f" (rank {rank})" if world > 1 else ""

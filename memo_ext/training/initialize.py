@@ -14,7 +14,9 @@ import gc
 import logging
 import os
 import random
+import re
 import resource
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,9 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from torch.distributed import DistNetworkError, DistStoreError
 
 from memo_ext import device
-from memo_ext.errors import UsageError
+from memo_ext.errors import ReportedError, UsageError
 from memo_ext.mcore.compat import check_mcore_version, cpu_compat, seed_cpu_rng_tracker
 from memo_ext.parallel import ParallelLayout
 
@@ -65,17 +68,105 @@ def device_environment() -> Iterator[torch.device]:
         yield torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where this process meets the others (torchrun's environment, checked)."""
+
+    rank: int
+    world_size: int
+    addr: str
+    port: int
+
+
+def rendezvous_environment() -> Rendezvous:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``, checked
+    before anything waits on them: a rank outside the world, or an address no one can resolve,
+    would otherwise wait out the whole rendezvous deadline (a one-process run without them gets
+    a world of one on this machine).
+
+    Raises:
+        UsageError: a value that is not a whole number, a rank outside the world, a port outside
+            1-65535, or an address that does not resolve.
+    """
+    env = os.environ
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if name in env:
+            if not re.fullmatch(r"[0-9]+", env[name]):
+                raise UsageError(f"{name}={env[name]!r} in the environment is not a whole number")
+            values[name] = int(env[name])
+    rank, world, port = values["RANK"], values["WORLD_SIZE"], values["MASTER_PORT"]
+    started = "start the job with python -m memo_ext.launch (torchrun), which sets them"
+    if world < 1 or rank >= world:
+        raise UsageError(
+            f"RANK={rank} is outside WORLD_SIZE={world} (ranks 0 to {world - 1}): {started}"
+        )
+    local, local_world = values.get("LOCAL_RANK", 0), values.get("LOCAL_WORLD_SIZE", world)
+    if local >= local_world or local_world > world:
+        raise UsageError(
+            f"LOCAL_RANK={local}, LOCAL_WORLD_SIZE={local_world} and WORLD_SIZE={world} do not "
+            f"fit together: {started}"
+        )
+    if not 1 <= port <= 65535:
+        raise UsageError(f"MASTER_PORT={port} is not a port (1-65535)")
+    addr = env["MASTER_ADDR"]
+    try:
+        socket.getaddrinfo(addr, port)
+    except (socket.gaierror, UnicodeError) as err:
+        reason = err.strerror if isinstance(err, socket.gaierror) else str(err)
+        raise UsageError(
+            f"MASTER_ADDR={addr} does not resolve ({reason}): give the host name or address "
+            "of the node that runs rank 0"
+        ) from None
+    return Rendezvous(rank=rank, world_size=world, addr=addr, port=port)
+
+
 def init_distributed(*, timeout_minutes: float = 10.0) -> None:
     """Create the default process group from torchrun's environment (or a 1-process group);
-    a collective that waits ``timeout_minutes`` fails instead of hanging the job."""
+    the rendezvous, and later any collective, that waits ``timeout_minutes`` fails instead of
+    hanging the job.
+
+    Raises:
+        UsageError: the environment does not describe a rank of a world
+            (:func:`rendezvous_environment`).
+        ReportedError: ``MASTER_PORT`` is taken on rank 0's machine, or not every rank joined
+            before the deadline.
+    """
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group(
-        backend=device.collective_backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
+    where = rendezvous_environment()
+    try:
+        dist.init_process_group(
+            backend=device.collective_backend(),
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    except (DistNetworkError, DistStoreError) as err:
+        raise ReportedError(_rendezvous_failure(err, where, timeout_minutes)) from err
+
+
+def _rendezvous_failure(err: Exception, where: Rendezvous, minutes: float) -> str:
+    text = str(err)
+    at = f"{where.addr}:{where.port}"
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return (
+            f"MASTER_PORT {where.port} is in use on this machine (another run?); give another "
+            "port (--master-port N)"
+        )
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return (
+            f"the rendezvous at {at} waited {minutes:g} min (--distributed-timeout-minutes) and "
+            f"{joined.group(1)} of {joined.group(2)} processes joined: start every rank with the "
+            "same MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return (
+        f"rank {where.rank} could not join the rendezvous at {at} within {minutes:g} min "
+        f"(--distributed-timeout-minutes): {first}"
     )
 
 

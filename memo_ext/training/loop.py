@@ -72,6 +72,7 @@ from memo_ext.training.initialize import (
     init_distributed,
     init_model_parallel,
     lift_memory_limit,
+    rendezvous_environment,
     shutdown,
 )
 from memo_ext.training.inputs import build_batches
@@ -100,6 +101,7 @@ def train(run: RunConfig) -> TrainSummary:
     ``run`` is the parsed configuration; it is resolved here against its tokenizer and data
     (``memo_ext.training.resolve``) and logged, and nothing changes it afterwards.
     """
+    rendezvous_environment()  # a rank outside the world says so now, not at the rendezvous
     extensions = extensions_for(run)
     for extension in extensions:
         extension.setup()  # before the first tensor of the run
