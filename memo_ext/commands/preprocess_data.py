@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -142,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # the output folder vanished or filled up while writing
         print(f"preprocess_data: error: {err.filename}: {err.strerror}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the workers ignore it, this process stops them
+        print(
+            "preprocess_data: interrupted; nothing written (the unfinished files are removed, "
+            f"any earlier {args.output_prefix}_* output is as it was)",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     for prefix in summary.prefixes.values():
         print(f"wrote {prefix}.bin / .idx")
     print(

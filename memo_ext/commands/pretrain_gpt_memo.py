@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 from memo_ext.arguments import parse_args
 from memo_ext.errors import REPORTS_ERRORS, ReportedError, UsageError, out_of_memory
@@ -61,6 +63,26 @@ def _print_once(err: ReportedError) -> None:
     print(f"pretrain_gpt_memo.py: error{where}: {err}", file=sys.stderr)
 
 
+class Interrupted(ReportedError):
+    """Ctrl-C without ``--exit-signal-handler``: the run stops where it is."""
+
+    exit_status = 128 + signal.SIGINT
+
+
+def _interrupted(run) -> str:
+    from memo_ext.training.checkpoint import latest_iteration
+
+    save = run.checkpoint.save
+    latest = latest_iteration(Path(save)) if save and Path(save).is_dir() else None
+    kept = (
+        f"the latest complete checkpoint is iteration {latest} in {save} (a save being "
+        "written is discarded)"
+        if latest is not None
+        else "no checkpoint was saved"
+    )
+    return f"interrupted (Ctrl-C); {kept}; with --exit-signal-handler a signal saves first"
+
+
 def _train_reporting_oom(argv: list[str] | None):
     """Train; an allocator's out-of-memory error becomes :class:`OutOfMemory` (one sentence with
     the bytes asked for, exit status 3): too big for this machine is a result, not a bug."""
@@ -77,6 +99,8 @@ def _train_reporting_oom(argv: list[str] | None):
         return train(run)
     except ReportedError:
         raise
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted(run)) from None
     except Exception as err:  # noqa: BLE001 - an allocation failure, however a library wraps it
         oom = out_of_memory(err, capped=run.preflight.memory_limit_gb is not None)
         if oom is None:

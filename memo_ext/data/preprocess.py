@@ -10,6 +10,8 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -152,6 +154,20 @@ class _AtomicIndexedWriter:
         os.replace(self._tmp_idx, f"{self.prefix}.idx")
 
 
+def _pool(workers: int):
+    """``workers`` forked processes that ignore Ctrl-C from birth (the terminal sends it to every
+    process of the group): the parent alone stops, removes its unfinished files and the pool,
+    instead of one traceback per worker (or a pool left waiting for a worker it lost)."""
+    context = multiprocessing.get_context("fork")
+    if threading.current_thread() is not threading.main_thread():
+        return context.Pool(workers)  # only the main thread handles signals
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the forks inherit it
+    try:
+        return context.Pool(workers)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def _encoding(
     encoder: _Encoder, batches: Iterable[list[tuple[int, bytes]]], *, workers: int
@@ -173,7 +189,7 @@ def _encoding(
         if workers <= 1:
             yield map(_encode_batch, batches)
         else:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            with _pool(workers) as pool:
                 yield pool.imap(_encode_batch, batches)
     finally:
         _ENCODER = None

@@ -233,3 +233,37 @@ def test_a_finetune_saving_over_the_checkpoints_it_started_from_is_refused(tmp_p
                        "--override-opt_param-scheduler"], nproc=1)  # fmt: skip
     assert resumed.status == 0, resumed.describe()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+
+
+def test_ctrl_c_without_the_signal_handler_names_the_checkpoint_a_resume_loads(tmp_path):
+    """Ctrl-C stops the run where it is (a save being written stays a staging folder, removed
+    by the next run that holds the folder): one line naming the latest complete checkpoint,
+    exit status 130, and the resume loads that checkpoint."""
+    import signal
+
+    ckpt = tmp_path / "ckpt"
+    args = [*MODEL, "--mock-data", "--save", str(ckpt), "--save-interval", "1"]
+    job = subprocess.Popen(
+        [sys.executable, "pretrain_gpt_memo.py", *args, "--train-iters", "100000"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not (ckpt / "iter_0000002").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 130, err[-2000:]
+    latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert latest >= 2
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        f"pretrain_gpt_memo.py: error: interrupted (Ctrl-C); the latest complete checkpoint is "
+        f"iteration {latest} in {ckpt} (a save being written is discarded); with "
+        "--exit-signal-handler a signal saves first"
+    )
+    (ckpt / f"iter_{latest + 1:07d}.tmp").mkdir(exist_ok=True)  # as a save cut short leaves it
+    resumed = run_job([*args, "--load", str(ckpt), "--train-iters", str(latest + 1),
+                       "--override-opt_param-scheduler"], nproc=1)  # fmt: skip
+    assert resumed.status == 0, resumed.describe()
+    assert int((ckpt / "latest_checkpointed_iteration.txt").read_text()) == latest + 1
+    assert not list(ckpt.glob("*.tmp"))

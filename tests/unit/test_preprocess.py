@@ -204,3 +204,34 @@ def test_argument_errors_are_one_sentence_without_a_usage_dump(tmp_path, capsys,
     err = capsys.readouterr().err
     assert "usage:" not in err and err.count("\n") == 1
     assert ("not a regular file" if bad == "fifo-input" else "invalid int value: 'two'") in err
+
+
+def test_ctrl_c_on_two_workers_is_one_line_and_leaves_no_partial_output(tmp_path):
+    """The terminal's SIGINT reaches the whole process group: the workers leave it to the
+    parent, which removes its unfinished files, says so once and exits 130."""
+    import signal
+
+    corpus = tmp_path / "big.jsonl"
+    with corpus.open("w") as f:
+        for i in range(300_000):
+            f.write(json.dumps({"text": "some words to tokenize " * 20 + str(i)}) + "\n")
+    out = tmp_path / "out"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "tools.preprocess_data", "--input", str(corpus),
+         "--output-prefix", str(out / "c"), "--tokenizer-type", "ByteTokenizer",
+         "--workers", "2", "--no-progress"],
+        cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.tmp")) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.poll() is None, "the tokenizing finished before it could be interrupted"
+    os.killpg(job.pid, signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert err.strip().splitlines() == [
+        "preprocess_data: interrupted; nothing written (the unfinished files are removed, any "
+        f"earlier {out / 'c'}_* output is as it was)"
+    ]
+    assert list(out.iterdir()) == []

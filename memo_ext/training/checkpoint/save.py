@@ -94,6 +94,8 @@ def _take_save_dir(root: Path):
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
+    for staging in root.glob("iter_*.tmp"):  # a stopped run's unfinished save: never loaded
+        shutil.rmtree(staging, ignore_errors=True)
     return None, lock
 
 
