@@ -163,6 +163,37 @@ def cuda_memory() -> tuple[int | None, int | None]:
     return allocated, reserved
 
 
+def _records_to_keep(path: Path, resume_from: int) -> list[str]:
+    """The lines of ``path`` a run resumed at ``resume_from`` keeps: the records up to that
+    iteration. A line that is no record (the half-written last line of a run that was killed,
+    say) is dropped with a warning naming it; no record before it is lost."""
+    if not path.is_file():
+        return []
+    kept, dropped = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            iteration = json.loads(line)["iteration"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            dropped.append(number)
+            continue
+        if isinstance(iteration, int) and iteration <= resume_from:
+            kept.append(line + "\n")
+    if dropped:
+        logger.warning(
+            "--metrics-file %s: dropped line%s %s, which %s no record (a run stopped while "
+            "writing it?); the %d record(s) up to iteration %d are kept",
+            path,
+            "s" if len(dropped) > 1 else "",
+            ", ".join(map(str, dropped)),
+            "are" if len(dropped) > 1 else "is",
+            len(kept),
+            resume_from,
+        )
+    return kept
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step; a no-op when no file was asked for.
 
@@ -177,12 +208,10 @@ class MetricsWriter:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept = []
-            if resume_from and self.path.is_file():
-                for line in self.path.read_text().splitlines():
-                    if line.strip() and json.loads(line)["iteration"] <= resume_from:
-                        kept.append(line + "\n")
-            self.path.write_text("".join(kept))
+            kept = _records_to_keep(self.path, resume_from) if resume_from else []
+            staging = self.path.with_name(self.path.name + ".tmp")
+            staging.write_text("".join(kept))  # the old file stays whole until this is
+            os.replace(staging, self.path)
         except OSError as err:
             raise UsageError(f"--metrics-file {path}: cannot write it ({err})") from None
 

@@ -205,3 +205,32 @@ def test_a_resumed_runs_summary_says_where_its_first_loss_is_from():
     assert resumed.line() == (
         "done: iterations 5-8 (resumed at 4), loss 3.0071 -> 3.0070, 5 tokens/s (median)"
     )
+
+
+def test_a_resume_drops_a_half_written_last_line_and_keeps_every_record_before(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"iteration": i, "loss": 5.0 - i}) for i in (1, 2, 3, 4)]
+    path.write_text("\n".join(records) + '\n{"iteration": 5, "lo')  # killed while writing
+    with caplog.at_level("WARNING", logger="memo_ext.training.metrics"):
+        MetricsWriter(str(path), resume_from=3)
+    assert path.read_text().splitlines() == records[:3]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"--metrics-file {path}: dropped line 5, which is no record" in warning
+    assert "the 3 record(s) up to iteration 3 are kept" in warning
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_a_resume_keeps_the_file_whole_when_it_cannot_write(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2))
+    path.write_text(text)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("memo_ext.training.metrics.os.replace", full)
+    from memo_ext.errors import UsageError
+
+    with pytest.raises(UsageError, match="cannot write it"):
+        MetricsWriter(str(path), resume_from=1)
+    assert path.read_text() == text
