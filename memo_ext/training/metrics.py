@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,6 +381,17 @@ def curve_differences(
     for ref, got in zip(reference, other):
         for key in keys:
             a, b = ref.get(key), got.get(key)
-            if a is None or b is None or not abs(b - a) <= rtol * abs(a):
+            if not _agree(a, b, rtol=rtol):
                 differences.append(f"iteration {ref['iteration']}: {key} {b!r} vs reference {a!r}")
     return differences
+
+
+def _agree(a, b, *, rtol: float) -> bool:
+    """Numbers within ``rtol`` of the reference ``a`` (two NaNs agree: both runs diverged the
+    same way); anything else (absent or null in both, lists, objects) when equal."""
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return abs(b - a) <= rtol * abs(a)
+    return a == b

@@ -234,3 +234,21 @@ def test_a_resume_keeps_the_file_whole_when_it_cannot_write(tmp_path, monkeypatc
     with pytest.raises(UsageError, match="cannot write it"):
         MetricsWriter(str(path), resume_from=1)
     assert path.read_text() == text
+
+
+def test_curves_agree_where_both_lack_a_value_and_differ_where_one_does():
+    from memo_ext.training.metrics import curve_differences
+
+    ref = [{"iteration": 1, "loss": 2.0, "grad_norm": None, "by": {"a": 1}},
+           {"iteration": 2, "loss": float("nan"), "by": {"a": 1}}]  # fmt: skip
+    same = [{"iteration": 1, "loss": 2.0, "grad_norm": None, "by": {"a": 1}},
+            {"iteration": 2, "loss": float("nan"), "by": {"a": 1}}]  # fmt: skip
+    keys = ("loss", "grad_norm", "by")
+    assert curve_differences(ref, same, rtol=0, keys=keys) == []
+    other = [{"iteration": 1, "loss": 2.0, "grad_norm": 1.0, "by": {"a": 2}},
+             {"iteration": 2, "loss": 3.0, "by": {"a": 1}}]  # fmt: skip
+    assert curve_differences(ref, other, rtol=0, keys=keys) == [
+        "iteration 1: grad_norm 1.0 vs reference None",
+        "iteration 1: by {'a': 2} vs reference {'a': 1}",
+        "iteration 2: loss 3.0 vs reference nan",
+    ]
