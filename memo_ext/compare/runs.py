@@ -21,6 +21,7 @@ from memo_ext.compare.jobs import (
     run_job,
 )
 from memo_ext.errors import UsageError
+from memo_ext.files import read_json
 
 FORMAT = "memo-compare/1"
 
@@ -40,11 +41,9 @@ class Results:
 
     def _load(self) -> None:
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UsageError(
-                f"{self.path} cannot be read ({err}); remove it to start over"
-            ) from None
+            data = read_json(self.path)
+        except UsageError as err:
+            raise UsageError(f"{err}; remove it to start over") from None
         if data.get("format") != FORMAT or data.get("signature") != _jsonable(
             self.comp.signature()
         ):
@@ -52,7 +51,10 @@ class Results:
                 f"{self.path} holds a comparison of another model, launch, step count or trainer "
                 "flags; use another --out or remove it"
             )
-        self.runs = {run["key"]: run for run in data.get("runs", [])}
+        runs = data.get("runs", [])
+        if not isinstance(runs, list) or not all(isinstance(r, dict) and "key" in r for r in runs):
+            raise UsageError(f"{self.path} holds damaged run records; remove it to start over")
+        self.runs = {run["key"]: run for run in runs}
         self.searches = data.get("find_max", {})
         self.calibration = data.get("calibration")
 

@@ -4,6 +4,7 @@ the longest length (against a fake runner whose answer is known), and how job ou
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -500,3 +501,30 @@ def test_a_failing_estimator_leaves_the_run_recorded(tmp_path, monkeypatch, capl
         "the estimator failed: RuntimeError: Expected all tensors to be on the same device"
     )
     assert "no prediction for none @ 128" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[1, 2]", "compare.json holds a list, not an object; remove it to start over"),
+        ('{"format": ', "compare.json is cut short"),
+    ],
+)
+def test_a_damaged_compare_json_is_one_sentence(tmp_path, text, match):
+    from memo_ext.compare.runs import Results
+    from memo_ext.errors import UsageError
+
+    (tmp_path / "compare.json").write_text(text)
+    with pytest.raises(UsageError, match=match):
+        Results(_comparison(tmp_path))
+
+
+def test_damaged_run_records_in_a_matching_compare_json_are_named(tmp_path):
+    from memo_ext.compare.runs import FORMAT, Results, _jsonable
+    from memo_ext.errors import UsageError
+
+    comp = _comparison(tmp_path)
+    doc = {"format": FORMAT, "signature": _jsonable(comp.signature()), "runs": ["not a record"]}
+    (tmp_path / "compare.json").write_text(json.dumps(doc))
+    with pytest.raises(UsageError, match="holds damaged run records; remove it to start over"):
+        Results(comp)
