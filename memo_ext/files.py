@@ -1,9 +1,11 @@
-"""Reading the JSON files a run is given or left: one sentence for a file that is missing,
-unreadable, damaged or of the wrong shape, naming the file, never a parser's traceback."""
+"""The files a run is given or leaves: JSON documents read with one sentence for a file that is
+missing, unreadable, damaged or of the wrong shape (never a parser's traceback), and the cache
+folders under ``$XDG_CACHE_HOME`` checked writable before anything is built there."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from memo_ext.errors import UsageError
@@ -46,3 +48,27 @@ def read_json(path: Path, *, expect: type = dict, error: type[Exception] = Usage
     if not isinstance(doc, expect):
         raise error(f"{path} holds {json_kind(doc)}, not {_JSON_TYPES.get(expect, expect)}")
     return doc
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``: where compiled libraries and plans are kept."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser())
+
+
+def writable_folder(path: Path, *, what: str, error: type[Exception] = UsageError) -> Path:
+    """``path``, made if needed, after writing a file in it.
+
+    Raises:
+        error: ``what`` and the system's reason, with where to point the cache instead.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise error(
+            f"{what} {path} cannot be written ({err.strerror or err}): point XDG_CACHE_HOME (or "
+            "TORCH_EXTENSIONS_DIR for torch's builds) at a writable folder"
+        ) from None
+    return path

@@ -88,6 +88,7 @@ from typing import Literal
 import numpy as np
 
 from memo_ext.errors import UsageError
+from memo_ext.files import cache_root, writable_folder
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE = PACKAGE_DIR / "core.c"
@@ -145,8 +146,7 @@ class PlanRefused(AllocatorCoreError):
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "memo_ext" / "allocator"
+    return cache_root() / "memo_ext" / "allocator"
 
 
 def _source_digest() -> str:
@@ -166,7 +166,7 @@ def _find_compiler() -> str:
 def _compile(target: Path) -> None:
     """Compiles ``core.c`` into ``target`` (atomically: a temporary file, then a rename)."""
     compiler = _find_compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    writable_folder(target.parent, what="the allocator core's build folder", error=CoreBuildError)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     flags = ("-std=c11", "-O2", "-fPIC", "-shared", "-pthread")

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from memo_ext.allocator.core import AllocatorCore, AllocatorCoreError
+from memo_ext.files import writable_folder
 
 SHIM_SOURCE = Path(__file__).resolve().parent / "torch_shim.cpp"
 
@@ -52,8 +53,9 @@ def build_shim() -> ctypes.CDLL:
     digest = hashlib.sha256(SHIM_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
     name = f"memo_torch_shim_{digest[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = Path(root) / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = writable_folder(
+        Path(root) / name, what="the allocator shim's build folder", error=ShimBuildError
+    )
     try:
         cpp_extension.load(
             name=name,

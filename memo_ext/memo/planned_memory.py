@@ -58,6 +58,8 @@ import torch
 
 from memo_ext import device
 from memo_ext.allocator.core import MISS_NAMES, UNPLANNED, AllocatorCore
+from memo_ext.errors import UsageError
+from memo_ext.files import writable_folder
 from memo_ext.planner.plan import validate
 from memo_ext.planner.planning import plan_trace
 from memo_ext.planner.settings import PlannerConfig
@@ -104,18 +106,76 @@ class KindPlan:
         }
 
     @classmethod
-    def from_json(cls, doc: dict) -> KindPlan:
-        if doc.get("format") != "memo-pass-plan/1":
+    def from_json(cls, doc: object, record: PassRecord) -> KindPlan:
+        """The plan a cache file holds for ``record``, checked as the planner's own result is:
+        the right requests in the right order, offsets aligned, no two live blocks sharing a
+        byte, inside its arena. A damaged file must never reach the core as a plan.
+
+        Raises:
+            ValueError: naming what is wrong with it.
+        """
+        if not isinstance(doc, dict) or doc.get("format") != "memo-pass-plan/1":
             raise ValueError("not a memo-pass-plan/1 document")
-        offsets = [UNPLANNED if o < 0 else int(o) for o in doc["offsets"]]
+        fresh = _schedule(record)
+        n = len(record.sizes)
+        for name in ("sizes", "offsets", "alloc_at", "free_at"):
+            values = doc.get(name)
+            if not isinstance(values, list) or len(values) != n:
+                raise ValueError(f"{name} is not a list of {n} entries")
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise ValueError(f"{name} holds something other than whole numbers")
+        if doc["sizes"] != list(record.sizes) or doc["alloc_at"] != fresh.alloc_at:
+            raise ValueError("its requests are not those of the recorded pass")
+        if doc["free_at"] != fresh.free_at:
+            raise ValueError("its frees are not those of the recorded pass")
+        peak = doc.get("peak_bytes")
+        if not isinstance(peak, int) or isinstance(peak, bool) or peak < 0:
+            raise ValueError("peak_bytes is not a whole number of bytes")
+        offsets = [UNPLANNED if o == -1 else o for o in doc["offsets"]]
+        placed = [(i, o) for i, o in enumerate(offsets) if o != UNPLANNED]
+        for i, o in placed:
+            if o < 0 or o % ALIGNMENT or o + record.sizes[i] > peak or record.ends[i] < 0:
+                raise ValueError(f"request {i} is placed at {o}, outside its arena or alignment")
+        _check_no_overlap(record, fresh, placed)
         return cls(
-            sizes=[int(v) for v in doc["sizes"]],
+            sizes=list(record.sizes),
             offsets=offsets,
-            alloc_at=[int(v) for v in doc["alloc_at"]],
-            free_at=[int(v) for v in doc["free_at"]],
-            peak_bytes=int(doc["peak_bytes"]),
+            alloc_at=fresh.alloc_at,
+            free_at=fresh.free_at,
+            peak_bytes=peak,
             status=str(doc.get("status", "")),
         )
+
+
+def _check_no_overlap(record: PassRecord, schedule: _Schedule, placed) -> None:
+    """No two placed requests live at the same time share a byte (a sweep over the events)."""
+    live: dict[int, tuple[int, int]] = {}
+    events = sorted(
+        [(schedule.alloc_at[i], 1, i) for i, _ in placed]
+        + [(schedule.free_at[i], 0, i) for i, _ in placed]
+    )
+    where = dict(placed)
+    for _, is_alloc, i in events:
+        if not is_alloc:
+            live.pop(i, None)
+            continue
+        start, end = where[i], where[i] + record.sizes[i]
+        for j, (a, b) in live.items():
+            if start < b and a < end:
+                raise ValueError(f"requests {j} and {i} are live together in the same bytes")
+        live[i] = (start, end)
+
+
+def _usable_cache(cache_dir: str | Path | None) -> Path | None:
+    """The plan cache folder, or None (plans made again in every run, said once) when it
+    cannot be written."""
+    if not cache_dir:
+        return None
+    try:
+        return writable_folder(Path(cache_dir), what="the pass plan cache")
+    except UsageError as err:
+        logger.warning("%s; pass plans are made again in every run", err)
+        return None
 
 
 @dataclass(frozen=True)
@@ -180,23 +240,12 @@ def plan_sequence(record: PassRecord, *, time_limit_s: float, solver: str = "cps
         PlanValidationError: when the planner's result does not validate (never served).
     """
     n = len(record.sizes)
-    transient = [i for i in range(n) if record.ends[i] >= 0]
-    frees_before: dict[int, list[int]] = {}
-    for i in transient:
-        frees_before.setdefault(record.ends[i], []).append(i)
-    events: list[Alloc | Free] = []
-    alloc_at, free_at = [0] * n, [-1] * n
-    for t in range(n + 1):
-        for i in frees_before.get(t, ()):
-            free_at[i] = len(events)
-            events.append(Free(str(i)))
-        if t < n:
-            alloc_at[t] = len(events)
-            events.append(Alloc(str(t), record.sizes[t]))
+    schedule = _schedule(record)
+    transient = set(i for i in range(n) if record.ends[i] >= 0)
     offsets = [UNPLANNED] * n
     peak, status = 0, "optimal"
     if transient:
-        trace = Trace([e for e in events if int(e.id) in set(transient)])
+        trace = Trace([e for e in schedule.events if int(e.id) in transient])
         config = PlannerConfig(
             solver=solver, time_limit_s=time_limit_s, alignment=ALIGNMENT, bilevel=False
         )
@@ -208,11 +257,39 @@ def plan_sequence(record: PassRecord, *, time_limit_s: float, solver: str = "cps
     return KindPlan(
         sizes=list(record.sizes),
         offsets=offsets,
-        alloc_at=alloc_at,
-        free_at=[free_at[i] if record.ends[i] >= 0 else -1 for i in range(n)],
+        alloc_at=schedule.alloc_at,
+        free_at=schedule.free_at,
         peak_bytes=_align(peak),
         status=status,
     )
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """A recorded pass as the planner's events: each request's allocation and free positions
+    (``free_at`` -1 for a request that outlives the pass)."""
+
+    events: list
+    alloc_at: list[int]
+    free_at: list[int]
+
+
+def _schedule(record: PassRecord) -> _Schedule:
+    n = len(record.sizes)
+    frees_before: dict[int, list[int]] = {}
+    for i in range(n):
+        if record.ends[i] >= 0:
+            frees_before.setdefault(record.ends[i], []).append(i)
+    events: list[Alloc | Free] = []
+    alloc_at, free_at = [0] * n, [-1] * n
+    for t in range(n + 1):
+        for i in frees_before.get(t, ()):
+            free_at[i] = len(events)
+            events.append(Free(str(i)))
+        if t < n:
+            alloc_at[t] = len(events)
+            events.append(Alloc(str(t), record.sizes[t]))
+    return _Schedule(events=events, alloc_at=alloc_at, free_at=free_at)
 
 
 def _align(n: int) -> int:
@@ -248,7 +325,7 @@ class PlannedMemory:
         self.rank = rank
         """Plans are cached per rank: a rank's lifetimes depend on its own threads' timing."""
         self.shape_key = shape_key
-        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.cache_dir = _usable_cache(cache_dir)
         self.time_limit_s = time_limit_s
         self.step = 0
         """Steps this process has begun (a resumed run counts from its first step, too)."""
@@ -377,13 +454,11 @@ class PlannedMemory:
         path = self._path(digest)
         if path is not None and path.is_file():
             try:
-                plan = KindPlan.from_json(json.loads(path.read_text()))
+                plan = KindPlan.from_json(json.loads(path.read_text()), record)
                 logger.info("--memo-allocator plan: pass plan %s from %s", digest, path)
                 return plan
-            except (ValueError, KeyError, json.JSONDecodeError) as err:
-                logger.warning(
-                    "ignoring the unreadable pass plan %s (%s); planning again", path, err
-                )
+            except (OSError, ValueError) as err:  # json's errors are ValueErrors
+                logger.warning("ignoring the damaged pass plan %s (%s); planning again", path, err)
         plan = plan_sequence(record, time_limit_s=self.time_limit_s)
         planned = sum(o != UNPLANNED for o in plan.offsets)
         logger.info(
@@ -405,10 +480,13 @@ class PlannedMemory:
         path = self._path(digest)
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(plan.to_json()))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(plan.to_json()))
+            tmp.replace(path)
+        except OSError as err:  # a cache: the run goes on, the next one plans again
+            logger.warning("cannot keep the pass plan in %s (%s)", path, err.strerror or err)
+            tmp.unlink(missing_ok=True)
 
     def _load_all(self) -> None:
         plans = [s.plan for s in self.kinds if s.plan is not None and not s.given_up]

@@ -267,3 +267,25 @@ def test_ctrl_c_without_the_signal_handler_names_the_checkpoint_a_resume_loads(t
     assert resumed.status == 0, resumed.describe()
     assert int((ckpt / "latest_checkpointed_iteration.txt").read_text()) == latest + 1
     assert not list(ckpt.glob("*.tmp"))
+
+
+def test_a_cache_folder_that_cannot_be_written_stops_the_planned_allocator_in_one_sentence(
+    tmp_path,
+):
+    """The allocator's shim is compiled under $XDG_CACHE_HOME: a folder there that cannot be
+    made is named before any tensor exists, with where to point the cache instead."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder should be")
+    args = [*MODEL, "--num-layers", "3", "--mock-data", "--memo", "--memo-keep-last-layers", "1",
+            "--memo-allocator", "plan"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt_memo.py", *args], cwd=ROOT, capture_output=True,
+        text=True, env={**env, "XDG_CACHE_HOME": str(blocked)}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"build folder {blocked}/torch_extensions/memo_torch_shim_" in last
+    assert last.endswith("point XDG_CACHE_HOME (or TORCH_EXTENSIONS_DIR for torch's builds) at a "
+                         "writable folder")  # fmt: skip

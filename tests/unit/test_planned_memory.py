@@ -112,7 +112,7 @@ def test_record_then_serve_every_transient_at_its_offset(core, tmp_path):
     # the plan is on disk, keyed by the digest, and a new run reads it instead of planning
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1
-    assert KindPlan.from_json(json.loads(files[0].read_text())) == plan
+    assert KindPlan.from_json(json.loads(files[0].read_text()), memory.kinds[0].record) == plan
 
 
 def test_a_cached_plan_is_reused(core, tmp_path, caplog):
@@ -208,3 +208,77 @@ def test_the_planned_allocator_refuses_in_one_sentence(extra, message):
     with pytest.raises(UsageError) as err:
         parse_args(argv, world_size=1)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _cached_plan(core, tmp_path):
+    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+    for iteration in range(1, RECORD_ITERATION + 1):
+        run_step(core, memory, iteration)
+    (path,) = tmp_path.glob("*.json")
+    return path, memory.kinds[0].plan, memory.kinds[0].record
+
+
+def _damaged(doc: dict, damage: str) -> dict:
+    doc = json.loads(json.dumps(doc))
+    placed = [i for i, o in enumerate(doc["offsets"]) if o >= 0]
+    if damage == "strings":
+        doc["offsets"] = [str(o) for o in doc["offsets"]]
+    elif damage == "overlap":  # two blocks live together put at the same bytes
+        for i in placed:
+            doc["offsets"][i] = 0
+    elif damage == "misaligned":
+        doc["offsets"][placed[0]] += 8
+    elif damage == "outside":
+        doc["offsets"][placed[0]] = doc["peak_bytes"]
+    elif damage == "short":
+        doc["offsets"] = doc["offsets"][:-1]
+    elif damage == "other sizes":
+        doc["sizes"][0] *= 2
+    elif damage == "a list":
+        doc = [doc]
+    return doc
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("strings", "offsets holds something other than whole numbers"),
+        ("overlap", "are live together in the same bytes"),
+        ("misaligned", "outside its arena or alignment"),
+        ("outside", "outside its arena or alignment"),
+        ("short", "offsets is not a list of 4 entries"),
+        ("other sizes", "its requests are not those of the recorded pass"),
+        ("a list", "not a memo-pass-plan/1 document"),
+    ],
+)
+def test_a_damaged_cached_plan_is_refused_and_planned_again(core, tmp_path, damage, reason):
+    path, plan, record = _cached_plan(core, tmp_path)
+    with pytest.raises(ValueError, match=reason):
+        KindPlan.from_json(_damaged(plan.to_json(), damage), record)
+
+
+def test_a_run_meeting_a_damaged_plan_file_plans_again_and_serves(core, tmp_path, caplog):
+    path, plan, _ = _cached_plan(core, tmp_path)
+    path.write_text(json.dumps(_damaged(plan.to_json(), "overlap")))
+    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+    with caplog.at_level(logging.WARNING):
+        for iteration in range(1, RECORD_ITERATION + 2):
+            run_step(core, memory, iteration)
+    assert f"ignoring the damaged pass plan {path}" in caplog.text
+    assert memory.kinds[0].plan == plan
+    assert memory.step_metrics()["plan_hit_ratio"] == 1.0
+    assert json.loads(path.read_text()) == plan.to_json()  # the damaged file is replaced
+
+
+def test_an_unwritable_plan_cache_is_said_once_and_the_run_plans_without_it(core, tmp_path, caplog):
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING):
+        memory = PlannedMemory(core, shape_key="t", cache_dir=blocked / "plans", time_limit_s=5)
+        for iteration in range(1, RECORD_ITERATION + 2):
+            run_step(core, memory, iteration)
+    assert memory.cache_dir is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"the pass plan cache {blocked / 'plans'} cannot be written")
+    assert line.endswith("pass plans are made again in every run")
+    assert memory.step_metrics()["plan_hit_ratio"] == 1.0
