@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")
 
 from memo_ext.arguments import OneSentenceParser  # noqa: E402
-from memo_ext.errors import UsageError  # noqa: E402
+from memo_ext.errors import ReportedError, UsageError  # noqa: E402
 from memo_ext.hf.weights import FAMILIES  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, OSError) as err:
         print(f"convert_hf: error: {err}", file=sys.stderr)
         return 2
+    except ReportedError as err:  # a checkpoint that cannot be used (named), ...
+        print(f"convert_hf: error: {err}", file=sys.stderr)
+        return err.exit_status
     return 0
 
 

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from memo_ext.arguments import parse_args
 from memo_ext.errors import UsageError
@@ -166,3 +167,30 @@ def test_a_load_scope_says_what_it_left_out_in_one_phrase():
     assert LoadScope().describe() == ""
     assert WEIGHTS_ONLY.describe() == "; its weights only"
     assert LoadScope(optimizer=False).describe() == "; fresh: optimizer and LR schedule"
+
+
+@pytest.mark.parametrize("layout", ["legacy", "zarr"])
+def test_megatron_lm_formats_this_trainer_does_not_read_are_named_with_their_conversion(
+    tmp_path, layout
+):
+    import json as _json
+
+    from memo_ext.training.checkpoint import CheckpointError, verify_checkpoint
+
+    directory = tmp_path / "iter_0000010"
+    if layout == "legacy":
+        (directory / "mp_rank_00").mkdir(parents=True)
+        torch.save({"iteration": 10}, directory / "mp_rank_00" / "model_optim_rng.pt")
+        expected = ("in the legacy torch format (mp_rank_00/...)", "--ckpt-format torch ")
+    else:
+        directory.mkdir()
+        metadata = {"sharded_backend": "zarr", "sharded_backend_version": 1}
+        (directory / "metadata.json").write_text(_json.dumps(metadata))
+        expected = ("in megatron-core's zarr format", "--ckpt-format torch_dist ")
+    with pytest.raises(CheckpointError) as caught:
+        verify_checkpoint(directory)
+    message = str(caught.value)
+    assert (
+        f"{directory} is a Megatron-LM checkpoint {expected[0]}, which is not supported" in message
+    )
+    assert f"--load {tmp_path} {expected[1]}--ckpt-convert-format torch_dist" in message

@@ -53,6 +53,8 @@ def verify_checkpoint(directory: Path) -> dict:
         CheckpointError: naming the missing, unexpected or corrupt file.
     """
     manifest_path = directory / MANIFEST
+    if not manifest_path.is_file() and (foreign := megatron_lm.unsupported_format(directory)):
+        raise CheckpointError(foreign)
     if not manifest_path.is_file():
         raise CheckpointError(
             f"{manifest_path} is missing: {directory} is an incomplete checkpoint"

@@ -55,6 +55,33 @@ def is_torch_dist(directory: Path) -> bool:
     return isinstance(config, dict) and config.get("sharded_backend") == "torch_dist"
 
 
+def unsupported_format(directory: Path) -> str | None:
+    """A sentence for a checkpoint of Megatron-LM's in a format this trainer does not read (the
+    legacy per-rank ``torch`` files, a dist-checkpoint backend other than torch_dist such as
+    zarr), with the conversion Megatron-LM itself offers; None for any other folder."""
+    legacy = sorted(p.name for p in directory.glob("mp_rank_*")) or (
+        ["model_optim_rng.pt"] if (directory / "model_optim_rng.pt").is_file() else []
+    )
+    if legacy:
+        what, load_format = f"in the legacy torch format ({legacy[0]}/...)", "torch"
+    else:
+        try:
+            config = json.loads((directory / CONFIG).read_text())
+        except (OSError, ValueError):
+            return None
+        backend = config.get("sharded_backend") if isinstance(config, dict) else None
+        if backend in (None, "torch_dist"):
+            return None
+        what, load_format = f"in megatron-core's {backend} format", "torch_dist"
+    root = directory.parent
+    return (
+        f"{directory} is a Megatron-LM checkpoint {what}, which is not supported (this trainer "
+        f"reads torch_dist); convert it with Megatron-LM's pretrain_gpt.py, its model flags and "
+        f"--load {root} --ckpt-format {load_format} --ckpt-convert-format torch_dist "
+        "--ckpt-convert-save OUT, then load OUT/torch_dist"
+    )
+
+
 def problem(directory: Path, metadata) -> str | None:
     """What makes the Megatron-LM checkpoint in ``directory`` unusable, or ``None``: megatron-core's
     own checks of its format (``verify_checkpoint_and_load_strategy``), its common state, and
