@@ -97,3 +97,23 @@ def test_a_save_may_go_where_the_run_resumes_or_where_nothing_is(tmp_path):
     (tmp_path / "new").mkdir()
     check_save_target(CheckpointConfig(save=str(tmp_path / "new"), load=str(save), finetune=True))
     check_save_target(CheckpointConfig(save=str(tmp_path / "absent")))
+
+
+@pytest.mark.parametrize("flag", ["load", "pretrained_checkpoint"])
+def test_a_hugging_face_folder_given_as_a_checkpoint_is_named_not_skipped(tmp_path, flag):
+    """``--load HF`` would otherwise start from scratch in silence (a --load without a
+    checkpoint starts fresh, as in Megatron-LM)."""
+    from memo_ext.config.output import CheckpointConfig
+    from memo_ext.errors import UsageError
+    from memo_ext.training.checkpoint import checkpoint_source
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UsageError) as caught:
+        checkpoint_source(CheckpointConfig(**{flag: str(tmp_path)}))
+    flag_name = "--" + flag.replace("_", "-")
+    assert str(caught.value) == (
+        f"{flag_name} {tmp_path} is a Hugging Face model folder (model.safetensors), which the "
+        f"trainer does not load; import it first: memo-convert-hf import --hf-dir {tmp_path} "
+        "--out CKPT, then --load CKPT --finetune"
+    )

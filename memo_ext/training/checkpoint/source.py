@@ -185,13 +185,20 @@ _ITERATION_DIR = re.compile(r"iter_\d{7}")
 
 
 def check_untracked(root: Path, *, flag: str = "--load") -> None:
-    """A ``--load`` directory without a tracker must not hold checkpoints either: starting from
-    scratch there would quietly drop them."""
+    """A ``--load`` directory without a tracker must not hold checkpoints either, nor a Hugging
+    Face model: starting from scratch there would quietly drop them."""
     one = (root / MANIFEST).is_file() or (root / megatron_lm.CONFIG).is_file()
     if _ITERATION_DIR.fullmatch(root.name) or one:
         raise UsageError(
             f"{flag} {root} is one checkpoint's directory; give the directory that holds it "
             f"({flag} {root.parent})"
+        )
+    weights = sorted(p.name for p in root.iterdir() if p.suffix in (".safetensors", ".bin"))
+    if (root / "config.json").is_file() or weights:
+        raise UsageError(
+            f"{flag} {root} is a Hugging Face model folder ({(weights or ['config.json'])[0]}), "
+            f"which the trainer does not load; import it first: memo-convert-hf import --hf-dir "
+            f"{root} --out CKPT, then --load CKPT --finetune"
         )
     found = sorted(p.name for p in root.iterdir() if _ITERATION_DIR.fullmatch(p.name))
     if found:
