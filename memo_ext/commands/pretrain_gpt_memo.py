@@ -34,6 +34,9 @@ def _configure_logging() -> None:
     )
     # megatron-core logs every dataset config and index build at INFO
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # the planner's stage lines are for memo-plan-memory's long plans; in a run, each pass plan
+    # is one line of --memo-allocator plan's own
+    logging.getLogger("memo_ext.planner.solvers").setLevel(logging.WARNING)
 
 
 def _tell_torchrun(message: str) -> None:

@@ -115,3 +115,20 @@ def test_planning_is_left_out_of_the_step_time(tmp_path):
         assert r["step_time_s"] < PLANNING_S, (r["iteration"], r["step_time_s"], planning)
         # MODEL's global batch (4 sequences of 96 tokens) over that time
         assert r["tokens_per_s"] == pytest.approx(4 * 96 / r["step_time_s"])
+
+
+def test_a_planned_run_logs_one_line_per_pass_plan_and_no_planner_stage_lines(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT
+
+    flags = [*MODEL, "--train-iters", "3", "--memo-allocator", "plan"]
+    flags += ["--memo-plan-cache", str(tmp_path / "plans")]
+    run = subprocess.run(
+        [sys.executable, "pretrain_gpt_memo.py", *flags], cwd=ROOT, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "--memo-allocator plan: pass " in run.stderr
+    assert "above the lower bound" not in run.stderr  # the planner's own stage lines
