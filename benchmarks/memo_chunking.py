@@ -29,6 +29,8 @@ import logging
 import time
 import warnings
 
+from tqdm import tqdm
+
 from memo_ext.flags import finite_float
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.transformer_config import traced_transformer_config
@@ -84,34 +86,36 @@ def measure(
     alpha: float = 1.0,
     micro_batch_size: int = 1,
     verbose: bool = False,
+    progress: bool = False,
 ) -> list[dict]:
-    """One row per (chunk size, length): the peak live bytes of one layer forward + backward."""
+    """One row per (chunk size, length): the peak live bytes of one layer forward + backward;
+    ``progress``: a bar on stderr over the traces (seconds each, minutes for the longest)."""
     rows = []
-    for chunk in chunks:
-        for s in tokens:
-            t0 = time.perf_counter()
-            peak, tensors = layer_peak_bytes(
-                shape,
-                layout=layout,
-                tokens=s,
-                chunk_tokens=chunk,
-                alpha=alpha,
-                micro_batch_size=micro_batch_size,
-            )
-            local = local_tokens(layout, s)
-            row = {
-                "chunk_tokens": chunk,
-                "tokens": s,
-                "local_tokens": local,
-                "chunks": 1 if chunk is None else -(-local // chunk),
-                "peak_bytes": peak,
-                "peak_gib": peak / GIB,
-                "tensors": tensors,
-                "trace_s": round(time.perf_counter() - t0, 2),
-            }
-            rows.append(row)
-            if verbose:
-                print(json.dumps(row), flush=True)
+    cells = [(chunk, s) for chunk in chunks for s in tokens]
+    for chunk, s in tqdm(cells, desc="layers traced", unit="trace", disable=not progress):
+        t0 = time.perf_counter()
+        peak, tensors = layer_peak_bytes(
+            shape,
+            layout=layout,
+            tokens=s,
+            chunk_tokens=chunk,
+            alpha=alpha,
+            micro_batch_size=micro_batch_size,
+        )
+        local = local_tokens(layout, s)
+        row = {
+            "chunk_tokens": chunk,
+            "tokens": s,
+            "local_tokens": local,
+            "chunks": 1 if chunk is None else -(-local // chunk),
+            "peak_bytes": peak,
+            "peak_gib": peak / GIB,
+            "tensors": tensors,
+            "trace_s": round(time.perf_counter() - t0, 2),
+        }
+        rows.append(row)
+        if verbose:
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -282,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         alpha=args.memo_alpha,
         micro_batch_size=args.micro_batch_size,
         verbose=args.verbose,
+        progress=not args.verbose,
     )
     fits = fit(rows)
     sp = " + SP" if layout.sp else ""

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if seq_length is not None:
             est = best_at_length(seq_length=seq_length, **common)
         else:
-            est = find_max_seq_length(granularity=args.granularity, **common)
+            est = find_max_seq_length(granularity=args.granularity, progress=True, **common)
     except UsageError as err:
         print(f"estimate: error: {err}", file=sys.stderr)
         return 2

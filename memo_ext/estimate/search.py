@@ -15,6 +15,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
@@ -128,19 +130,26 @@ def find_max_seq_length(
     batch: Batch = DEFAULT_BATCH,
     efficiency: Efficiency = DEFAULT_EFFICIENCY,
     granularity: int = DEFAULT_GRANULARITY,
+    progress: bool = False,
 ) -> Estimate | None:
-    """The best configuration at the longest length that fits, or ``None`` when none does."""
+    """The best configuration at the longest length that fits, or ``None`` when none does;
+    ``progress``: a bar on stderr over the configurations searched (seconds each on a loaded
+    machine)."""
     best: Estimate | None = None
-    for layout, run in _configurations(
-        space=space,
-        method=method,
-        gpus=gpus,
-        batch=batch,
-        model=model,
-        device=device,
-        host_memory_bytes=host_memory_bytes,
-        efficiency=efficiency,
-    ):
+    configurations = list(
+        _configurations(
+            space=space,
+            method=method,
+            gpus=gpus,
+            batch=batch,
+            model=model,
+            device=device,
+            host_memory_bytes=host_memory_bytes,
+            efficiency=efficiency,
+        )
+    )
+    bar = tqdm(configurations, desc="layouts searched", unit="layout", disable=not progress)
+    for layout, run in bar:
         found = longest_fitting(run, layout=layout, granularity=granularity)
         if found is not None and (best is None or _better(found, best)):
             best = found

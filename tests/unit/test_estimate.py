@@ -258,3 +258,13 @@ def test_the_host_line_is_for_a_method_that_keeps_activations_there():
     full = _est("full", seq=1 << 14)
     assert "host memory" in format_estimate(memo) and memo.host_bytes > 0
     assert "host memory" not in format_estimate(full) and full.host_bytes == 0
+
+
+@pytest.mark.slow
+def test_the_search_for_the_longest_length_shows_its_progress_on_stderr_only():
+    done = _cli(*cli(model="gpt-7b", gpus=8, method="memo", tensor_model_parallel_size=8,
+                     sequence_parallel=True, json=True))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "layouts searched: 100%" in done.stderr.replace("\r", "\n")
+    record = json.loads(done.stdout)  # stdout is the JSON alone
+    assert record["seq_length"] > 0
