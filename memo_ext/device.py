@@ -10,24 +10,31 @@ where the device is a GPU the code recognises) runs it.
 The answer is read from torch at each call, never cached: the emulated device comes and goes
 within one test process.
 
-This module imports nothing of the package.
+This module imports nothing of the package, and torch only when asked: the flags of every
+entry point are checked before torch loads (seconds, more on a loaded machine).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def on_gpu() -> bool:
     """True when this process computes on a CUDA GPU."""
+    import torch
+
     return torch.cuda.is_available()
 
 
 def local_device() -> torch.device:
     """The device this process is to use: its local rank's GPU (``LOCAL_RANK``, torchrun's), or
     the CPU."""
+    import torch
+
     if on_gpu():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
@@ -35,6 +42,8 @@ def local_device() -> torch.device:
 
 def compute_device() -> torch.device:
     """The device tensors of this process are made on now: the current GPU, or the CPU."""
+    import torch
+
     if on_gpu():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -42,23 +51,30 @@ def compute_device() -> torch.device:
 
 def collective_backend() -> str:
     """``torch.distributed``'s backend for this process's tensors: NCCL on a GPU, gloo on CPU."""
+
     return "nccl" if on_gpu() else "gloo"
 
 
 def synchronize() -> None:
     """Wait for the work queued on the device (nothing is queued on the CPU)."""
+    import torch
+
     if on_gpu():
         torch.cuda.synchronize()
 
 
 def empty_cache() -> None:
     """Give the caching allocator's free blocks back to the GPU (no cache on the CPU)."""
+    import torch
+
     if on_gpu():
         torch.cuda.empty_cache()
 
 
 def gpu_rng_state() -> torch.Tensor:
     """The current GPU's generator state; an empty tensor on the CPU (there is none)."""
+    import torch
+
     if on_gpu():
         return torch.cuda.get_rng_state()
     return torch.empty(0, dtype=torch.uint8)
@@ -66,5 +82,7 @@ def gpu_rng_state() -> torch.Tensor:
 
 def set_gpu_rng_state(state: torch.Tensor) -> None:
     """Restore :func:`gpu_rng_state`'s state (an empty one, saved on the CPU, restores nothing)."""
+    import torch
+
     if on_gpu() and state.numel():
         torch.cuda.set_rng_state(state)

@@ -17,8 +17,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
-
 from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 
@@ -144,6 +142,8 @@ def cuda_device() -> DeviceSpec | None:
     device the table does not know)."""
     if not on_gpu():
         return None
+    import torch  # only on a GPU: the flags are parsed before torch loads
+
     name = torch.cuda.get_device_name().upper()
     total = torch.cuda.get_device_properties(0).total_memory
     for spec in DEVICES.values():
@@ -161,6 +161,8 @@ def device_peak_tflops(override: float | None = None) -> float | None:
         return None
     spec = cuda_device()
     if spec is None:
+        import torch
+
         logger.warning(
             "no peak known for %s; pass --device-peak-tflops to get MFU",
             torch.cuda.get_device_name(),

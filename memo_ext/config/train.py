@@ -6,9 +6,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from memo_ext.config.common import at_least
 from memo_ext.errors import UsageError
@@ -452,4 +453,6 @@ class TrainConfig:
 
     @property
     def params_dtype(self) -> torch.dtype:
+        import torch  # not at module level: the flags are parsed before torch loads
+
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32

@@ -29,10 +29,10 @@ TOOLS = (
 )
 
 # runs each entry point's main as its command line would, in one fresh interpreter, and prints
-# the megatron-core modules it imported
+# the modules of a library (megatron-core unless told) it imported
 _PROBE = """
 import contextlib, io, json, runpy, sys
-calls = json.loads(sys.argv[1])
+calls, library = json.loads(sys.argv[1]), sys.argv[2]
 for target, argv in calls:
     sys.argv = [target, *argv]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -43,13 +43,15 @@ for target, argv in calls:
                 runpy.run_module(target, run_name="__main__")
         except SystemExit:
             pass
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("megatron"))))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(library))))
 """
 
 
-def _megatron_imported_by(calls: list[tuple[str, list[str]]]) -> list[str]:
+def _megatron_imported_by(
+    calls: list[tuple[str, list[str]]], *, library: str = "megatron"
+) -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(calls)],
+        [sys.executable, "-c", _PROBE, json.dumps(calls), library],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -66,6 +68,13 @@ def _megatron_imported_by(calls: list[tuple[str, list[str]]]) -> list[str]:
 )
 def test_the_trainer_answers_help_and_wrong_flags_without_megatron_core(argv):
     assert _megatron_imported_by([("pretrain_gpt_memo.py", argv)]) == []
+
+
+@pytest.mark.parametrize("library", ["torch", "numpy"])
+def test_the_trainer_answers_a_wrong_flag_before_torch_loads(library):
+    # torch alone takes a second to import on a quiet machine, several on a loaded one
+    calls = [("pretrain_gpt_memo.py", ["--hiden-size", "128"])]
+    assert _megatron_imported_by(calls, library=library) == []
 
 
 def test_every_tool_answers_help_without_megatron_core():
