@@ -29,6 +29,7 @@ def summarize(records: list[dict]) -> dict:
         "loss_drop": records[0]["loss"] - records[-1]["loss"],
         "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "steady_records": len(steady),
     }
 
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{s['iterations']} iterations | loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} "
         f"(-{s['loss_drop']:.3f} nats) | {s['median_tokens_per_s']:,.0f} tokens/s | "
-        f"{s['median_step_time_s'] * 1e3:.0f} ms/step (medians)"
+        f"{s['median_step_time_s'] * 1e3:.0f} ms/step (medians of the {s['steady_records']} "
+        f"logged steps after the first)"
     )
     if args.require_loss_drop is not None and not s["loss_drop"] > args.require_loss_drop:
         # "not >": a NaN loss (or drop) fails the check instead of passing it

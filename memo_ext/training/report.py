@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,10 +64,15 @@ class TrainSummary:
             steps = (
                 f"iterations {self.resumed_at + 1}-{self.iterations} (resumed at {self.resumed_at})"
             )
-        median = sorted(self.tokens_per_s)[len(self.tokens_per_s) // 2]
+        # the run's first step carries one-time work (compiling, warming caches): left out, as
+        # summarize_metrics leaves out the first logged step
+        steady = self.tokens_per_s[1:] or self.tokens_per_s
+        median = statistics.median(steady)
+        first = self.iterations - len(steady) + 1
+        over = f"step {first}" if first == self.iterations else f"steps {first}-{self.iterations}"
         return (
             f"done: {steps}, loss {self.first_loss:.4f} -> {self.last_loss:.4f}, "
-            f"{median:.0f} tokens/s (median)"
+            f"{median:.0f} tokens/s (median of {over})"
         )
 
 

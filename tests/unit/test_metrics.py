@@ -200,10 +200,13 @@ def test_a_resumed_runs_summary_says_where_its_first_loss_is_from():
     from memo_ext.training.report import TrainSummary
 
     fresh = TrainSummary(iterations=300, losses=[5.6527, 1.4868], tokens_per_s=[9.0, 12.0, 11.0])
-    assert fresh.line() == "done: 300 iterations, loss 5.6527 -> 1.4868, 11 tokens/s (median)"
+    # the first step (one-time work) is left out of the median: steps 299-300 here
+    assert fresh.line() == (
+        "done: 300 iterations, loss 5.6527 -> 1.4868, 12 tokens/s (median of steps 299-300)"
+    )
     resumed = TrainSummary(iterations=8, resumed_at=4, losses=[3.0071, 3.007], tokens_per_s=[5.0])
     assert resumed.line() == (
-        "done: iterations 5-8 (resumed at 4), loss 3.0071 -> 3.0070, 5 tokens/s (median)"
+        "done: iterations 5-8 (resumed at 4), loss 3.0071 -> 3.0070, 5 tokens/s (median of step 8)"
     )
 
 
