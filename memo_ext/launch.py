@@ -55,7 +55,7 @@ def check_arguments(argv: list[str] | None) -> str | None:
     nproc = str(args.nproc_per_node)
     if re.fullmatch(r"-?[0-9]+", nproc) and int(nproc) < 1:
         return f"--nproc-per-node {nproc}: a node runs at least one process"
-    if not 0 < args.master_port < 65536:
+    if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master-port {args.master_port} is not a port (1-65535)"
     return None
 
@@ -65,6 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"memo_ext.launch: error: {problem}", file=sys.stderr)
         return 2
+    with _environment_restored():  # a caller's later processes must not inherit it
+        return _launch(argv)
+
+
+@contextlib.contextmanager
+def _environment_restored() -> Iterator[None]:
+    """The environment as it was on entry, again on exit: this and torchrun set variables for
+    the workers (the error file, the signals to forward) that a process calling ``main`` and
+    starting others afterwards must not pass on."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _launch(argv: list[str] | None) -> int:
     # torchrun logs each worker it stops and each failure with its own timestamps; the one line
     # this prints at the end says which rank failed and why
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

@@ -155,17 +155,23 @@ class _AtomicIndexedWriter:
 
 
 def _pool(workers: int):
-    """``workers`` forked processes that ignore Ctrl-C from birth (the terminal sends it to every
-    process of the group): the parent alone stops, removes its unfinished files and the pool,
-    instead of one traceback per worker (or a pool left waiting for a worker it lost)."""
+    """``workers`` forked processes that leave Ctrl-C to the parent from birth (the terminal
+    sends it to every process of the group): the parent alone stops, removes its unfinished
+    files and the pool, instead of one traceback per worker (or a pool left waiting for a worker
+    it lost). A Ctrl-C that comes while the pool starts stops the parent once it is up."""
     context = multiprocessing.get_context("fork")
     if threading.current_thread() is not threading.main_thread():
         return context.Pool(workers)  # only the main thread handles signals
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the forks inherit it
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
     try:
-        return context.Pool(workers)
+        pool = context.Pool(workers)  # the forks keep the handler above: a no-op there
     finally:
         signal.signal(signal.SIGINT, previous)
+    if pending:
+        pool.terminate()
+        raise KeyboardInterrupt
+    return pool
 
 
 @contextlib.contextmanager

@@ -224,7 +224,9 @@ def test_ctrl_c_on_two_workers_is_one_line_and_leaves_no_partial_output(tmp_path
         start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
-    while not list(out.glob("*.tmp")) and job.poll() is None and time.monotonic() < deadline:
+    # documents written: the workers are up and tokenizing
+    written = lambda: any(p.stat().st_size for p in out.glob("*.bin.tmp"))  # noqa: E731
+    while not written() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert job.poll() is None, "the tokenizing finished before it could be interrupted"
     os.killpg(job.pid, signal.SIGINT)

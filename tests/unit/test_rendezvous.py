@@ -83,3 +83,13 @@ def test_the_launcher_names_its_taken_port(capsys):
         argv = ["--nproc-per-node", "1", "--master-port", str(port), "-m", "json.tool", "-h"]
         assert launch(argv) == 1
     assert f"port {port} is in use on this machine" in capsys.readouterr().err
+
+
+def test_the_launcher_leaves_its_callers_environment_as_it_was(capsys):
+    # without --master-port (torchrun's default is None), and with every variable it and
+    # torchrun set for the workers gone again: a test process launching later jobs inherits none
+    import os
+
+    before = dict(os.environ)
+    assert launch(["--nproc-per-node", "1", "-m", "json.tool", "-h"]) == 0
+    assert dict(os.environ) == before
