@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore")
 
 from memo_ext.arguments import OneSentenceParser  # noqa: E402
 from memo_ext.errors import ReportedError, UsageError  # noqa: E402
-from memo_ext.hf.weights import FAMILIES  # noqa: E402
+from memo_ext.hf import FAMILIES  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 """``memo_ext.hf.checkpoint.DTYPES``'s names (that module imports megatron-core; a test checks

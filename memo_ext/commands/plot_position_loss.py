@@ -17,7 +17,10 @@ from pathlib import Path
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import UsageError
 from memo_ext.training.metrics import read_metrics
-from memo_ext.training.position_loss import METRICS_KEY
+
+METRICS_KEY = "val_loss_by_position"
+"""The record key the curve is read from (``memo_ext.training.position_loss.METRICS_KEY``; not
+imported from there, which loads torch)."""
 
 
 def position_curve(records: list[dict], *, iteration: int | None = None) -> tuple[int, dict]:

@@ -32,10 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from memo_ext.errors import UsageError
+from memo_ext.hf import FAMILIES
 from memo_ext.shapes import padded_vocab_size
-
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-"""Families that import and export (``model_type`` in config.json)."""
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

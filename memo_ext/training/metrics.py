@@ -13,8 +13,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from memo_ext.allocator.cuda import cuda_allocator_installed
 from memo_ext.device import on_gpu
 from memo_ext.errors import ReportedError, UsageError
@@ -159,6 +157,8 @@ def cuda_memory() -> tuple[int | None, int | None]:
     core reports its own)."""
     if not on_gpu() or cuda_allocator_installed():
         return None, None
+    import torch  # on a GPU only: the metrics tools read files before torch loads
+
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     return allocated, reserved

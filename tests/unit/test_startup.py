@@ -77,6 +77,31 @@ def test_the_trainer_answers_a_wrong_flag_before_torch_loads(library):
     assert _megatron_imported_by(calls, library=library) == []
 
 
+TORCH_FREE_TOOLS = (
+    "tools.compare_metrics",
+    "tools.summarize_metrics",
+    "tools.plot_position_loss",
+    "tools.convert_hf",
+    "tools.preprocess_data",
+    "tools.demo_corpus",
+    "tools.memory_report",
+)
+"""The tools whose flags are checked before torch loads (the others list the feature registry's
+methods, solvers or presets in their flags, which import the libraries that define them)."""
+
+
+def test_the_file_tools_answer_a_wrong_flag_before_torch_loads():
+    calls = [(tool, ["--no-such-flag", "1"]) for tool in TORCH_FREE_TOOLS]
+    assert _megatron_imported_by(calls, library="torch") == []
+
+
+def test_the_plot_reads_the_key_the_trainer_writes():
+    from memo_ext.commands.plot_position_loss import METRICS_KEY
+    from memo_ext.training import position_loss
+
+    assert METRICS_KEY == position_loss.METRICS_KEY
+
+
 def test_every_tool_answers_help_without_megatron_core():
     assert _megatron_imported_by([(tool, ["--help"]) for tool in TOOLS]) == []
 
