@@ -21,11 +21,12 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
 
-from torch.distributed import DistNetworkError
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -57,6 +58,15 @@ def check_arguments(argv: list[str] | None) -> str | None:
         return f"--nproc-per-node {nproc}: a node runs at least one process"
     if args.master_port is not None and not 0 < args.master_port < 65536:
         return f"--master-port {args.master_port} is not a port (1-65535)"
+    host = args.master_addr if args.rdzv_backend == "static" else args.rdzv_endpoint
+    host = host.rsplit(":", 1)[0] if host and args.rdzv_backend != "static" else host
+    if host and str(args.nnodes) not in ("1", "1:1"):
+        try:
+            socket.getaddrinfo(host, None)
+        except (socket.gaierror, UnicodeError) as err:
+            reason = err.strerror if isinstance(err, socket.gaierror) else str(err)
+            flag = "--master-addr" if args.rdzv_backend == "static" else "--rdzv-endpoint"
+            return f"{flag} {host} does not resolve ({reason}); give the first node's host name"
     return None
 
 
@@ -99,13 +109,13 @@ def _launch(argv: list[str] | None) -> int:
             return _report(err)
         except SignalException as err:
             return _stopped_by(signal.Signals(err.sigval), stopped)
-        except DistNetworkError as err:  # the launcher's own store, before any worker starts
+        except (DistNetworkError, DistStoreError) as err:  # the launcher's own rendezvous
             print(f"memo_ext.launch: error: {_store_failure(err)}", file=sys.stderr)
             return 1
     return 0
 
 
-def _store_failure(err: DistNetworkError) -> str:
+def _store_failure(err: Exception) -> str:
     text = str(err)
     port = re.search(r"port: (\d+)", text)
     if "EADDRINUSE" in text and port:
@@ -113,7 +123,15 @@ def _store_failure(err: DistNetworkError) -> str:
             f"port {port.group(1)} is in use on this machine (another run?); give another "
             "--master-port"
         )
-    return f"the rendezvous store could not start: {text.strip().splitlines()[0]}"
+    joined = re.search(r"Timed out after (\d+) seconds waiting for clients. (\d+)/(\d+)", text)
+    if joined:
+        waited, came, nodes = joined.groups()
+        return (
+            f"the rendezvous waited {waited} s and {came} of {nodes} nodes joined: start every "
+            "node with the same --master-addr, --master-port and --nnodes (the deadline: "
+            "--rdzv-conf timeout=SECONDS)"
+        )
+    return f"the rendezvous failed: {text.strip().splitlines()[0]}"
 
 
 @contextlib.contextmanager

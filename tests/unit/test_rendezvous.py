@@ -93,3 +93,19 @@ def test_the_launcher_leaves_its_callers_environment_as_it_was(capsys):
     before = dict(os.environ)
     assert launch(["--nproc-per-node", "1", "-m", "json.tool", "-h"]) == 0
     assert dict(os.environ) == before
+
+
+def test_the_launcher_refuses_a_master_address_that_does_not_resolve(capsys):
+    argv = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+            "--master-addr", "no-such-host.invalid", "-m", "json.tool", "-h"]  # fmt: skip
+    assert launch(argv) == 2
+    assert "--master-addr no-such-host.invalid does not resolve" in capsys.readouterr().err
+
+
+def test_a_node_waiting_for_another_that_never_comes_ends_at_the_deadline(capsys):
+    argv = ["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+            "--master-port", str(free_port()), "--rdzv-conf", "timeout=2",
+            "-m", "json.tool", "-h"]  # fmt: skip
+    assert launch(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "1 of 2 nodes joined: start every node with the same --master-addr" in err
