@@ -202,6 +202,23 @@ def _check_all_filled(params: dict, links: list) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _cast(tensor: torch.Tensor, dtype: str, *, name: str) -> torch.Tensor:
+    """``tensor`` in ``dtype``, refusing a weight the type cannot hold (fp16 tops out at 65504:
+    a larger weight would be exported as inf, a silently different model).
+
+    Raises:
+        UsageError: naming the tensor and its largest magnitude.
+    """
+    cast = tensor.to(DTYPES[dtype]).clone()
+    if torch.isfinite(tensor).all() and not torch.isfinite(cast).all():
+        largest = tensor.abs().max().item()
+        raise UsageError(
+            f"{name} holds values up to {largest:.4g}, which {dtype} cannot represent; export "
+            "with --dtype bfloat16 or float32"
+        )
+    return cast
+
+
 class _NoOptimizer:
     """The optimizer a weights-only load needs: the model's weights are its only parameters."""
 
@@ -285,7 +302,8 @@ def export_hf(
         for link in tqdm(links_for(shape), desc="export", unit="tensor", disable=not progress):
             param = params.pop(link.key)
             parts = link.to_hf(param.detach())
-            tensors.update((n, t.to(DTYPES[dtype]).clone()) for n, t in zip(link.sources, parts))
+            for name, part in zip(link.sources, parts):
+                tensors[name] = _cast(part, dtype, name=name)
             param.data = param.data.new_empty(0)  # one copy of the model at a time
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -151,3 +151,17 @@ def test_the_checked_model_still_imports_whole(made, tmp_path, megatron_cpu):
     flags = import_hf(hf_dir=made / "sharded", out=tmp_path / "out", progress=False)
     assert flags[flags.index("--num-layers") + 1] == "3"
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "0\n"
+
+
+def test_an_fp16_export_of_weights_fp16_cannot_hold_is_refused(made, tmp_path, megatron_cpu):
+    hf = copy(made, "llama", tmp_path)
+    weights = load_file(hf / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = 1e6  # fp16's largest is 65504
+    save_file(weights, str(hf / "model.safetensors"))
+    import_hf(hf_dir=hf, out=tmp_path / "ckpt", progress=False)
+    with pytest.raises(UsageError, match="down_proj.weight holds values up to 1e\\+06, which "
+                       "float16 cannot represent"):  # fmt: skip
+        export_hf(load=tmp_path / "ckpt", out=tmp_path / "o", family="llama", dtype="float16",
+                  progress=False)  # fmt: skip
+    export_hf(load=tmp_path / "ckpt", out=tmp_path / "b", family="llama", dtype="bfloat16",
+              progress=False)  # fmt: skip
