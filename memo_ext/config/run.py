@@ -112,6 +112,7 @@ class RunConfig:
         self.layout.check_fits(self.shape, self.data.seq_length)
         self._check_sequence()
         self._check_batch()
+        self._check_counts()
         self.recompute.check(stage_layers=self.shape.num_layers // self.layout.pp)
         self.offload.check(num_layers=self.shape.num_layers)
         self.logging.check()
@@ -160,6 +161,23 @@ class RunConfig:
                 f"--yarn-original-max-position-embeddings {original} must be divisible by 2 × "
                 f"--context-parallel-size = {2 * cp} (megatron-core's YaRN splits it for CP)"
             )
+
+    def _check_counts(self) -> None:
+        # megatron-core counts samples and tokens in int64 (its sample indices, the consumed
+        # samples); a count past that would wrap, or build indices no memory holds
+        gbs = self.train.global_batch_size or self.train.micro_batch_size * self.layout.dp
+        counts = [("--train-iters", self.train.train_iters, self.train.train_iters * gbs)]
+        evaluation = self.evaluation
+        if evaluation.enabled:
+            evaluations = self.train.train_iters // evaluation.eval_interval + 1
+            counts.append(("--eval-iters", evaluation.eval_iters,
+                           evaluations * evaluation.eval_iters * gbs))  # fmt: skip
+        for flag, value, samples in counts:
+            if samples * self.data.seq_length >= 2**63:
+                raise UsageError(
+                    f"{flag} {value} makes {samples:.3g} samples of {self.data.seq_length} tokens, "
+                    "past the 64-bit counts megatron-core keeps of them"
+                )
 
     def _check_batch(self) -> None:
         mbs, dp = self.train.micro_batch_size, self.layout.dp

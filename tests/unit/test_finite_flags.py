@@ -153,3 +153,15 @@ def test_settings_that_would_be_ignored_are_refused(flags, message):
     # 20 iterations: a 30-iteration anneal cannot fit, nor 15 after a 10-iteration warm-up
     with pytest.raises(UsageError, match=message):
         parse_args([*BASE, "--train-iters", "20", *flags], world_size=1)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--train-iters", "99999999999999999999"], "--train-iters 99999999999999999999 makes"),
+        (["--eval-interval", "1", "--eval-iters", str(2**62)], f"--eval-iters {2**62} makes"),
+    ],
+)
+def test_counts_past_64_bits_are_refused_before_any_index_is_built(flags, named):
+    with pytest.raises(UsageError, match=f"{named} .* past the 64-bit counts"):
+        parse_args([*BASE, *flags], world_size=1)
