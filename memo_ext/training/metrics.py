@@ -339,6 +339,9 @@ class WandbWriter:
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics file, in order.
 
+    A last line cut short (no newline after it: the run stopped while writing it) is left out
+    with a warning.
+
     Raises:
         UsageError: a missing or empty file, or a line that is not a JSON object with an
             ``iteration``.
@@ -353,7 +356,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not a metrics file (not text: JSON Lines expected)") from None
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -361,6 +365,10 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             record = None
         if not isinstance(record, dict) or "iteration" not in record:
+            if number == len(lines) and not text.endswith("\n") and records:
+                # a run stopped while writing its last record: the records before it stand
+                logger.warning("%s: line %d is cut short (left out)", path, number)
+                break
             raise UsageError(f"{path} line {number} is not a metrics record (a JSON object)")
         records.append(record)
     if not records:

@@ -255,3 +255,17 @@ def test_curves_agree_where_both_lack_a_value_and_differ_where_one_does():
         "iteration 1: by {'a': 2} vs reference {'a': 1}",
         "iteration 2: loss 3.0 vs reference nan",
     ]
+
+
+def test_reading_a_killed_runs_metrics_leaves_out_the_line_cut_short(tmp_path, caplog):
+    from memo_ext.errors import UsageError
+    from memo_ext.training.metrics import read_metrics
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"iteration": 1, "loss": 2.0}\n{"iteration": 2, "lo')
+    with caplog.at_level("WARNING", logger="memo_ext.training.metrics"):
+        assert [r["iteration"] for r in read_metrics(path)] == [1]
+    assert f"{path}: line 2 is cut short (left out)" in caplog.text
+    path.write_text('{"iteration": 1, "loss": 2.0}\n{"iteration": 2, "lo\n')  # a whole bad line
+    with pytest.raises(UsageError, match="line 2 is not a metrics record"):
+        read_metrics(path)
