@@ -186,6 +186,19 @@ def train_fails(args: list[str], *, status: int, nproc: int = 1) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+TORCHRUN_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE",
+)  # fmt: skip
+
+
+def alone_env(**changes: str) -> dict[str, str]:
+    """This process's environment for a trainer started as a plain one-process command: without
+    the torchrun variables a test worker may hold (its own world's port, taken), on a free port."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    return {**env, "MASTER_PORT": str(free_port()), **changes}
+
+
 def run_tool(module: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     """``python -m module args`` (a tool with a ``main(argv)``) as a one-process job of the pool:
     its exit status, standard output and error as ``subprocess.run`` would give them."""

@@ -166,10 +166,17 @@ class RunConfig:
         # megatron-core counts samples and tokens in int64 (its sample indices, the consumed
         # samples); a count past that would wrap, or build indices no memory holds
         gbs = self.train.global_batch_size or self.train.micro_batch_size * self.layout.dp
-        counts = [("--train-iters", self.train.train_iters, self.train.train_iters * gbs)]
+        steps, samples = self.train.train_iters, self.train.train_samples
+        if steps is None and samples is None:
+            return  # TrainConfig.check names the missing length
+        if steps is None:  # --train-samples: the steps are derived at resolution
+            counts = [("--train-samples", samples, samples)]
+            steps = samples // gbs
+        else:
+            counts = [("--train-iters", steps, steps * gbs)]
         evaluation = self.evaluation
         if evaluation.enabled:
-            evaluations = self.train.train_iters // evaluation.eval_interval + 1
+            evaluations = steps // evaluation.eval_interval + 1
             counts.append(("--eval-iters", evaluation.eval_iters,
                            evaluations * evaluation.eval_iters * gbs))  # fmt: skip
         for flag, value, samples in counts:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from memo_ext.config import TokenizerSpec
 from memo_ext.data.preprocess import preprocess_jsonl
-from tests.launch import ROOT, cli, free_port, run_job
+from tests.launch import ROOT, alone_env, cli, free_port, run_job
 
 pytestmark = pytest.mark.dist
 
@@ -245,7 +245,7 @@ def test_ctrl_c_without_the_signal_handler_names_the_checkpoint_a_resume_loads(t
     args = [*MODEL, "--mock-data", "--save", str(ckpt), "--save-interval", "1"]
     job = subprocess.Popen(
         [sys.executable, "pretrain_gpt_memo.py", *args, "--train-iters", "100000"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True, env=alone_env(),
     )  # fmt: skip
     deadline = time.monotonic() + 180
     while not (ckpt / "iter_0000002").is_dir() and time.monotonic() < deadline:
@@ -278,10 +278,11 @@ def test_a_cache_folder_that_cannot_be_written_stops_the_planned_allocator_in_on
     blocked.write_text("a file where the cache folder should be")
     args = [*MODEL, "--num-layers", "3", "--mock-data", "--memo", "--memo-keep-last-layers", "1",
             "--memo-allocator", "plan"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env = alone_env(XDG_CACHE_HOME=str(blocked))
+    env.pop("TORCH_EXTENSIONS_DIR", None)
     result = subprocess.run(
         [sys.executable, "pretrain_gpt_memo.py", *args], cwd=ROOT, capture_output=True,
-        text=True, env={**env, "XDG_CACHE_HOME": str(blocked)}, timeout=300,
+        text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr

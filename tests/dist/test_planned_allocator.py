@@ -121,13 +121,13 @@ def test_a_planned_run_logs_one_line_per_pass_plan_and_no_planner_stage_lines(tm
     import subprocess
     import sys
 
-    from tests.launch import ROOT
+    from tests.launch import ROOT, alone_env
 
     flags = [*MODEL, "--train-iters", "3", "--memo-allocator", "plan"]
     flags += ["--memo-plan-cache", str(tmp_path / "plans")]
     run = subprocess.run(
         [sys.executable, "pretrain_gpt_memo.py", *flags], cwd=ROOT, capture_output=True,
-        text=True, timeout=300,
+        text=True, timeout=300, env=alone_env(),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "--memo-allocator plan: pass " in run.stderr
