@@ -105,11 +105,14 @@ def _read_text(path: str, *, flag: str) -> str:
     check_regular_file(path, flag=flag)  # a FIFO would block the read
     try:
         with open(path, encoding="utf-8") as handle:
-            return handle.read()
+            text = handle.read()
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(
             f"{flag} {path} cannot be read ({err}); give an existing text file"
         ) from None
+    if any(ch in text for ch in map(chr, range(32)) if ch not in "\t\n\r\f\v"):
+        raise UsageError(f"{flag} {path} holds control characters: give a text file")
+    return text
 
 
 def _read_per_split(path: str) -> dict[str, tuple[str, ...]]:

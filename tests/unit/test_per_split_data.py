@@ -104,6 +104,10 @@ def test_data_args_path_is_read_into_data_path(corpora, tmp_path):
         _parse("--data-args-path", str(listing), "--data-path", corpora["train"])
     with pytest.raises(UsageError, match=r"--data-args-path .*missing\.txt cannot be read"):
         _parse("--data-args-path", str(tmp_path / "missing.txt"))
+    binary = tmp_path / "blend.bin"
+    binary.write_bytes(b"\x00\x01 prefix")  # valid UTF-8, no text: named, not echoed
+    with pytest.raises(UsageError, match=r"--data-args-path .*blend\.bin holds control characters"):
+        _parse("--data-args-path", str(binary))
 
 
 def test_per_split_json_is_read_into_the_three_paths(corpora, tmp_path):
