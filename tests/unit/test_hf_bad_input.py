@@ -165,3 +165,13 @@ def test_an_fp16_export_of_weights_fp16_cannot_hold_is_refused(made, tmp_path, m
                   progress=False)  # fmt: skip
     export_hf(load=tmp_path / "ckpt", out=tmp_path / "b", family="llama", dtype="bfloat16",
               progress=False)  # fmt: skip
+
+
+def test_the_converter_prints_no_notice_about_its_own_flags(made, tmp_path, caplog):
+    # its trainer flags hold --group-query-attention, a Megatron-LM flag the trainer notes
+    # when a user types it
+    with caplog.at_level("INFO"):
+        import_hf(hf_dir=made / "llama", out=tmp_path / "ckpt", progress=False)
+        export_hf(load=tmp_path / "ckpt", out=tmp_path / "hf", family="llama", progress=False)
+    assert "Megatron-LM flag" not in caplog.text
+    assert "saved checkpoint" in caplog.text  # the log was captured
