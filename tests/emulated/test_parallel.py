@@ -93,3 +93,17 @@ def test_stop_conditions_agree_over_a_device_only_group():
             assert stop.reason(1) is None
             stop._on_signal(signal.SIGTERM, None)
             assert stop.reason(2) == "signal received"
+
+
+def test_a_rank_outside_the_world_is_refused_before_any_device_group(tmp_path):
+    """On the device path too (NCCL's group, the GPU's backend), the environment is checked
+    before anything waits on it: no process group is made, no tensor reaches the device."""
+    import torch.distributed as dist
+
+    from memo_ext.errors import UsageError
+
+    with emulated_cuda(rank=2, world_size=2) as cuda:
+        with pytest.raises(UsageError, match=r"RANK=2 is outside WORLD_SIZE=2 \(ranks 0 to 1\)"):
+            train_on(cuda, tmp_path)
+        assert not dist.is_initialized()
+        assert not cuda.storages  # nothing was allocated on the device
