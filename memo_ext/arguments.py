@@ -77,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = None) -> c.RunConfig:
-    """Parse and check flags; ``world_size`` defaults to torchrun's ``WORLD_SIZE``.
+def parse_args(
+    argv: Sequence[str] | None = None, *, world_size: int | None = None, notices: bool = True
+) -> c.RunConfig:
+    """Parse and check flags; ``world_size`` defaults to torchrun's ``WORLD_SIZE``; without
+    ``notices`` the notes on Megatron-LM flags are not logged (flags a tool wrote, not a user).
 
     A command line written for Megatron-LM's ``pretrain_gpt.py`` is translated first
     (``memo_ext.megatron_lm``): every Megatron-LM flag is ours, accepted, mapped onto ours, or
@@ -92,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
         list(sys.argv[1:] if argv is None else argv), ours=parser._option_string_actions
     )
     translation.check()
-    for notice in translation.notices:
+    for notice in translation.notices if notices else ():
         logger.info("Megatron-LM flag %s", notice)
     args = parser.parse_args(translation.argv)
     if world_size is None:

@@ -51,7 +51,6 @@ def compute_device() -> torch.device:
 
 def collective_backend() -> str:
     """``torch.distributed``'s backend for this process's tensors: NCCL on a GPU, gloo on CPU."""
-
     return "nccl" if on_gpu() else "gloo"
 
 

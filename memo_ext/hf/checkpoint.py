@@ -103,14 +103,10 @@ def build_model(
     (padded as the trainer pads them); call inside :func:`single_process`, or inside
     megatron's parallel state of the flags' layout over ``world_size`` processes."""
     # the flags are the converter's own (trainer_flags, or an import's model_flags.txt): the
-    # trainer's notices about Megatron-LM flags among them are for a user who typed them
-    arguments_log = logging.getLogger("memo_ext.arguments")
-    level = arguments_log.level
-    arguments_log.setLevel(logging.WARNING)
-    try:
-        run = parse_args([*flags, *_RUN_STUB, "--seq-length", "8"], world_size=world_size)
-    finally:
-        arguments_log.setLevel(level)
+    # notes on Megatron-LM flags among them are for a user who typed them
+    run = parse_args(
+        [*flags, *_RUN_STUB, "--seq-length", "8"], world_size=world_size, notices=False
+    )
     divisible = run.model.make_vocab_size_divisible_by
     padded = padded_vocab_size(vocab_size, divisible_by=divisible)
     run = dataclasses.replace(
