@@ -102,13 +102,27 @@ def _train_reporting_oom(argv: list[str] | None):
         return train(run)
     except ReportedError:
         raise
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted(run)) from None
     except Exception as err:  # noqa: BLE001 - an allocation failure, however a library wraps it
         oom = out_of_memory(err, capped=run.preflight.memory_limit_gb is not None)
         if oom is None:
             raise
         raise oom from None
+    except BaseException as err:
+        if _is_interrupt(err):
+            raise Interrupted(_interrupted(run)) from None
+        raise
+
+
+def _is_interrupt(err: BaseException) -> bool:
+    """Ctrl-C, as raised or as a library wrapped it: torch.distributed.checkpoint catches every
+    exception of a save's writes and raises a ``CheckpointException`` holding them."""
+    if isinstance(err, KeyboardInterrupt):
+        return True
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        wrapped = [pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair]
+        return any(isinstance(inner, KeyboardInterrupt) for inner in wrapped)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

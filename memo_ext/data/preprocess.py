@@ -154,24 +154,96 @@ class _AtomicIndexedWriter:
         os.replace(self._tmp_idx, f"{self.prefix}.idx")
 
 
-def _pool(workers: int):
-    """``workers`` forked processes that leave Ctrl-C to the parent from birth (the terminal
-    sends it to every process of the group): the parent alone stops, removes its unfinished
-    files and the pool, instead of one traceback per worker (or a pool left waiting for a worker
-    it lost). A Ctrl-C that comes while the pool starts stops the parent once it is up."""
-    context = multiprocessing.get_context("fork")
-    if threading.current_thread() is not threading.main_thread():
-        return context.Pool(workers)  # only the main thread handles signals
-    pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
-    try:
-        pool = context.Pool(workers)  # the forks keep the handler above: a no-op there
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending:
-        pool.terminate()
-        raise KeyboardInterrupt
-    return pool
+class _Workers:
+    """``workers`` forked tokenizer processes, each with a pipe of its own; batch ``j`` goes to
+    worker ``j % workers``, which holds one batch at a time, so results come back in input order.
+
+    Not ``multiprocessing.Pool``: its ``terminate`` first takes the task queue's read lock, which
+    a worker holds while it waits for a task, and a pool stopped by Ctrl-C under load could wait
+    on it forever. Here the workers share no lock: stopping them is a kill and a join.
+
+    The workers ignore Ctrl-C from birth (the terminal sends it to every process of the group):
+    the parent alone stops, removes its unfinished files and the workers, instead of one
+    traceback per worker. A Ctrl-C that comes while they start stops the parent once they are up.
+    """
+
+    def __init__(self, workers: int):
+        context = multiprocessing.get_context("fork")
+        self.pipes, self.processes = [], []
+        main = threading.current_thread() is threading.main_thread()
+        pending: list[int] = []
+        if main:  # only the main thread handles signals; the forks keep SIG_IGN
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+        try:
+            for _ in range(workers):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_serve, args=(theirs,), daemon=True)
+                process.start()
+                theirs.close()
+                self.pipes.append(ours)
+                self.processes.append(process)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        if pending:
+            self.stop()
+            raise KeyboardInterrupt
+
+    def imap(self, batches: Iterable[list[tuple[int, bytes]]]) -> Iterator[list[_EncodedLine]]:
+        """The encoded batches, in input order, one batch per worker in flight."""
+        batches = iter(batches)
+        in_flight = 0
+        for worker, batch in enumerate(itertools.islice(batches, len(self.pipes))):
+            self.pipes[worker].send(batch)
+            in_flight += 1
+        worker = 0
+        while in_flight:
+            yield self._receive(worker)
+            batch = next(batches, None)
+            if batch is None:
+                in_flight -= 1
+            else:  # the worker is idle now: the send cannot wait on it
+                self.pipes[worker].send(batch)
+            worker = (worker + 1) % len(self.pipes)
+
+    def _receive(self, worker: int) -> list[_EncodedLine]:
+        try:
+            result = self.pipes[worker].recv()
+        except EOFError:
+            process = self.processes[worker]
+            process.join(timeout=5)
+            raise RuntimeError(
+                f"tokenizer worker {worker} stopped (exit code {process.exitcode}); run with "
+                "--workers 1 to see its error"
+            ) from None
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def stop(self) -> None:
+        """Kill and reap every worker (nothing of theirs is kept)."""
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def _serve(pipe) -> None:
+    """A worker: encode each batch the pipe brings until the parent closes it; a batch that
+    fails sends its exception back, for the parent to raise."""
+    while True:
+        try:
+            batch = pipe.recv()
+        except EOFError:
+            return
+        try:
+            result = _encode_batch(batch)
+        except Exception as err:  # noqa: BLE001 - raised again in the parent
+            result = err
+        pipe.send(result)
 
 
 @contextlib.contextmanager
@@ -195,8 +267,11 @@ def _encoding(
         if workers <= 1:
             yield map(_encode_batch, batches)
         else:
-            with _pool(workers) as pool:
-                yield pool.imap(_encode_batch, batches)
+            pool = _Workers(workers)
+            try:
+                yield pool.imap(batches)
+            finally:
+                pool.stop()
     finally:
         _ENCODER = None
 

@@ -221,7 +221,7 @@ def test_ctrl_c_on_two_workers_is_one_line_and_leaves_no_partial_output(tmp_path
          "--output-prefix", str(out / "c"), "--tokenizer-type", "ByteTokenizer",
          "--workers", "2", "--no-progress"],
         cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     deadline = time.monotonic() + 120
     # documents written: the workers are up and tokenizing
@@ -230,7 +230,12 @@ def test_ctrl_c_on_two_workers_is_one_line_and_leaves_no_partial_output(tmp_path
         time.sleep(0.05)
     assert job.poll() is None, "the tokenizing finished before it could be interrupted"
     os.killpg(job.pid, signal.SIGINT)
-    _, err = job.communicate(timeout=60)
+    try:
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGABRT)  # the faulthandler prints where every thread waits
+        _, err = job.communicate(timeout=30)
+        raise AssertionError(f"no exit within 60 s of Ctrl-C:\n{err[-6000:]}") from None
     assert job.returncode == 130, err
     assert err.strip().splitlines() == [
         "preprocess_data: interrupted; nothing written (the unfinished files are removed, any "

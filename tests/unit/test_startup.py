@@ -168,3 +168,20 @@ def test_the_trainer_runs_as_an_installed_module_from_any_folder(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0 and "--memo-alpha" in out.stdout
+
+
+def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt():
+    """torch.distributed.checkpoint catches whatever a save's writes raise, Ctrl-C included,
+    and raises a CheckpointException holding it: that is still the user's Ctrl-C (exit 130),
+    while a save that failed otherwise is not."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from memo_ext.commands.pretrain_gpt_memo import _is_interrupt
+
+    def wrapped(err: BaseException) -> CheckpointException:
+        return CheckpointException("write_data", {0: (err, None)})
+
+    assert _is_interrupt(KeyboardInterrupt())
+    assert _is_interrupt(wrapped(KeyboardInterrupt()))
+    assert not _is_interrupt(wrapped(OSError(28, "No space left on device")))
+    assert not _is_interrupt(SystemExit(1))
