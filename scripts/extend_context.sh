@@ -14,11 +14,16 @@
 #
 # Steps and files under OUT (default runs/extend_context):
 #   1. python -m tools.convert_hf import  → OUT/import (reused when it is already there)
-#   2. pretrain_gpt_memo.py --load OUT/import --finetune --memo at SEQ_LENGTH
+#   2. python -m tools.eval_retrieval on the import: passkey and needle-in-a-haystack accuracy at
+#      RETRIEVAL_LENGTHS (default the original context and SEQ_LENGTH) → OUT/retrieval_before
+#   3. pretrain_gpt_memo.py --load OUT/import --finetune --memo at SEQ_LENGTH
 #      (default FACTOR × the model's max_position_embeddings), evaluating every EVAL_INTERVAL
-#      steps → OUT/ckpt, OUT/metrics.jsonl (val_loss_by_position at each evaluation)
-#   3. python -m tools.plot_position_loss → OUT/position_loss.png
-#   4. python -m tools.convert_hf export --family llama → OUT/hf
+#      steps → OUT/ckpt, OUT/metrics.jsonl (val_loss_by_position and the retrieval grid at each
+#      evaluation)
+#   4. python -m tools.eval_retrieval on the trained checkpoint → OUT/retrieval_after, and both
+#      grids side by side (printed, and drawn → OUT/retrieval.png)
+#   5. python -m tools.plot_position_loss → OUT/position_loss.png
+#   6. python -m tools.convert_hf export --family llama → OUT/hf
 #
 # RoPE: a model without scaling (Llama 2, Llama 3) gets --use-rope-scaling --rope-scaling-factor
 # FACTOR. A model whose import already carries Llama 3.1 scaling keeps its own factor: another
@@ -33,10 +38,13 @@
 # DATA_PREFIX (tools.preprocess_data output) the tokenizer defaults to the HF folder's own
 # (HuggingFaceTokenizer); TOKENIZER_ARGS overrides it.
 #
+# Retrieval prompts are made with the run's tokenizer; each length must hold the prompt's own text
+# (about 110 tokens of the byte tokenizer) and be cut evenly by the layout (2 × CP, TP with SP).
+#
 # Settings from the environment: HF_DIR (required), FACTOR, SEQ_LENGTH, DATA_PREFIX,
 # TOKENIZER_ARGS, OUT, DATA_DIR, NPROC, TRAIN_ITERS, MICRO_BATCH, GLOBAL_BATCH, LR,
-# EVAL_INTERVAL, EVAL_ITERS, EXTRA_ARGS (more trainer flags: layout, precision), MASTER_PORT,
-# PYTHON, TORCHRUN.
+# EVAL_INTERVAL, EVAL_ITERS, RETRIEVAL_LENGTHS, RETRIEVAL_SAMPLES, EXTRA_ARGS (more trainer
+# flags: layout, precision), MASTER_PORT, PYTHON, TORCHRUN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -86,8 +94,18 @@ fi
 TOKENIZER_ARGS=${TOKENIZER_ARGS:-"--tokenizer-type HuggingFaceTokenizer --tokenizer-model $HF_DIR"}
 read -ra TOKENIZER <<< "$TOKENIZER_ARGS"
 read -ra EXTRA <<< "${EXTRA_ARGS:-}"
+RETRIEVAL_LENGTHS=${RETRIEVAL_LENGTHS:-$ORIGINAL,$SEQ_LENGTH}
+RETRIEVAL_ARGS=(--eval-retrieval-lengths "$RETRIEVAL_LENGTHS"
+    --eval-retrieval-samples "${RETRIEVAL_SAMPLES:-4}")
+DATA_ARGS=(--data-path "$DATA_PREFIX" --split 98,2,0 "${TOKENIZER[@]}" --data-cache-path "$OUT/cache")
+EVAL_RETRIEVAL=("$PYTHON" -m tools.eval_retrieval --nproc "$NPROC"
+    --master-port "${MASTER_PORT:-29511}")
 
-# 2. continue pretraining at the long context from the import's weights
+# 2. retrieval before the extension: the imported model at the lengths to reach
+"${EVAL_RETRIEVAL[@]}" --load "$OUT/import" --out "$OUT/retrieval_before" "${DATA_ARGS[@]}" \
+    "${RETRIEVAL_ARGS[@]}" "${EXTRA[@]}"
+
+# 3. continue pretraining at the long context from the import's weights
 TRAINING_ARGS=(
     --seq-length "$SEQ_LENGTH"
     --micro-batch-size "$MICRO_BATCH"
@@ -106,8 +124,7 @@ TRAINING_ARGS=(
     --memo-keep-last-layers "$KEEP"
 )
 CHECKPOINT_ARGS=(--load "$OUT/import" --finetune --save "$OUT/ckpt" --save-interval "$TRAIN_ITERS")
-DATA_ARGS=(--data-path "$DATA_PREFIX" --split 98,2,0 "${TOKENIZER[@]}" --data-cache-path "$OUT/cache")
-EVAL_ARGS=(--eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS")
+EVAL_ARGS=(--eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS" "${RETRIEVAL_ARGS[@]}")
 LOGGING_ARGS=(--log-interval 10 --metrics-file "$OUT/metrics.jsonl")
 
 mkdir -p "$OUT"
@@ -120,9 +137,15 @@ OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} $TORCHRUN --nproc-per-node "$NPROC" \
 printf '%s\n' "${MODEL_ARGS[*]}" > "$OUT/ckpt/model_flags.txt"
 cp "$OUT/import/hf_config.json" "$OUT/ckpt/hf_config.json"
 
-# 3. the loss by position at the last evaluation: does the model use the longer context?
+# 4. retrieval after it, beside the one before
+"${EVAL_RETRIEVAL[@]}" --load "$OUT/ckpt" --out "$OUT/retrieval_after" "${DATA_ARGS[@]}" \
+    "${RETRIEVAL_ARGS[@]}" "${EXTRA[@]}"
+"$PYTHON" -m tools.eval_retrieval --plot "$OUT/retrieval_before/retrieval.json" \
+    "$OUT/retrieval_after/retrieval.json" --names before after --out "$OUT/retrieval.png"
+
+# 5. the loss by position at the last evaluation: does the model use the longer context?
 "$PYTHON" -m tools.plot_position_loss "$OUT/metrics.jsonl" --out "$OUT/position_loss.png"
 
-# 4. back to a Hugging Face folder (config.json carries the rope_scaling and the new context)
+# 6. back to a Hugging Face folder (config.json carries the rope_scaling and the new context)
 rm -rf "$OUT/hf"
 "$PYTHON" -m tools.convert_hf export --load "$OUT/ckpt" --out "$OUT/hf" --family llama

@@ -3,6 +3,7 @@ preflight sections."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from memo_ext.config.common import (
     installed,
 )
 from memo_ext.errors import UsageError
-from memo_ext.flags import flag_name
+from memo_ext.flags import finite_float, flag_name
 from memo_ext.hardware import DEVICES
 
 
@@ -99,6 +100,52 @@ class LoggingConfig:
             raise UsageError("--wandb-project needs the wandb package: pip install wandb")
 
 
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """``"4096,16384"`` → ``(4096, 16384)``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text.
+    """
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated token counts, got {text!r}"
+        ) from None
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """``"0,0.5,1"`` → ``(0.0, 0.5, 1.0)``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text.
+    """
+    try:
+        return tuple(finite_float(part) for part in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated fractions in [0, 1], got {text!r}"
+        ) from None
+
+
+def parse_tasks(text: str) -> tuple[str, ...]:
+    """``"passkey,needle"`` → ``("passkey", "needle")``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming an unknown task.
+    """
+    tasks = tuple(part.strip() for part in text.split(","))
+    unknown = [task for task in tasks if task not in RETRIEVAL_TASKS]
+    if unknown or not tasks:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated tasks of {', '.join(RETRIEVAL_TASKS)}, got {text!r}"
+        )
+    return tasks
+
+
+RETRIEVAL_TASKS = ("passkey", "needle")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvaluationConfig:
     """Validation during training."""
@@ -111,15 +158,79 @@ class EvaluationConfig:
     """Width in tokens of the first position bucket of the validation loss by position
     (val_loss_by_position: buckets [0, N), [N, 2N), [2N, 4N), ... up to --seq-length); 0 turns
     it off."""
+    eval_retrieval_lengths: tuple[int, ...] = field(
+        default=(), metadata={"parse": parse_lengths, "metavar": "N1,N2,..."}
+    )
+    """Also score retrieval at each evaluation: passkey and needle-in-a-haystack prompts of these
+    context lengths in tokens (they may exceed --seq-length), answered by greedy decoding with
+    exact match (val_passkey_acc, val_needle_acc and their grids in the metrics file)."""
+    eval_retrieval_depths: tuple[float, ...] = field(
+        default=(0.0, 0.25, 0.5, 0.75, 1.0), metadata={"parse": parse_depths, "metavar": "D1,..."}
+    )
+    """Where the number hides, as the share of the filler before it: 0 first, 1 last."""
+    eval_retrieval_samples: int = 4
+    """Prompts per (task, length, depth) cell; a cell's accuracy is the share answered exactly."""
+    eval_retrieval_tasks: tuple[str, ...] = field(
+        default=RETRIEVAL_TASKS, metadata={"parse": parse_tasks, "metavar": "TASK,..."}
+    )
+    """Which retrieval tasks: passkey (a number in repeated filler sentences), needle (a number
+    in the run's validation documents; the filler sentences without validation data)."""
+    eval_retrieval_digits: int = 5
+    """Digits of the number to retrieve."""
+    skip_train: bool = False
+    """Train no step: evaluate the loaded weights once (validation loss with --eval-iters,
+    retrieval with --eval-retrieval-lengths), write the record at the checkpoint's iteration,
+    and exit."""
+
+    @property
+    def retrieval(self) -> bool:
+        """Retrieval is scored at each evaluation."""
+        return bool(self.eval_retrieval_lengths)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.eval_interval) and self.eval_iters > 0
+        return bool(self.eval_interval) and (self.eval_iters > 0 or self.retrieval)
 
     def check(self) -> None:
         at_least(self.eval_interval, 1, "--eval-interval")
         at_least(self.eval_iters, 0, "--eval-iters")
         at_least(self.eval_position_min_tokens, 0, "--eval-position-min-tokens")
+        self._check_retrieval()
+
+    def _check_retrieval(self) -> None:
+        lengths, depths = self.eval_retrieval_lengths, self.eval_retrieval_depths
+        if not lengths:
+            given = [
+                f"--{f.name.replace('_', '-')}"
+                for f in dataclasses.fields(self)
+                if f.name.startswith("eval_retrieval_") and getattr(self, f.name) != f.default
+            ]
+            if given:
+                raise UsageError(
+                    f"{', '.join(given)} only apply with --eval-retrieval-lengths; add it"
+                )
+            return
+        if any(length < 1 for length in lengths):
+            raise UsageError(f"--eval-retrieval-lengths must be positive, got {lengths}")
+        if len(set(lengths)) != len(lengths):
+            raise UsageError(f"--eval-retrieval-lengths names a length twice: {lengths}")
+        outside = [depth for depth in depths if not 0.0 <= depth <= 1.0]
+        if outside:
+            raise UsageError(
+                f"--eval-retrieval-depths must lie in [0, 1] (the share of the filler before the "
+                f"number), got {outside[0]:g}"
+            )
+        if not depths or len(set(depths)) != len(depths):
+            raise UsageError(f"--eval-retrieval-depths must name distinct depths, got {depths}")
+        at_least(self.eval_retrieval_samples, 1, "--eval-retrieval-samples")
+        if not 1 <= self.eval_retrieval_digits <= 18:
+            raise UsageError(
+                f"--eval-retrieval-digits must be in [1, 18], got {self.eval_retrieval_digits}"
+            )
+        if len(set(self.eval_retrieval_tasks)) != len(self.eval_retrieval_tasks):
+            raise UsageError(
+                f"--eval-retrieval-tasks names a task twice: {self.eval_retrieval_tasks}"
+            )
 
     def check_split(self, *, split: str, mock_data: bool) -> None:
         """Evaluation reads the validation part of --split (mock data has every part)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from memo_ext.config.common import check_writable_directory
@@ -124,6 +125,7 @@ class RunConfig:
         self.memo.check()
         self.memo.check_with(self)
         self.evaluation.check()
+        self._check_retrieval()
         self.evaluation.check_split(split=self.data.split_or_default, mock_data=self.data.mock_data)
         self.checkpoint.check()
         self.preflight.check()
@@ -150,6 +152,39 @@ class RunConfig:
             raise UsageError(
                 f"--loss-chunks must be in [1, {local}] (tokens per CP rank), got "
                 f"{self.model.loss_chunks}"
+            )
+
+    def _check_retrieval(self) -> None:
+        """Retrieval prompts run through the model at lengths of their own: each must be one
+        the model addresses and the layout cuts."""
+        evaluation = self.evaluation
+        if evaluation.skip_train and self.data.variable_seq_lengths:
+            raise UsageError(
+                "--skip-train evaluates, and --variable-seq-lengths runs have no evaluation; "
+                "drop --variable-seq-lengths to evaluate their checkpoint"
+            )
+        if not evaluation.retrieval:
+            return
+        if not (evaluation.eval_interval or evaluation.skip_train):
+            raise UsageError(
+                "--eval-retrieval-lengths is scored at evaluations: add --eval-interval N "
+                "(or --skip-train to score a checkpoint once)"
+            )
+        longest = max(evaluation.eval_retrieval_lengths)
+        table = self.model.max_position_embeddings or self.data.seq_length
+        if self.shape.position_embedding_type == "learned_absolute" and longest > table:
+            raise UsageError(
+                f"--eval-retrieval-lengths {longest} is past the {table} positions the model's "
+                "learned position embedding addresses (--max-position-embeddings); give lengths "
+                f"up to {table}"
+            )
+        layout = self.layout
+        multiple = math.lcm(2 * layout.cp if layout.cp > 1 else 1, layout.tp if layout.sp else 1)
+        uneven = [n for n in evaluation.eval_retrieval_lengths if n % multiple]
+        if uneven:
+            raise UsageError(
+                f"--eval-retrieval-lengths {uneven[0]} is not a multiple of {multiple}, which "
+                "the layout cuts a sequence into (2 × CP, and TP under --sequence-parallel)"
             )
 
     def _check_yarn_table(self) -> None:

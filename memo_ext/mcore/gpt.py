@@ -7,9 +7,17 @@ vocab-parallel cross entropy run on k slices of the sequence, each under activat
 checkpointing, so only one slice's logits exist at a time in the forward and in the backward.
 The per-token losses are the same numbers (each token's logits and loss are computed alike);
 only the weight gradient is summed in k parts.
+
+The same slices serve greedy scoring (:meth:`ChunkedLossGPTModel.greedy_scoring`): instead of
+its loss, each labelled token gets 1 where the label is the argmax of its logits over the real
+vocabulary (``torch.argmax``'s rule, the first of equal maxima), found across the TP ranks'
+vocabulary shards without gathering them.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,9 +45,29 @@ class ChunkedLossGPTModel(GPTModel):
         if loss_chunks < 1:
             raise ValueError(f"loss_chunks must be at least 1, got {loss_chunks}")
         self.loss_chunks = loss_chunks
+        self._scored_vocab: int | None = None
+        """While :meth:`greedy_scoring` holds: the real vocabulary the argmax ranges over."""
+
+    @contextlib.contextmanager
+    def greedy_scoring(self, vocab_size: int) -> Iterator[None]:
+        """While held, the model called with labels returns ``[b, s]`` 1.0 / 0.0 per token (the
+        label is the argmax of the logits over ids below ``vocab_size``) instead of losses: a
+        greedy decoder's choice at each position, given the true tokens before it.
+
+        Only the last pipeline stage computes it; the others return hidden states as always.
+        """
+        previous, self._scored_vocab = self._scored_vocab, vocab_size
+        try:
+            yield
+        finally:
+            self._scored_vocab = previous
 
     def _postprocess(self, *args, **kwargs):
         labels = kwargs.get("labels")
+        if self._scored_vocab is not None and self.post_process and labels is not None:
+            if args or kwargs.get("mtp_in_postprocess"):
+                raise ValueError("greedy scoring does not support multi-token prediction")
+            return self._by_chunks(kwargs["hidden_states"], labels, self._chunk_hits)
         plain = (
             self.loss_chunks == 1
             or not self.post_process
@@ -50,7 +78,7 @@ class ChunkedLossGPTModel(GPTModel):
         )
         if plain:
             return super()._postprocess(*args, **kwargs)
-        return self._chunked_loss(kwargs["hidden_states"], labels)
+        return self._by_chunks(kwargs["hidden_states"], labels, self._chunk_loss)
 
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """megatron's loss, in this model's own TP group.
@@ -74,8 +102,16 @@ class ChunkedLossGPTModel(GPTModel):
         logits, _ = self.output_layer(hidden, weight=weight)
         return self.compute_language_model_loss(labels, logits)  # [b, tokens of the chunk]
 
-    def _chunked_loss(self, hidden_states: Tensor, labels: Tensor) -> Tensor:
-        """Per-token losses ``[b, s]`` (this rank's tokens), one sequence slice at a time."""
+    def _chunk_hits(self, hidden: Tensor, labels: Tensor, weight: Tensor | None) -> Tensor:
+        logits, _ = self.output_layer(hidden, weight=weight)  # [tokens, b, V/tp]
+        hits = greedy_hits(
+            logits, labels.transpose(0, 1), self.pg_collection.tp, vocab_size=self._scored_vocab
+        )
+        return hits.transpose(0, 1).float()  # [b, tokens of the chunk]
+
+    def _by_chunks(self, hidden_states: Tensor, labels: Tensor, per_chunk) -> Tensor:
+        """``per_chunk``'s per-token figures ``[b, s]`` (this rank's tokens: losses, or greedy
+        hits), one sequence slice at a time."""
         weight = None
         if self.share_embeddings_and_output_weights:
             weight = self.shared_embedding_or_output_weight()
@@ -93,7 +129,7 @@ class ChunkedLossGPTModel(GPTModel):
             # [b, ranks * (end - start)], rank-major as the output layer gathers the chunk
             chunk_labels = by_rank[:, :, start:end].reshape(batch, -1)
             loss = checkpoint(
-                self._chunk_loss,
+                per_chunk,
                 hidden_states[start:end],
                 chunk_labels,
                 weight,
@@ -102,6 +138,26 @@ class ChunkedLossGPTModel(GPTModel):
             losses.append(loss.reshape(batch, ranks, end - start))
         # back in sequence order: each rank's chunks side by side, the ranks one after another
         return torch.cat(losses, dim=2).reshape(batch, ranks * local)
+
+
+def greedy_hits(logits: Tensor, labels: Tensor, group, *, vocab_size: int) -> Tensor:
+    """Whether each label is ``torch.argmax`` of its row of vocabulary-parallel ``logits``
+    (``[..., V/tp]``, this rank's shard of ``group``'s vocabulary; ``labels`` ``[...]``), over
+    the ids below ``vocab_size`` (the padding rows of the table are no token a decoder could
+    write). Two all-reduces over ``group``: the largest logit, then the first id holding it.
+    """
+    shard = logits.size(-1)
+    start = group.rank() * shard
+    ids = torch.arange(start, start + shard, device=logits.device)
+    logits = logits.float().masked_fill(ids >= vocab_size, float("-inf"))
+    best = logits.max(dim=-1).values
+    if group.size() > 1:
+        dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    # the first id of the shard holding the maximum; the vocabulary's end where none does
+    first = torch.where(logits == best.unsqueeze(-1), ids, vocab_size).min(dim=-1).values
+    if group.size() > 1:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    return first == labels
 
 
 def _slices(length: int, parts: int) -> list[tuple[int, int]]:

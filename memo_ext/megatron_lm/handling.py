@@ -443,7 +443,6 @@ HANDLING: dict[str, Handling] = {
     "--full-validation": refused("validation runs --eval-iters batches here"),
     "--multiple-validation-sets": refused("one validation split is used here"),
     "--test-mode": refused("not implemented here"),
-    "--skip-train": refused("evaluation-only runs are not implemented here"),
     # ---- data --------------------------------------------------------------------------------
     "--encoder-seq-length": refused("encoder-decoder models are not supported here"),
     "--decoder-seq-length": refused("encoder-decoder models are not supported here"),

@@ -9,7 +9,9 @@ samples say.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from memo_ext.config import RunConfig
 from memo_ext.data.batches import packed_step_batches
@@ -21,19 +23,39 @@ from memo_ext.training.checkpoint import TrainProgress
 from memo_ext.training.initialize import ParallelContext
 
 
+@dataclass
+class Batches:
+    """A run's data: its iterators, and the validation tokens retrieval prompts hide in."""
+
+    train: Iterator
+    valid: Iterator | None
+    """Validation batches (``None``: no --eval-iters)."""
+    haystack: list[int] | None
+    """``haystack_tokens`` tokens of validation data, the same on every rank (``None``: no
+    needle task, or no validation data)."""
+
+
 def build_batches(
     run: RunConfig,
     ctx: ParallelContext,
     tokenizer,
     progress: TrainProgress,
     extensions: Sequence[Extension] = (),
-) -> tuple[Iterator, Iterator | None]:
-    """Train and validation iterators, both positioned where ``progress`` says."""
+    *,
+    haystack_tokens: int = 0,
+) -> Batches:
+    """Train and validation iterators, both positioned where ``progress`` says, and the first
+    ``haystack_tokens`` tokens of the validation split."""
     if run.data.variable_seq_lengths:
-        return _packed_batches(run, ctx, tokenizer, progress, extensions), None
+        return Batches(_packed_batches(run, ctx, tokenizer, progress, extensions), None, None)
     gbs = run.train.global_batch_size
-    evals = run.train.train_iters // run.evaluation.eval_interval if run.evaluation.enabled else 0
-    valid_samples = evals * run.evaluation.eval_iters * gbs
+    evaluation = run.evaluation
+    evals = run.train.train_iters // evaluation.eval_interval if evaluation.eval_interval else 0
+    evals += evaluation.skip_train
+    valid_samples = evals * evaluation.eval_iters * gbs
+    # the haystack reads whole validation samples from the split's start
+    haystack_samples = math.ceil(haystack_tokens / run.data.seq_length)
+    valid_samples = max(valid_samples, haystack_samples)
     per_split = run.data.per_split
     train_ds, valid_ds, _ = build_gpt_datasets(
         data_path=None if per_split else run.data.data_path or None,
@@ -66,15 +88,19 @@ def build_batches(
         )
 
     valid = None
-    if evals:
+    if evals and evaluation.eval_iters:
         if valid_ds is None:
             raise ValueError(
                 "--eval-interval needs a validation split: give --split a valid part or "
                 "--valid-data-path"
             )
-        done = progress.iteration // run.evaluation.eval_interval
-        valid = iterate(valid_ds, done * run.evaluation.eval_iters * gbs)
-    return iterate(train_ds, progress.consumed_samples), valid
+        done = progress.iteration // evaluation.eval_interval if evaluation.eval_interval else 0
+        valid = iterate(valid_ds, done * evaluation.eval_iters * gbs)
+    haystack = None
+    if haystack_samples and valid_ds is not None and len(valid_ds) >= haystack_samples:
+        rows = [valid_ds[i]["tokens"] for i in range(haystack_samples)]
+        haystack = [int(t) for row in rows for t in row][:haystack_tokens]
+    return Batches(iterate(train_ds, progress.consumed_samples), valid, haystack)
 
 
 def _packed_batches(

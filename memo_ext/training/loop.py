@@ -37,8 +37,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from memo_ext import device
 from memo_ext.collectives import loss_pair, mean_loss, world_loss_pair
 from memo_ext.config import RunConfig
+from memo_ext.data.retrieval import RetrievalSample
 from memo_ext.data.sampler import close_batch_iterator
 from memo_ext.data.tokenizers import tokenizer_for
+from memo_ext.errors import UsageError
 from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, StepLoss
 from memo_ext.features.extensions import extensions_for
 from memo_ext.features.preflight import check_preflight, planning_target
@@ -76,7 +78,12 @@ from memo_ext.training.initialize import (
     shutdown,
 )
 from memo_ext.training.inputs import build_batches
-from memo_ext.training.metrics import StepMetrics
+from memo_ext.training.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    TensorBoardWriter,
+    evaluation_line,
+)
 from memo_ext.training.model import build_gpt_model, params_in_sync, wrap_for_data_parallel
 from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer, lr_for_logging
 from memo_ext.training.position_loss import METRICS_KEY as POSITION_KEY
@@ -90,6 +97,7 @@ from memo_ext.training.report import (
     write_settings,
 )
 from memo_ext.training.resolve import resolve_run
+from memo_ext.training.retrieval import build_samples, evaluate_retrieval, haystack_tokens
 from memo_ext.training.step import build_forward_step
 
 logger = logging.getLogger(__name__)
@@ -109,6 +117,7 @@ def train(run: RunConfig) -> TrainSummary:
     target = planning_target(run)
     run = resolve_run(run, tokenizer=tokenizer, extensions=extensions, target=target)
     check_save_target(run.checkpoint)  # before any work: nothing it started from is replaced
+    _check_evaluation_only(run)
     if _is_logging_process():
         write_settings(run)
     _maybe_preflight(run, extensions, target)
@@ -134,6 +143,21 @@ def train(run: RunConfig) -> TrainSummary:
         lift_memory_limit()  # the clean-up below may need memory (an out-of-memory exit too)
         destroy_num_microbatches_calculator()
         shutdown()
+
+
+def _check_evaluation_only(run: RunConfig) -> None:
+    """--skip-train writes a metrics file of its one record: one that holds a run's records
+    is not replaced.
+
+    Raises:
+        UsageError: naming the file.
+    """
+    path = run.logging.metrics_file
+    if run.evaluation.skip_train and path and os.path.isfile(path) and os.path.getsize(path):
+        raise UsageError(
+            f"--skip-train writes its evaluation to a --metrics-file of its own, and {path} "
+            "holds records already; give a new path"
+        )
 
 
 def _is_logging_process() -> bool:
@@ -169,6 +193,8 @@ class _Session:
     forward_step: Callable
     train_batches: Iterator
     valid_batches: Iterator | None
+    retrieval: list[RetrievalSample]
+    """The retrieval prompts each evaluation scores (empty: none)."""
     extensions: list[Extension]
     metric_sources: list[MetricSource]
     """Per-step figures: the weights', then every extension's."""
@@ -247,7 +273,10 @@ def _train(
             scope=source.scope,
             counts_samples=run.train.sample_based,
         )
-    train_batches, valid_batches = build_batches(run, ctx, tokenizer, progress, extensions)
+    batches = build_batches(
+        run, ctx, tokenizer, progress, extensions, haystack_tokens=haystack_tokens(run)
+    )
+    train_batches, valid_batches = batches.train, batches.valid
     try:
         # a model of another layout (an extension's own) keeps no optimizer state of its own
         others = lambda **kw: build_model(**kw, distributed_optimizer=False)  # noqa: E731
@@ -266,10 +295,13 @@ def _train(
             forward_step=build_forward_step(ctx.device, vocab_size=run.shape.vocab_size),
             train_batches=train_batches,
             valid_batches=valid_batches,
+            retrieval=_retrieval_samples(run, tokenizer, batches.haystack),
             extensions=extensions,
             metric_sources=weight_statistics(run, model, optimizer)
             + [source for extension in extensions for source in extension.metric_sources()],
         )
+        if run.evaluation.skip_train:
+            return _evaluate_only(session, progress)
         with StopConditions(run.checkpoint) as stop:
             return _run_steps(session, progress, stop)
     finally:  # a failed run's iterators live on in its traceback: stop their loaders now
@@ -357,27 +389,70 @@ def _train_one_step(s: _Session, *, global_batch: int) -> StepResult:
 
 
 def evaluate(s: _Session) -> dict:
-    """Mean loss over ``eval_iters`` validation global batches, its perplexity, and (unless
-    --eval-position-min-tokens 0) the mean loss per position bucket."""
+    """Mean loss over ``eval_iters`` validation global batches, its perplexity, (unless
+    --eval-position-min-tokens 0) the mean loss per position bucket, and (with
+    --eval-retrieval-lengths) the retrieval accuracies."""
     s.model.eval()
+    figures = {}
+    with torch.no_grad():
+        if s.valid_batches is not None:
+            figures.update(_validation_loss(s))
+        if s.retrieval:
+            figures.update(
+                evaluate_retrieval(
+                    s.retrieval,
+                    model=s.model,
+                    forward_backward=s.forward_backward,
+                    device=s.ctx.device,
+                    dp_rank=s.ctx.dp_rank,
+                    dp_size=s.ctx.dp_size,
+                    vocab_size=s.run.shape.vocab_size,
+                    show_progress=s.run.evaluation.skip_train and s.ctx.is_logging_rank,
+                )
+            )
+            maybe_empty_cache(s.run.cleanup, level=1)
+    s.model.train()
+    return figures
+
+
+def _validation_loss(s: _Session) -> dict:
     pair = loss_pair([])
     by_position = _maybe_position_loss(s)
     forward_step = s.forward_step
     if by_position is not None:
         forward_step = partial(s.forward_step, position_loss=by_position)
-    with torch.no_grad():
-        for _ in range(s.run.evaluation.eval_iters):
-            out = _forward_backward(
-                s, s.valid_batches, forward_only=True, forward_step=forward_step
-            )
-            pair += out.pair
-            maybe_empty_cache(s.run.cleanup, level=1)
-    s.model.train()
+    for _ in range(s.run.evaluation.eval_iters):
+        out = _forward_backward(s, s.valid_batches, forward_only=True, forward_step=forward_step)
+        pair += out.pair
+        maybe_empty_cache(s.run.cleanup, level=1)
     loss = mean_loss(pair)
     figures = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
     if by_position is not None:
         figures[POSITION_KEY] = by_position.reduce()
     return figures
+
+
+def _retrieval_samples(run: RunConfig, tokenizer, haystack: list[int] | None) -> list:
+    """The prompts of --eval-retrieval-lengths (none without it), made before the first step:
+    a tokenizer without digits or a length too short for a prompt stops the run here."""
+    if not run.evaluation.retrieval:
+        return []
+    return build_samples(run.evaluation, tokenizer, seed=run.train.seed, haystack=haystack)
+
+
+def _evaluate_only(s: _Session, progress: TrainProgress) -> TrainSummary:
+    """--skip-train: one evaluation of the loaded weights, recorded at their iteration."""
+    figures = evaluate(s)
+    record = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples}
+    record.update(figures)
+    if s.ctx.is_logging_rank:
+        writer = MetricsWriter(s.run.logging.metrics_file, resume_from=progress.iteration)
+        writer.write(record)
+        board = TensorBoardWriter(s.run.logging.tensorboard_dir)
+        board.write(record)
+        board.close()
+    logger.info("evaluation at iteration %d | %s", progress.iteration, evaluation_line(figures))
+    return TrainSummary(iterations=progress.iteration, resumed_at=progress.iteration)
 
 
 def _maybe_position_loss(s: _Session) -> PositionLoss | None:

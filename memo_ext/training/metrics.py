@@ -94,6 +94,24 @@ TRAINER_KEYS: tuple[MetricKey, ...] = (
         "`--eval-interval` with `--eval-position-min-tokens` above 0 (64 by default): the "
         'validation loss per position bucket, `{"0-63": 5.1, "64-127": 4.9, ...}`',
     ),
+    MetricKey(
+        ("val_passkey_acc", "val_needle_acc"),
+        "float",
+        "`--eval-retrieval-lengths`: the share of passkey / needle-in-a-haystack prompts answered "
+        "exactly by greedy decoding, over the grid of lengths × depths",
+    ),
+    MetricKey(
+        ("val_passkey_acc_by_cell", "val_needle_acc_by_cell"),
+        "dict[str, float]",
+        "`--eval-retrieval-lengths`: that share per cell, keyed `LENGTH@DEPTH`, "
+        '`{"4096@0": 1.0, "4096@0.5": 0.75, ...}`',
+    ),
+    MetricKey(
+        ("val_passkey_token_acc", "val_needle_token_acc"),
+        "float",
+        "`--eval-retrieval-lengths`: the share of answer tokens the model predicts right given "
+        "the true tokens before them (partial credit: it moves before whole answers do)",
+    ),
 )
 """Keys the trainer adds to a record besides :class:`StepMetrics`' (features add theirs:
 ``Extension.metric_keys``)."""
@@ -146,9 +164,19 @@ class StepMetrics:
             parts.append(f"MFU {100 * self.mfu:.1f}%")
         if self.mem_allocated_bytes is not None:
             parts.append(f"mem {self.mem_allocated_bytes / 2**30:.2f} GiB")
-        if "val_loss" in self.extra:
-            parts.append(f"val loss {self.extra['val_loss']:.4f} (ppl {self.extra['val_ppl']:.2f})")
+        parts.append(evaluation_line(self.extra))
         return " | ".join(filter(None, parts))
+
+
+def evaluation_line(figures: dict) -> str:
+    """An evaluation's figures for the console: validation loss, retrieval accuracies."""
+    parts = []
+    if "val_loss" in figures:
+        parts.append(f"val loss {figures['val_loss']:.4f} (ppl {figures['val_ppl']:.2f})")
+    for task in ("passkey", "needle"):
+        if f"val_{task}_acc" in figures:
+            parts.append(f"{task} acc {figures[f'val_{task}_acc']:.3f}")
+    return " | ".join(parts)
 
 
 def cuda_memory() -> tuple[int | None, int | None]:

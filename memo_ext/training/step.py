@@ -125,6 +125,31 @@ def forward_step(
     return output, closure
 
 
+def scored_forward_step(
+    data_iterator: Iterator[tuple[int, dict[str, torch.Tensor]]],
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    add: Callable[[int, torch.Tensor, torch.Tensor], None],
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
+    """A ``forward_step_func`` for scoring a model held in
+    :meth:`~memo_ext.mcore.gpt.ChunkedLossGPTModel.greedy_scoring`: the iterator yields
+    (sample index, plain row ``[1, s]``); on the last stage the closure hands ``add`` the index,
+    the row's mask and its per-token hits ``[1, s/cp]`` (an index below 0 is a row that only
+    keeps the pipeline's micro-batch count even)."""
+    index, host = next(data_iterator)
+    batch = load_micro_batch(iter([host]), device=device, cp_group=_cp_group(model))
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def closure(hits: torch.Tensor) -> LossOutput:
+        if index >= 0:
+            add(index, batch["loss_mask"], hits)
+        mask = batch["loss_mask"].float()
+        return (hits * mask).sum(), mask.sum().to(torch.int), {}
+
+    return output, closure
+
+
 def _cp_group(model: torch.nn.Module):
     """The model's own CP group (HotSPa builds models in several layouts)."""
     pgs = getattr(unwrap_model(model), "pg_collection", None)

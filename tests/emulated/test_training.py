@@ -91,16 +91,16 @@ def test_loss_chunks_copy_nothing_from_the_host(cuda, tmp_path, monkeypatch):
     indices from the host (on a GPU, a blocking copy and a stream sync each)."""
     from memo_ext.mcore.gpt import ChunkedLossGPTModel
 
-    chunked_loss = ChunkedLossGPTModel._chunked_loss
+    by_chunks = ChunkedLossGPTModel._by_chunks
     copies = []
 
     def counted(self, *args, **kwargs):
         before = cuda.blocking_host_copies
-        losses = chunked_loss(self, *args, **kwargs)
+        losses = by_chunks(self, *args, **kwargs)
         copies.append(cuda.blocking_host_copies - before)
         return losses
 
-    monkeypatch.setattr(ChunkedLossGPTModel, "_chunked_loss", counted)
+    monkeypatch.setattr(ChunkedLossGPTModel, "_by_chunks", counted)
     summary, _ = train_on(cuda, tmp_path, "--loss-chunks", "4", "--train-iters", "1")
     assert summary.iterations == 1
     assert copies == [0, 0], copies  # one chunked loss per micro-batch, none copied

@@ -1,0 +1,290 @@
+"""Passkey and needle-in-a-haystack accuracy of a checkpoint, over a grid of lengths × depths.
+
+    python -m tools.eval_retrieval --load ckpt/run1 --out runs/eval1 \\
+        --eval-retrieval-lengths 4096,16384,65536 [trainer flags: layout, precision, data]
+    python -m tools.eval_retrieval --hf-dir Meta-Llama-3-8B --out runs/eval0 --nproc 8 \\
+        --eval-retrieval-lengths 8192,32768 --bf16 --tensor-model-parallel-size 8
+    python -m tools.eval_retrieval --plot runs/eval0/retrieval.json runs/eval1/retrieval.json \\
+        --out before_after.png
+
+A checkpoint of this trainer (``--load``: its model flags are read from the ``model_flags.txt``
+the trainer saves beside it) or a Hugging Face folder (``--hf-dir``: imported first into
+``OUT/import`` with ``tools.convert_hf``; its tokenizer is the folder's own) is evaluated by the
+trainer itself (``pretrain_gpt_memo.py --skip-train`` under ``memo_ext.launch`` with ``--nproc``
+processes), so every layout and memory method of the trainer applies: trainer flags after the
+tool's pass through (later flags win). Without ``--data-path`` the trainer runs on mock data and
+the needle hides in the built-in filler sentences; with it, in the validation split's documents.
+
+Writes ``OUT/metrics.jsonl`` (the trainer's record), ``OUT/retrieval.json`` (the grid: per task,
+accuracy per length × depth, and its mean) and ``OUT/retrieval.png`` (one heatmap per task; needs
+matplotlib). ``--plot`` draws several ``retrieval.json`` side by side (one column each) and prints
+their grids. Exits 2 on bad input, as the trainer does.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from memo_ext.arguments import OneSentenceParser
+from memo_ext.errors import UsageError
+from memo_ext.files import read_json
+
+RESULT_FILE = "retrieval.json"
+TASKS = ("passkey", "needle")
+
+
+def build_parser() -> OneSentenceParser:
+    parser = OneSentenceParser(
+        prog="eval_retrieval", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--load", type=Path, help="A checkpoint folder of this trainer.")
+    source.add_argument(
+        "--hf-dir", type=Path, help="A Hugging Face folder (config.json + *.safetensors)."
+    )
+    source.add_argument(
+        "--plot", type=Path, nargs="+", metavar="JSON", help="Draw these retrieval.json files."
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="Output folder (with --plot: the PNG to write).",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="Processes of the evaluation (default 1)."
+    )
+    parser.add_argument("--master-port", type=int, default=29533, help="Its rendezvous port.")
+    parser.add_argument(
+        "--names", nargs="+", default=None, help="With --plot: a title per file (its path)."
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args, trainer = parser.parse_known_args(argv)
+        if args.plot:
+            if trainer:
+                raise UsageError(f"--plot takes no trainer flags, got {' '.join(trainer)}")
+            grids = [load_grid(path) for path in args.plot]
+            names = args.names or [str(path) for path in args.plot]
+            if len(names) != len(grids):
+                raise UsageError(f"--names gives {len(names)} titles for {len(grids)} files")
+            print(side_by_side(list(zip(names, grids))))
+            draw(list(zip(names, grids)), args.out)
+            print(f"wrote {args.out}")
+            return 0
+        return evaluate(args, trainer)
+    except UsageError as err:
+        print(f"eval_retrieval: error: {err}", file=sys.stderr)
+        return 2
+
+
+def evaluate(args, trainer: list[str]) -> int:
+    """Run the trainer on the checkpoint and write the grid and its heatmap."""
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if "--eval-retrieval-lengths" not in trainer:
+        raise UsageError("give --eval-retrieval-lengths N1,N2,... (the context lengths to test)")
+    out: Path = args.out
+    _clear_outputs(out)
+    if args.hf_dir is not None:
+        load = _imported(args.hf_dir, out / "import")
+        defaults = [
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(args.hf_dir),
+        ]
+    else:
+        load, defaults = args.load, []
+    flags_file = load / "model_flags.txt"
+    if not flags_file.is_file():
+        raise UsageError(
+            f"--load {load} has no model_flags.txt (the trainer writes it beside its checkpoints); "
+            "give the model's flags after the tool's"
+        )
+    lengths = _lengths(trainer)
+    argv = [
+        "--nproc-per-node", str(args.nproc), "--master-port", str(args.master_port),
+        "pretrain_gpt_memo.py", *defaults, *shlex.split(flags_file.read_text()),
+        "--seq-length", str(min(lengths)), "--micro-batch-size", "1", "--train-iters", "1",
+        "--lr", "0", "--eval-iters", "0", "--load", str(load), "--finetune",
+        "--skip-train", "--metrics-file", str(out / "metrics.jsonl"), "--log-interval", "1",
+    ]  # fmt: skip
+    if not any(flag in trainer for flag in ("--data-path", "--mock-data")):
+        argv.append("--mock-data")
+    from memo_ext.launch import main as launch
+
+    status = launch([*argv, *trainer])
+    if status:
+        return status
+    grid = grid_of(_record(out / "metrics.jsonl"), checkpoint=str(load))
+    (out / RESULT_FILE).write_text(json.dumps(grid, indent=1) + "\n")
+    print(side_by_side([(str(load), grid)]))
+    draw([(str(load), grid)], out / "retrieval.png")
+    print(f"wrote {out / RESULT_FILE} and {out / 'retrieval.png'}")
+    return 0
+
+
+OUTPUTS = ("metrics.jsonl", "metrics.config.json", RESULT_FILE, "retrieval.png")
+
+
+def _clear_outputs(out: Path) -> None:
+    """``out`` made, or emptied of an earlier evaluation's files (its import is kept).
+
+    Raises:
+        UsageError: ``out`` is a file, or holds files of something else.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in held if name not in (*OUTPUTS, "import")]
+    if foreign:
+        raise UsageError(
+            f"--out {out} holds {', '.join(foreign[:3])}, which this tool did not write; give a "
+            "new folder"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+
+
+def _imported(hf_dir: Path, into: Path) -> Path:
+    """``hf_dir`` imported into ``into`` (once: a finished import there is reused)."""
+    if (into / "latest_checkpointed_iteration.txt").is_file():
+        return into
+    from memo_ext.commands.convert_hf import main as convert
+
+    status = convert(["import", "--hf-dir", str(hf_dir), "--out", str(into)])
+    if status:
+        raise SystemExit(status)
+    return into
+
+
+def _lengths(trainer: list[str]) -> list[int]:
+    value = trainer[trainer.index("--eval-retrieval-lengths") + 1 :][:1]
+    try:
+        return [int(part) for part in value[0].split(",")]
+    except (IndexError, ValueError):
+        raise UsageError(
+            f"--eval-retrieval-lengths must be comma-separated token counts, got {value}"
+        ) from None
+
+
+def _record(path: Path) -> dict:
+    from memo_ext.training.metrics import read_metrics
+
+    records = [r for r in read_metrics(path) if "val_passkey_acc" in r or "val_needle_acc" in r]
+    if not records:
+        raise UsageError(f"{path} holds no retrieval record; the evaluation did not finish")
+    return records[-1]
+
+
+def grid_of(record: dict, *, checkpoint: str) -> dict:
+    """The trainer's record as a grid: per task, accuracy ``[length][depth]`` and the mean."""
+    tasks = {}
+    lengths, depths = set(), set()
+    for task in TASKS:
+        cells = record.get(f"val_{task}_acc_by_cell")
+        if not cells:
+            continue
+        for cell in cells:
+            length, depth = cell.split("@")
+            lengths.add(int(length))
+            depths.add(float(depth))
+        tasks[task] = cells
+    lengths, depths = sorted(lengths), sorted(depths)
+    return {
+        "checkpoint": checkpoint,
+        "iteration": record["iteration"],
+        "lengths": lengths,
+        "depths": depths,
+        "tasks": {
+            task: {
+                "accuracy": record[f"val_{task}_acc"],
+                "grid": [[cells[f"{n}@{d:g}"] for d in depths] for n in lengths],
+            }
+            for task, cells in tasks.items()
+        },
+    }
+
+
+def load_grid(path: Path) -> dict:
+    """A ``retrieval.json`` this tool wrote.
+
+    Raises:
+        UsageError: a file that is not one.
+    """
+    grid = read_json(path)
+    if not {"lengths", "depths", "tasks"} <= set(grid):
+        raise UsageError(f"{path} is no {RESULT_FILE} of eval_retrieval (no lengths/depths/tasks)")
+    return grid
+
+
+def side_by_side(grids: list[tuple[str, dict]]) -> str:
+    """Each task's grid as text, the files' accuracies side by side per cell (``a / b``)."""
+    lines = []
+    for task in TASKS:
+        present = [(name, g) for name, g in grids if task in g["tasks"]]
+        if not present:
+            continue
+        means = " / ".join(f"{g['tasks'][task]['accuracy']:.2f}" for _, g in present)
+        lines.append(f"{task}: accuracy {means}  ({' / '.join(name for name, _ in present)})")
+        depths = present[0][1]["depths"]
+        lines.append("length \\ depth " + "".join(f"{d:>14g}" for d in depths))
+        for length in present[0][1]["lengths"]:
+            cells = []
+            for depth in depths:
+                values = [_cell(g, task, length, depth) for _, g in present]
+                cells.append(f"{' / '.join(values):>14}")
+            lines.append(f"{length:>14} " + "".join(cells))
+    return "\n".join(lines)
+
+
+def _cell(grid: dict, task: str, length: int, depth: float) -> str:
+    try:
+        row, col = grid["lengths"].index(length), grid["depths"].index(depth)
+    except ValueError:
+        return "-"
+    return f"{grid['tasks'][task]['grid'][row][col]:.2f}"
+
+
+def draw(grids: list[tuple[str, dict]], out: Path) -> None:
+    """One heatmap per (task, file): lengths down, depths across, accuracy as colour and text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in TASKS if any(t in g["tasks"] for _, g in grids)]
+    fig, axes = plt.subplots(
+        len(tasks), len(grids), figsize=(3.6 * len(grids) + 1, 2.8 * len(tasks)), squeeze=False
+    )
+    image = None
+    for row, task in enumerate(tasks):
+        for col, (name, grid) in enumerate(grids):
+            ax = axes[row][col]
+            if task not in grid["tasks"]:
+                ax.axis("off")
+                continue
+            values = grid["tasks"][task]["grid"]
+            image = ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(grid["depths"])), [f"{d:g}" for d in grid["depths"]])
+            ax.set_yticks(range(len(grid["lengths"])), [str(n) for n in grid["lengths"]])
+            for i, line in enumerate(values):
+                for j, value in enumerate(line):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+            mean = grid["tasks"][task]["accuracy"]
+            ax.set_title(f"{task} · {Path(name).name} · mean {mean:.2f}", fontsize=9)
+            ax.set_xlabel("depth")
+            ax.set_ylabel("context length")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="exact-match accuracy")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
