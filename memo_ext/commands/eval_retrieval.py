@@ -109,12 +109,12 @@ def evaluate(args, trainer: list[str]) -> int:
             f"--load {load} has no model_flags.txt (the trainer writes it beside its checkpoints); "
             "give the model's flags after the tool's"
         )
-    lengths = _lengths(trainer)
+    model = shlex.split(flags_file.read_text())
     argv = [
         "--nproc-per-node", str(args.nproc), "--master-port", str(args.master_port),
-        "pretrain_gpt_memo.py", *defaults, *shlex.split(flags_file.read_text()),
-        "--seq-length", str(min(lengths)), "--micro-batch-size", "1", "--train-iters", "1",
-        "--lr", "0", "--eval-iters", "0", "--load", str(load), "--finetune",
+        "pretrain_gpt_memo.py", *defaults, *model,
+        "--seq-length", str(_seq_length(model, _lengths(trainer))), "--micro-batch-size", "1", "--train-iters", "1",
+        "--lr", "1e-5", "--eval-iters", "0", "--load", str(load), "--finetune",
         "--skip-train", "--metrics-file", str(out / "metrics.jsonl"), "--log-interval", "1",
     ]  # fmt: skip
     if not any(flag in trainer for flag in ("--data-path", "--mock-data")):
@@ -125,6 +125,9 @@ def evaluate(args, trainer: list[str]) -> int:
     if status:
         return status
     grid = grid_of(_record(out / "metrics.jsonl"), checkpoint=str(load))
+    # the trainer loads the weights only (--finetune: its record is at iteration 0)
+    tracker = load / "latest_checkpointed_iteration.txt"
+    grid["iteration"] = int(tracker.read_text()) if tracker.is_file() else None
     (out / RESULT_FILE).write_text(json.dumps(grid, indent=1) + "\n")
     print(side_by_side([(str(load), grid)]))
     draw([(str(load), grid)], out / "retrieval.png")
@@ -175,6 +178,17 @@ def _lengths(trainer: list[str]) -> list[int]:
         raise UsageError(
             f"--eval-retrieval-lengths must be comma-separated token counts, got {value}"
         ) from None
+
+
+def _seq_length(model: list[str], lengths: list[int]) -> int:
+    """The evaluation run's --seq-length (its validation batches' length; retrieval prompts
+    have their own): the shortest prompt, within the model's position table when it names one
+    (a RoPE model reads prompts past it)."""
+    seq = min(lengths)
+    if "--max-position-embeddings" in model:
+        table = model[model.index("--max-position-embeddings") + 1]
+        seq = min(seq, int(table)) if table.isdigit() else seq
+    return seq
 
 
 def _record(path: Path) -> dict:
@@ -264,7 +278,11 @@ def draw(grids: list[tuple[str, dict]], out: Path) -> None:
 
     tasks = [t for t in TASKS if any(t in g["tasks"] for _, g in grids)]
     fig, axes = plt.subplots(
-        len(tasks), len(grids), figsize=(3.6 * len(grids) + 1, 2.8 * len(tasks)), squeeze=False
+        len(tasks),
+        len(grids),
+        figsize=(3.6 * len(grids) + 1.2, 3.0 * len(tasks)),
+        squeeze=False,
+        layout="constrained",
     )
     image = None
     for row, task in enumerate(tasks):

@@ -46,6 +46,10 @@ def _extend(tmp, *, train_iters: int = 2, **model):
         "TRAIN_ITERS": str(train_iters),
         "EVAL_INTERVAL": str(train_iters),
         "EVAL_ITERS": "1",
+        # the byte tokenizer writes a retrieval prompt's own text in about 110 tokens: the
+        # original 64-token context holds none
+        "RETRIEVAL_LENGTHS": "128,256",
+        "RETRIEVAL_SAMPLES": "1",
         "MASTER_PORT": str(free_port()),
     }
     if not os.path.exists(env["PYTHON"]):
@@ -76,6 +80,21 @@ def test_loss_by_position_reaches_past_the_original_context(run):
     assert list(evaluated["val_loss_by_position"]) == ["0-63", "64-127", "128-255"]
     png = out / "position_loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_retrieval_is_scored_before_and_after_and_drawn_side_by_side(run):
+    out, _ = run
+    before = json.loads((out / "retrieval_before" / "retrieval.json").read_text())
+    after = json.loads((out / "retrieval_after" / "retrieval.json").read_text())
+    for grid, iteration in ((before, 0), (after, 2)):
+        assert grid["iteration"] == iteration
+        assert grid["lengths"] == [128, 256] and set(grid["tasks"]) == {"passkey", "needle"}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (evaluated,) = [r for r in records if "val_passkey_acc" in r]
+    assert set(evaluated["val_passkey_acc_by_cell"]) == {
+        f"{n}@{d}" for n in (128, 256) for d in ("0", "0.25", "0.5", "0.75", "1")
+    }
+    assert (out / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_export_carries_the_scaling_and_gives_our_logits(run, megatron_cpu):

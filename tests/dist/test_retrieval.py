@@ -4,9 +4,13 @@ scores at chance, and the same weights score alike under every layout and with M
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
-from tests.launch import cli, run_pretrain
+from tests.launch import ROOT, alone_env, cli, run_pretrain
 from tests.retrieval_corpus import task_corpus
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -112,3 +116,45 @@ def test_the_same_weights_score_alike_under_every_layout(trained, tmp_path, layo
     after = records[-1]
     assert record["val_passkey_acc_by_cell"] == after["val_passkey_acc_by_cell"]
     assert record["val_passkey_token_acc"] == pytest.approx(after["val_passkey_token_acc"])
+
+
+def test_the_tool_scores_a_checkpoint_under_tp_and_draws_two_grids_side_by_side(trained, tmp_path):
+    """tools.eval_retrieval on the trained checkpoint (its model flags read from the folder)
+    under TP 2 + SP: the grid the training run recorded, as JSON and a heatmap; --plot draws it
+    beside the untrained model's and prints both."""
+    data, ckpt, records = trained
+    lengths = GRID[GRID.index("--eval-retrieval-lengths") + 1]
+
+    def tool(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "tools.eval_retrieval", *args],
+            cwd=ROOT, env=alone_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+
+    out = tmp_path / "after"
+    done = tool("--load", str(ckpt), "--out", str(out), "--nproc", "2",
+                "--tensor-model-parallel-size", "2", "--sequence-parallel", *GRID)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    grid = json.loads((out / "retrieval.json").read_text())
+    after = records[-1]["val_passkey_acc_by_cell"]
+    assert grid["iteration"] == 900 and grid["lengths"] == [int(n) for n in lengths.split(",")]
+    assert grid["depths"] == [0.0, 0.5, 1.0]
+    assert grid["tasks"]["passkey"]["grid"] == [
+        [after[f"{n}@{d:g}"] for d in grid["depths"]] for n in grid["lengths"]
+    ]
+    assert (out / "retrieval.png").stat().st_size > 10_000
+
+    before = tmp_path / "before.json"
+    untrained = dict(grid, iteration=0)
+    untrained["tasks"] = {"passkey": {"accuracy": 0.0, "grid": [[0.0] * 3] * 2}}
+    before.write_text(json.dumps(untrained))
+    picture = tmp_path / "both.png"
+    done = tool("--plot", str(before), str(out / "retrieval.json"), "--names", "before",
+                "after", "--out", str(picture))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert picture.stat().st_size > 10_000
+    mean = records[-1]["val_passkey_acc"]
+    assert f"passkey: accuracy 0.00 / {mean:.2f}  (before / after)" in done.stdout
+    first_row = done.stdout.splitlines()[2].split()
+    assert first_row[:4] == ["64", "0.00", "/", f"{after['64@0']:.2f}"]
