@@ -113,7 +113,8 @@ def evaluate(args, trainer: list[str]) -> int:
     argv = [
         "--nproc-per-node", str(args.nproc), "--master-port", str(args.master_port),
         "pretrain_gpt_memo.py", *defaults, *model,
-        "--seq-length", str(_seq_length(model, _lengths(trainer))), "--micro-batch-size", "1", "--train-iters", "1",
+        "--seq-length", str(_seq_length(model, _lengths(trainer))),
+        "--micro-batch-size", "1", "--train-iters", "1",
         "--lr", "1e-5", "--eval-iters", "0", "--load", str(load), "--finetune",
         "--skip-train", "--metrics-file", str(out / "metrics.jsonl"), "--log-interval", "1",
     ]  # fmt: skip
