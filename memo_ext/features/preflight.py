@@ -115,10 +115,47 @@ def preflight(
     except EstimateError as err:
         return Report(checked=False, fits=True, message=f"preflight skipped: {err}")
     if est.fits:
+        refused = _retrieval_misfit(run, est, kwargs)
+        if refused:
+            return Report(checked=True, fits=False, message=refused, estimate=est)
         return Report(checked=True, fits=True, message=_numbers(est, method), estimate=est)
     hint = _suggestion(est, layout=layout, seq_length=run.data.seq_length, **kwargs)
     message = f"this run does not fit: {_numbers(est, method)}; {hint}"
     return Report(checked=True, fits=False, message=message, estimate=est)
+
+
+def _retrieval_misfit(run: RunConfig, est: Estimate, kwargs: dict) -> str | None:
+    """Why a retrieval prompt of the grid cannot run, or None. A prompt is one sequence forward
+    under no_grad: the model states (the training estimate's) plus what the estimator prices as
+    the transient at that length (one layer's working set and the logits) must fit; lengths up
+    to --seq-length fit when training does."""
+    longer = sorted(n for n in run.evaluation.eval_retrieval_lengths if n > run.data.seq_length)
+    single = {**kwargs, "batch": replace(kwargs["batch"], micro_batch_size=1, num_microbatches=1)}
+    needs = {}
+    for length in longer:
+        try:
+            at_length = run_estimate(layout=run.layout, seq_length=length, **single)
+        except EstimateError as err:
+            logger.info("preflight: retrieval at %d tokens not estimated: %s", length, err)
+            return None
+        needs[length] = (
+            at_length.transient_bytes,
+            est.model_state_bytes + at_length.transient_bytes,
+        )
+    misfits = [n for n, (_, need) in needs.items() if need > est.device_usable_bytes]
+    if not misfits:
+        return None
+    length = misfits[0]
+    transient, need = needs[length]
+    fits = [n for n in run.evaluation.eval_retrieval_lengths if n not in misfits]
+    return (
+        f"--eval-retrieval-lengths {length} does not fit: one prompt of {length} tokens needs "
+        f"{need / GIB:.1f} GiB (model states {est.model_state_bytes / GIB:.1f}, one layer's "
+        f"working set and the logits {transient / GIB:.1f}) of "
+        f"{est.device_usable_bytes / GIB:.1f} GiB usable; keep "
+        f"{','.join(map(str, fits)) if fits else 'shorter lengths'}, or use a larger "
+        "--context-parallel-size"
+    )
 
 
 def as_configured(

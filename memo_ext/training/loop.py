@@ -97,7 +97,12 @@ from memo_ext.training.report import (
     write_settings,
 )
 from memo_ext.training.resolve import resolve_run
-from memo_ext.training.retrieval import build_samples, evaluate_retrieval, haystack_tokens
+from memo_ext.training.retrieval import (
+    build_samples,
+    check_retrieval,
+    evaluate_retrieval,
+    haystack_tokens,
+)
 from memo_ext.training.step import build_forward_step
 
 logger = logging.getLogger(__name__)
@@ -118,6 +123,7 @@ def train(run: RunConfig) -> TrainSummary:
     run = resolve_run(run, tokenizer=tokenizer, extensions=extensions, target=target)
     check_save_target(run.checkpoint)  # before any work: nothing it started from is replaced
     _check_evaluation_only(run)
+    check_retrieval(run, tokenizer)
     if _is_logging_process():
         write_settings(run)
     _maybe_preflight(run, extensions, target)

@@ -53,6 +53,24 @@ def haystack_tokens(run: RunConfig) -> int:
     return 0 if run.data.mock_data else max(evaluation.eval_retrieval_lengths)
 
 
+def check_retrieval(run: RunConfig, tokenizer) -> None:
+    """Before any work: the tokenizer writes digits and the shortest length holds each task's
+    prompt (``build_samples`` makes them all once the validation data is read).
+
+    Raises:
+        UsageError: naming the tokenizer or the length.
+    """
+    evaluation = run.evaluation
+    if not evaluation.retrieval:
+        return
+    name = getattr(tokenizer, "description", type(tokenizer).__name__)
+    check_tokenizer(tokenizer.tokenize, tokenizer.detokenize, name=name)
+    parts = PromptParts(tokenizer.tokenize, digits=evaluation.eval_retrieval_digits)
+    shortest = min(evaluation.eval_retrieval_lengths)
+    for task in evaluation.eval_retrieval_tasks:
+        make_sample(parts, task=task, length=shortest, depth=0.0, index=0, seed=run.train.seed)
+
+
 def build_samples(
     evaluation: EvaluationConfig,
     tokenizer,

@@ -156,3 +156,112 @@ def test_accuracy_is_the_share_of_exact_answers_per_cell_and_its_mean():
         "val_passkey_acc_by_cell": {"200@0": 0.75, "200@1": 0.25},
         "val_passkey_token_acc": 22 / 30,
     }
+
+
+# ---- bad input: one sentence each, before any work ------------------------------------------
+
+BASE = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
+    "--mock-data", "--eval-interval", "1",
+]  # fmt: skip
+
+
+def refusal(*flags: str, world_size: int = 1) -> str:
+    from memo_ext.arguments import parse_args
+
+    with pytest.raises(UsageError) as err:
+        parse_args([*BASE, *flags], world_size=world_size)
+    return str(err.value)
+
+
+def test_lengths_past_a_learned_position_table_are_refused():
+    message = refusal("--eval-retrieval-lengths", "128,512")
+    assert "512 is past the 128 positions" in message and "--max-position-embeddings" in message
+    # rotary positions reach any length
+    from memo_ext.arguments import parse_args
+
+    rope = ["--position-embedding-type", "rope", "--eval-retrieval-lengths", "128,4096"]
+    assert parse_args([*BASE, *rope], world_size=1).evaluation.eval_retrieval_lengths[1] == 4096
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--eval-retrieval-depths", "0,1.5"], "must lie in [0, 1]"),
+        (["--eval-retrieval-depths", "-0.1"], "must lie in [0, 1]"),
+        (["--eval-retrieval-depths", "0,nan"], "comma-separated fractions"),
+        (["--eval-retrieval-depths", "0.5,0.5"], "distinct depths"),
+        (["--eval-retrieval-samples", "0"], "--eval-retrieval-samples must be at least 1"),
+        (["--eval-retrieval-digits", "0"], "--eval-retrieval-digits must be in [1, 18]"),
+        (["--eval-retrieval-tasks", "passkey,essay"], "tasks of passkey, needle"),
+    ],
+)
+def test_a_bad_grid_is_one_sentence(flags, expected):
+    message = refusal("--eval-retrieval-lengths", "128", *flags)
+    assert expected in message and "\n" not in message
+
+
+def test_grid_flags_without_lengths_or_evaluations_are_refused():
+    assert "only apply with --eval-retrieval-lengths" in refusal("--eval-retrieval-samples", "2")
+    from memo_ext.arguments import parse_args
+
+    no_interval = BASE[: BASE.index("--eval-interval")]
+    with pytest.raises(UsageError, match="add --eval-interval N"):
+        parse_args([*no_interval, "--eval-retrieval-lengths", "128"], world_size=1)
+
+
+def test_a_length_the_layout_cannot_cut_is_refused():
+    cp = ["--context-parallel-size", "2", "--position-embedding-type", "rope"]
+    message = refusal("--eval-retrieval-lengths", "130", *cp, world_size=2)
+    assert "130 is not a multiple of 4" in message
+
+
+def test_the_trainer_refuses_a_digitless_tokenizer_and_a_short_length_before_any_work():
+    """The checks the trainer makes once its tokenizer is built, before any process group."""
+    import dataclasses
+
+    from memo_ext.arguments import parse_args
+    from memo_ext.training.retrieval import check_retrieval
+
+    run = parse_args(
+        [*BASE, "--position-embedding-type", "rope", "--eval-retrieval-lengths", "2048"],
+        world_size=1,
+    )
+    with pytest.raises(UsageError, match="NullTokenizer"):
+        check_retrieval(run, NullTokenizer(vocab_size=100))
+    check_retrieval(run, BYTES)
+    short = dataclasses.replace(
+        run, evaluation=dataclasses.replace(run.evaluation, eval_retrieval_lengths=(64,))
+    )
+    with pytest.raises(UsageError, match="64 is too short for the passkey prompt"):
+        check_retrieval(short, BYTES)
+
+
+def test_the_preflight_refuses_a_grid_longer_than_the_device_holds():
+    """A 7B model trained at 8K under TP 8 fits an 80 GB device, and the estimator prices a 1M-
+    token prompt of it at 13.5 GiB of model states + 19 GiB of working set; a 4M-token prompt
+    (76 GiB of working set) does not fit."""
+    from memo_ext.arguments import parse_args
+    from memo_ext.data.tokenizers import tokenizer_for
+    from memo_ext.features.preflight import preflight
+    from memo_ext.hardware import DEVICES
+    from memo_ext.training.resolve import resolve_run
+
+    def run_with(lengths: str):
+        argv = [
+            "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+            "--seq-length", "8192", "--position-embedding-type", "rope",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+            "--tensor-model-parallel-size", "8", "--sequence-parallel", "--eval-interval", "1",
+            "--eval-retrieval-lengths", lengths,
+        ]  # fmt: skip
+        run = parse_args(argv, world_size=8)
+        return resolve_run(run, tokenizer=tokenizer_for(run.data))
+
+    device = DEVICES["a800-80g"]
+    assert preflight(run_with("4096,1048576"), device=device).fits
+    report = preflight(run_with("8192,1048576,4194304"), device=device)
+    assert report.checked and not report.fits
+    assert report.message.startswith("--eval-retrieval-lengths 4194304 does not fit")
+    assert "keep 8192,1048576, or use a larger --context-parallel-size" in report.message
