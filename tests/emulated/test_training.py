@@ -45,6 +45,24 @@ def test_plain_steps(cuda, tmp_path):
     assert cuda.scalar_reads > 0
 
 
+def test_retrieval_is_scored_on_the_device_and_summed_where_the_group_moves_data(cuda, tmp_path):
+    """Retrieval prompts at and past --seq-length: their rows copied to the device, hits
+    computed there (the argmax over the vocabulary), the table reduced on the collective
+    device; at an evaluation of the training loop, and once by --skip-train."""
+    grid = ["--eval-retrieval-lengths", "128,192", "--eval-retrieval-samples", "2",
+            "--eval-retrieval-depths", "0,1", "--eval-retrieval-digits", "2",
+            "--tokenizer-type", "ByteTokenizer"]  # fmt: skip
+    _, records = train_on(cuda, tmp_path, "--eval-interval", "3", "--eval-iters", "1", *grid)
+    (evaluated,) = [r for r in records if "val_passkey_acc" in r]
+    assert set(evaluated["val_passkey_acc_by_cell"]) == {"128@0", "128@1", "192@0", "192@1"}
+    assert 0.0 <= evaluated["val_passkey_token_acc"] <= 1.0
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    summary, (record,) = train_on(cuda, alone, "--skip-train", "--eval-iters", "0", *grid)
+    assert summary.iterations == 0 and record["iteration"] == 0
+    assert set(record) >= {"val_passkey_acc", "val_needle_acc_by_cell", "val_needle_token_acc"}
+
+
 @pytest.mark.parametrize(
     "memo",
     [
