@@ -23,13 +23,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from memo_ext.estimate.cost_model import CAUSAL_FRACTION, Efficiency
 from memo_ext.hardware import Calibration, DeviceSpec
 from memo_ext.shapes import ModelShape
+
+if TYPE_CHECKING:  # the timing functions import it: the estimator's readers never load it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ COPY_BYTES = 256 * 2**20
 
 def _timed(fn: Callable[[], object], *, device: torch.device, repeats: int) -> float:
     """Seconds per call of ``fn`` after two warm-up calls (CUDA: synchronised)."""
+    import torch
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):
         fn()
@@ -55,6 +58,8 @@ def _timed(fn: Callable[[], object], *, device: torch.device, repeats: int) -> f
 
 def matmul_tflops(*, rows: int, inner: int, cols: int, device, dtype, repeats: int) -> float:
     """Achieved TFLOP/s of ``[rows, inner] @ [inner, cols]``."""
+    import torch
+
     a = torch.randn(rows, inner, device=device, dtype=dtype)
     b = torch.randn(inner, cols, device=device, dtype=dtype)
     seconds = _timed(lambda: a @ b, device=device, repeats=repeats)
@@ -82,6 +87,9 @@ def attention_tflops(model: ModelShape, *, tokens: int, device, dtype, repeats: 
     """Achieved TFLOP/s of causal SDPA forward + backward on ``[1, heads, tokens, d]``, FLOPs
     counted as the estimator counts them: the full ``s × s`` products (QKᵀ and PV forward, twice
     that backward, as ``memo_ext.mcore.flop_count``) times the causal half."""
+    import torch
+    import torch.nn.functional as F
+
     heads, groups, d = model.num_attention_heads, model.query_groups, model.head_dim
     q = torch.randn(1, heads, tokens, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, groups, tokens, d, device=device, dtype=dtype, requires_grad=True)
@@ -102,6 +110,8 @@ def host_link_gbps(*, device, nbytes: int = COPY_BYTES, repeats: int = 5) -> flo
     slower of the two directions, while every visible GPU copies at once (as MEMO's ranks do:
     GPUs behind one PCIe switch share its uplink, ``DeviceSpec.gpus_per_host_link``); on the
     CPU a plain memory copy (what MEMO's host copies are there)."""
+    import torch
+
     if device.type != "cuda":
         source = torch.empty(nbytes, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
@@ -117,6 +127,8 @@ def concurrent_copy_gbps(
     """Per device of ``devices`` (CUDA), GB/s of the slower direction while all of them copy
     ``nbytes`` to and from pinned host memory at the same time (one thread per device, each
     direction started together)."""
+    import torch
+
     together = threading.Barrier(len(devices))
     results: dict[int, float] = {}
     errors: list[BaseException] = []
@@ -180,6 +192,8 @@ def measure_kernels(
     """Times ``model``'s layer kernels on ``device`` (bf16 on CUDA, fp32 on the CPU, as the
     trainer runs there). Default sizes: 8192 tokens and 8192-token attention on CUDA, 1024 and
     1024 on the CPU (seconds either way)."""
+    import torch
+
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

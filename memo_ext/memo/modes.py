@@ -13,11 +13,12 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memo_ext.memo.alpha import LayerCost, skeleton_layers, slots_after_forward
+
+if TYPE_CHECKING:
+    import torch
 
 PROBE_TOKENS = 1
 """Tokens a whole layer's forward runs on to learn the shapes it saves (α strictly between 0
@@ -256,6 +257,8 @@ def layer_mode(chunk_tokens: int | None) -> LayerMode:
 
 def _timed(device: torch.device, run) -> float:
     """Seconds ``run()`` takes, the device synchronised before and after."""
+    import torch  # here: the estimator reads the modes' byte rules without loading torch
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     sync(device)
     start = time.perf_counter()

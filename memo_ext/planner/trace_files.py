@@ -12,7 +12,6 @@ import csv
 import json
 from pathlib import Path
 
-from memo_ext.planner.cuda_history import load_cuda_snapshot
 from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.trace import Trace, trace_from_dict, trace_from_intervals, trace_to_dict
 
@@ -36,6 +35,9 @@ def load_trace(path: str | Path) -> Trace:
     if path.suffix.lower() == ".csv":
         return trace_from_minimalloc_csv(path)
     if path.suffix.lower() in (".pickle", ".pkl"):
+        # torch's snapshots only: the planner's other files are read without loading torch
+        from memo_ext.planner.cuda_history import load_cuda_snapshot
+
         return load_cuda_snapshot(path)
     try:
         doc = json.loads(path.read_text())

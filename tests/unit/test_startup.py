@@ -26,6 +26,7 @@ TOOLS = (
     "tools.megatron_flags",
     "tools.plot_position_loss",
     "tools.convert_hf",
+    "tools.eval_retrieval",
 )
 
 # runs each entry point's main as its command line would, in one fresh interpreter, and prints
@@ -85,9 +86,13 @@ TORCH_FREE_TOOLS = (
     "tools.preprocess_data",
     "tools.demo_corpus",
     "tools.memory_report",
+    "tools.estimate",
+    "tools.compare_methods",
+    "tools.plan_memory",
+    "tools.eval_retrieval",
 )
-"""The tools whose flags are checked before torch loads (the others list the feature registry's
-methods, solvers or presets in their flags, which import the libraries that define them)."""
+"""The tools whose flags are checked before torch loads: every one (their registries of
+methods, solvers and presets load torch only where a tool times or traces kernels)."""
 
 
 def test_the_file_tools_answer_a_wrong_flag_before_torch_loads():
