@@ -24,6 +24,7 @@ from memo_ext.config.train import TrainConfig
 from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.flags import argv_of
+from memo_ext.hardware import available_host_memory_bytes
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
@@ -35,6 +36,12 @@ MODEL_DEFINING_FIELDS = (
     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "apply_layernorm_1p",
 )  # fmt: skip
 """The fields of ``ModelConfig`` that change what the weights compute (not how they train)."""
+
+
+INDEX_BYTES_PER_SAMPLE = 12
+"""The least host memory megatron-core's ``GPTDataset`` builds per sample before training: a row
+of its sample index (two int32) and its shuffle index entry (int32); the document index adds
+more."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +226,15 @@ class RunConfig:
                 raise UsageError(
                     f"{flag} {value} makes {samples:.3g} samples of {self.data.seq_length} tokens, "
                     "past the 64-bit counts megatron-core keeps of them"
+                )
+            index_bytes = samples * INDEX_BYTES_PER_SAMPLE
+            available = available_host_memory_bytes()
+            if index_bytes > available:
+                raise UsageError(
+                    f"{flag} {value} makes {samples:.3g} samples; megatron-core indexes every "
+                    f"one before the first step (at least {index_bytes / 2**30:,.0f} GiB), more "
+                    f"than the {available / 2**30:,.0f} GiB this machine has free: train fewer "
+                    "steps per run (a later run resumes from the checkpoint)"
                 )
 
     def _check_batch(self) -> None:

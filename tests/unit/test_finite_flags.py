@@ -165,3 +165,16 @@ def test_settings_that_would_be_ignored_are_refused(flags, message):
 def test_counts_past_64_bits_are_refused_before_any_index_is_built(flags, named):
     with pytest.raises(UsageError, match=f"{named} .* past the 64-bit counts"):
         parse_args([*BASE, *flags], world_size=1)
+
+
+def test_a_sample_index_larger_than_the_machine_is_refused_before_it_is_built(monkeypatch):
+    """megatron-core builds the index of every sample of the run before the first step: a count
+    within 64 bits whose index outgrows the free memory (it would swap for hours, or be killed)
+    is refused with the bytes; a count that fits passes."""
+    import memo_ext.config.run as run_module
+
+    monkeypatch.setattr(run_module, "available_host_memory_bytes", lambda: 2**30)
+    steps = 2**30 // run_module.INDEX_BYTES_PER_SAMPLE  # one sample per step (BASE's batch)
+    parse_args([*BASE, "--train-iters", str(steps // 2)], world_size=1)
+    with pytest.raises(UsageError, match=r"indexes every one .* the 1 GiB this machine has free"):
+        parse_args([*BASE, "--train-iters", str(steps * 2)], world_size=1)
