@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import stat
@@ -10,6 +11,20 @@ import sys
 from memo_ext.errors import UsageError
 
 AUTO = "auto"
+
+
+def parse_token_counts(text: str) -> tuple[int, ...]:
+    """``"4096,16384,32768"`` → ``(4096, 16384, 32768)``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text.
+    """
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated token counts, got {text!r}"
+        ) from None
 
 
 def at_least(value: float | None, low: float, flag: str) -> None:

@@ -8,23 +8,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from memo_ext.config.common import AUTO
+from memo_ext.config.common import AUTO, parse_token_counts
 from memo_ext.errors import UsageError
 from memo_ext.parallel import LayoutError, ParallelLayout, parse_strategies
 from memo_ext.shapes import ModelShape
 
 if TYPE_CHECKING:
     from memo_ext.config.run import RunConfig
-
-
-def parse_token_counts(text: str) -> tuple[int, ...]:
-    """``"4096,16384,32768"`` → ``(4096, 16384, 32768)``."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated token counts, got {text!r}"
-        ) from None
 
 
 def check_buckets(bounds: tuple[int, ...], *, seq_length: int) -> None:

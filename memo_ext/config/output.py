@@ -15,6 +15,7 @@ from memo_ext.config.common import (
     check_regular_file,
     check_writable_directory,
     installed,
+    parse_token_counts,
 )
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float, flag_name
@@ -100,20 +101,6 @@ class LoggingConfig:
             raise UsageError("--wandb-project needs the wandb package: pip install wandb")
 
 
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """``"4096,16384"`` → ``(4096, 16384)``.
-
-    Raises:
-        argparse.ArgumentTypeError: naming the text.
-    """
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated token counts, got {text!r}"
-        ) from None
-
-
 def parse_depths(text: str) -> tuple[float, ...]:
     """``"0,0.5,1"`` → ``(0.0, 0.5, 1.0)``.
 
@@ -159,7 +146,7 @@ class EvaluationConfig:
     (val_loss_by_position: buckets [0, N), [N, 2N), [2N, 4N), ... up to --seq-length); 0 turns
     it off."""
     eval_retrieval_lengths: tuple[int, ...] = field(
-        default=(), metadata={"parse": parse_lengths, "metavar": "N1,N2,..."}
+        default=(), metadata={"parse": parse_token_counts, "metavar": "N1,N2,..."}
     )
     """Also score retrieval at each evaluation: passkey and needle-in-a-haystack prompts of these
     context lengths in tokens (they may exceed --seq-length), answered by greedy decoding with
