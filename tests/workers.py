@@ -32,6 +32,7 @@ import gc
 import importlib
 import multiprocessing
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -93,9 +94,29 @@ class JobResult:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out (bind
+    to 0) is one it may hand again to any outgoing connection (a rank's to its store, say)
+    before the job binds it, and the job then finds it taken."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 20_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is full: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class WorkerPool:
