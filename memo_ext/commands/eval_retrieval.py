@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, trainer = parser.parse_known_args(argv)
+        # --flag=value as two words: the tool reads --eval-retrieval-lengths among them
+        trainer = [part for arg in trainer for part in _split_flag(arg)]
         if args.plot:
             if trainer:
                 raise UsageError(f"--plot takes no trainer flags, got {' '.join(trainer)}")
@@ -91,29 +93,31 @@ def evaluate(args, trainer: list[str]) -> int:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if "--eval-retrieval-lengths" not in trainer:
         raise UsageError("give --eval-retrieval-lengths N1,N2,... (the context lengths to test)")
+    lengths = _lengths(trainer)
     out: Path = args.out
+    source = args.hf_dir if args.hf_dir is not None else args.load
+    if not source.is_dir():
+        flag = "--hf-dir" if args.hf_dir is not None else "--load"
+        raise UsageError(f"{flag} {source} is not a folder")
+    if args.load is not None and not (args.load / "model_flags.txt").is_file():
+        raise UsageError(
+            f"--load {args.load} has no model_flags.txt, the model's trainer flags on one line "
+            "(the trainer writes it beside its checkpoints; for another program's checkpoint, "
+            "write it)"
+        )
     _clear_outputs(out)
     if args.hf_dir is not None:
         load = _imported(args.hf_dir, out / "import")
-        defaults = [
-            "--tokenizer-type",
-            "HuggingFaceTokenizer",
-            "--tokenizer-model",
-            str(args.hf_dir),
-        ]
+        tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer"]
+        defaults = [*tokenizer, "--tokenizer-model", str(args.hf_dir)]
     else:
         load, defaults = args.load, []
     flags_file = load / "model_flags.txt"
-    if not flags_file.is_file():
-        raise UsageError(
-            f"--load {load} has no model_flags.txt (the trainer writes it beside its checkpoints); "
-            "give the model's flags after the tool's"
-        )
     model = shlex.split(flags_file.read_text())
     argv = [
         "--nproc-per-node", str(args.nproc), "--master-port", str(args.master_port),
         "pretrain_gpt_memo.py", *defaults, *model,
-        "--seq-length", str(_seq_length(model, _lengths(trainer))),
+        "--seq-length", str(_seq_length(model, lengths)),
         "--micro-batch-size", "1", "--train-iters", "1",
         "--lr", "1e-5", "--eval-iters", "0", "--load", str(load), "--finetune",
         "--skip-train", "--metrics-file", str(out / "metrics.jsonl"), "--log-interval", "1",
@@ -171,13 +175,18 @@ def _imported(hf_dir: Path, into: Path) -> Path:
     return into
 
 
+def _split_flag(arg: str) -> list[str]:
+    flag, eq, value = arg.partition("=")
+    return [flag, value] if eq and flag.startswith("--") else [arg]
+
+
 def _lengths(trainer: list[str]) -> list[int]:
-    value = trainer[trainer.index("--eval-retrieval-lengths") + 1 :][:1]
+    value = (trainer[trainer.index("--eval-retrieval-lengths") + 1 :] or [""])[0]
     try:
-        return [int(part) for part in value[0].split(",")]
-    except (IndexError, ValueError):
+        return [int(part) for part in value.split(",")]
+    except ValueError:
         raise UsageError(
-            f"--eval-retrieval-lengths must be comma-separated token counts, got {value}"
+            f"--eval-retrieval-lengths must be comma-separated token counts, got {value!r}"
         ) from None
 
 

@@ -441,9 +441,15 @@ def _validation_loss(s: _Session) -> dict:
 def _retrieval_samples(run: RunConfig, tokenizer, haystack: list[int] | None) -> list:
     """The prompts of --eval-retrieval-lengths (none without it), made before the first step:
     a tokenizer without digits or a length too short for a prompt stops the run here."""
-    if not run.evaluation.retrieval:
+    evaluation = run.evaluation
+    if not evaluation.retrieval:
         return []
-    return build_samples(run.evaluation, tokenizer, seed=run.train.seed, haystack=haystack)
+    samples = build_samples(evaluation, tokenizer, seed=run.train.seed, haystack=haystack)
+    if "needle" in evaluation.eval_retrieval_tasks:
+        where = "validation documents" if haystack is not None else "the filler sentences"
+        logger.info("retrieval: %d prompts per evaluation; the needle hides in %s",
+                    len(samples), where)  # fmt: skip
+    return samples
 
 
 def _evaluate_only(s: _Session, progress: TrainProgress) -> TrainSummary:

@@ -265,3 +265,29 @@ def test_the_preflight_refuses_a_grid_longer_than_the_device_holds():
     assert report.checked and not report.fits
     assert report.message.startswith("--eval-retrieval-lengths 4194304 does not fit")
     assert "keep 8192,1048576, or use a larger --context-parallel-size" in report.message
+
+
+def test_the_tool_refuses_bad_input_in_one_sentence_and_touches_nothing(tmp_path, capsys):
+    from memo_ext.commands.eval_retrieval import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "retrieval.json").write_text("{}")  # an earlier evaluation's: kept on bad input
+    bare = tmp_path / "ckpt"
+    bare.mkdir()
+    not_a_grid = tmp_path / "other.json"
+    not_a_grid.write_text('{"a": 1}')
+    cases = [
+        (["--load", str(tmp_path / "none"), "--eval-retrieval-lengths", "64"], "not a folder"),
+        (["--load", str(bare), "--eval-retrieval-lengths=64"], "has no model_flags.txt"),
+        (["--load", str(bare), "--eval-retrieval-lengths", "64,x"], "got '64,x'"),
+        (["--load", str(bare)], "give --eval-retrieval-lengths"),
+        (["--load", str(bare), "--nproc", "0", "--eval-retrieval-lengths", "64"], "--nproc"),
+        (["--plot", str(not_a_grid)], "is no retrieval.json"),
+        (["--plot", str(not_a_grid), "--num-layers", "2"], "takes no trainer flags"),
+    ]
+    for argv, expected in cases:
+        assert main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and len(err.splitlines()) == 1, err
+    assert (out / "retrieval.json").read_text() == "{}"
