@@ -41,6 +41,6 @@ def test_a_failing_copy_thread_raises_in_the_caller(threads_on_the_device, monke
     def broken(*args, **kwargs):
         raise RuntimeError("no pinned memory")
 
-    monkeypatch.setattr(calibration.torch, "empty", broken)
+    monkeypatch.setattr(torch, "empty", broken)  # the copy threads' buffers
     with pytest.raises(RuntimeError, match="no pinned memory"):
         calibration.concurrent_copy_gbps([torch.device("cuda", 0)], nbytes=1 << 20)
