@@ -13,6 +13,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from memo_ext.config import RunConfig
 from memo_ext.data.batches import packed_step_batches
 from memo_ext.data.datasets import build_gpt_datasets
@@ -98,8 +100,8 @@ def build_batches(
         valid = iterate(valid_ds, done * evaluation.eval_iters * gbs)
     haystack = None
     if haystack_samples and valid_ds is not None and len(valid_ds) >= haystack_samples:
-        rows = [valid_ds[i]["tokens"] for i in range(haystack_samples)]
-        haystack = [int(t) for row in rows for t in row][:haystack_tokens]
+        rows = [np.asarray(valid_ds[i]["tokens"]) for i in range(haystack_samples)]
+        haystack = np.concatenate(rows)[:haystack_tokens].tolist()
     return Batches(iterate(train_ds, progress.consumed_samples), valid, haystack)
 
 

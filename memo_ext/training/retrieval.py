@@ -78,13 +78,8 @@ def build_samples(
     seed: int,
     haystack: Sequence[int] | None = None,
 ) -> list[RetrievalSample]:
-    """Every prompt of the grid, in (task, length, depth, index) order; the same on every rank.
-
-    Raises:
-        UsageError: a tokenizer that cannot write digits, or a length too short for a prompt.
-    """
-    name = getattr(tokenizer, "description", type(tokenizer).__name__)
-    check_tokenizer(tokenizer.tokenize, tokenizer.detokenize, name=name)
+    """Every prompt of the grid, in (task, length, depth, index) order; the same on every rank
+    (:func:`check_retrieval` has checked the tokenizer and the lengths before)."""
     parts = PromptParts(tokenizer.tokenize, digits=evaluation.eval_retrieval_digits)
     return [
         make_sample(
