@@ -37,7 +37,7 @@ def measure(
     config,
     tokens: int,
     scope: str,
-    time_limit_s: float,
+    work_limit: float,
     plot_dir: str | None,
     memo_alpha: float | None = None,
 ) -> dict:
@@ -58,7 +58,7 @@ def measure(
     )
     method = "plain" if memo_alpha is None else f"memo-{memo_alpha:g}"
     t0 = time.perf_counter()
-    plan = plan_trace(trace, config=PlannerConfig(time_limit_s=time_limit_s, alignment=512))
+    plan = plan_trace(trace, config=PlannerConfig(work_limit=work_limit, alignment=512))
     plan_s = time.perf_counter() - t0
     replay = replay_caching_allocator(trace)
     if plot_dir:
@@ -110,7 +110,7 @@ def main() -> None:
     )
     parser.add_argument("--tensor-model-parallel-size", type=int, default=8)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--time-limit", type=finite_float, default=30.0)
+    parser.add_argument("--work-limit", type=finite_float, default=30.0)
     parser.add_argument("--json", default="planner_fragmentation.json")
     parser.add_argument("--plot-dir", default=None, help="Write PNG pictures here (matplotlib).")
     parser.add_argument(
@@ -132,7 +132,7 @@ def main() -> None:
                     config=config,
                     tokens=tokens,
                     scope=scope,
-                    time_limit_s=args.time_limit,
+                    work_limit=args.work_limit,
                     plot_dir=args.plot_dir,
                     memo_alpha=memo_alpha,
                 )

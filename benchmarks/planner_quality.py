@@ -4,7 +4,7 @@ Instances come from ``memo_ext.planner.packable`` (a rectangle cut into pieces, 
 is the lower bound); the gap is ``peak / optimum - 1``. Run from the repository root:
 
     OMP_NUM_THREADS=1 python -m benchmarks.planner_quality --sizes 60 200 400 --seeds 8 \\
-        --time-limit 60 --solvers heuristic canonical cpsat --json planner_quality.json
+        --work-limit 60 --solvers heuristic canonical cpsat --json planner_quality.json
 
 Seeds are ``first-seed .. first-seed + seeds - 1``; the table gives the mean and the worst gap
 per backend and size, since the exact backends' run times are heavy-tailed and one hard draw
@@ -33,14 +33,14 @@ def measure(
     solver: str,
     size: int,
     seed: int,
-    time_limit_s: float,
+    work_limit: float,
     levels: bool = True,
     duration: int = 1000,
 ) -> dict:
     """Solves one instance; returns its gap, time and whether the optimum was proven."""
     problem, _ = packable_instance(num_buffers=size, seed=seed, duration=duration)
     t0 = time.perf_counter()
-    options = SolveOptions(time_limit_s=time_limit_s, levels=levels)
+    options = SolveOptions(work_limit=work_limit, levels=levels)
     solution = solve_dsa(problem, solver=solver, options=options)
     elapsed = time.perf_counter() - t0
     assert len(find_conflicts(problem, solution.offsets)) == 0
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[60, 200, 400])
     parser.add_argument("--seeds", type=int, default=8, help="number of seeds per size")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--time-limit", type=finite_float, default=60.0)
+    parser.add_argument("--work-limit", type=finite_float, default=60.0)
     default = ["heuristic", "canonical", "cpsat", "highs"]
     if importlib.util.find_spec("gurobipy"):
         default.append("gurobi")
@@ -105,7 +105,7 @@ def main() -> None:
                     solver=solver,
                     size=size,
                     seed=seed,
-                    time_limit_s=args.time_limit,
+                    work_limit=args.work_limit,
                     levels=not args.no_levels,
                     duration=args.duration,
                 )
@@ -114,7 +114,7 @@ def main() -> None:
     print("\n".join(summarise(rows)))
     with open(args.json, "w") as handle:
         summary = {
-            "time_limit_s": args.time_limit,
+            "work_limit": args.work_limit,
             "levels": not args.no_levels,
             "duration": args.duration,
             "rows": rows,

@@ -2,7 +2,7 @@
 
 From a trace file (``memo-trace/1`` JSON, or a MiniMalloc CSV ``id,lower,upper,size``)::
 
-    python -m tools.plan_memory --trace layer.trace.json --out layer.plan.json --time-limit 60
+    python -m tools.plan_memory --trace layer.trace.json --out layer.plan.json --work-limit 60
 
 From a model (traces one iteration under fake tensors, then plans it bi-level)::
 
@@ -11,8 +11,11 @@ From a model (traces one iteration under fake tensors, then plans it bi-level)::
         --save-trace 7b-1m.trace.json --compare-allocator --plot 7b-1m.png
 
 Solvers: ``cpsat`` (default), ``canonical``, ``highs``, ``gurobi`` (needs a licence),
-``heuristic``. Prints the plan's peak, the lower bound, the gap between them and the time taken;
-exits with status 2 and one sentence on bad input.
+``heuristic``. The search is limited by ``--work-limit``, work counted rather than timed, so the
+same trace and flags give the same plan on a busy machine as on an idle one (except with
+``highs``, which takes only a time limit); ``--time-limit`` is a wall-clock safety net. Prints
+the plan's peak, the lower bound, the gap between them, the work spent and the time taken; exits
+with status 2 and one sentence on bad input.
 """
 
 from __future__ import annotations
@@ -51,7 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="Where to write the memo-plan/1 JSON.")
     parser.add_argument("--solver", default="cpsat", choices=sorted(SOLVERS))
     parser.add_argument(
-        "--time-limit", type=finite_float, default=60.0, help="Seconds (default 60)."
+        "--work-limit",
+        type=finite_float,
+        default=60.0,
+        help="Search work, in work units of about a second of one core each (default 60); the "
+        "same trace and flags give the same plan however busy the machine is.",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=finite_float,
+        default=None,
+        help="Wall-clock safety net, seconds (default 10 per work unit, plus 10): a search "
+        "still running then stops where it is, and the plan records that it was cut.",
     )
     parser.add_argument(
         "--alignment",
@@ -118,7 +132,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("give exactly one of --trace FILE or --model NAME")
     if args.model is not None and not _seq_length(args):
         raise UsageError("--model needs --seq-length (tokens per sequence)")
-    if args.time_limit <= 0:
+    if not args.work_limit > 0:
+        raise UsageError(f"--work-limit must be positive, got {args.work_limit}")
+    if args.time_limit is not None and not args.time_limit > 0:
         raise UsageError(f"--time-limit must be positive, got {args.time_limit}")
     if args.memo_alpha is not None and (args.model is None or not 0 <= args.memo_alpha <= 1):
         raise UsageError("--memo-alpha needs --model and a value in [0, 1]")
@@ -189,12 +205,14 @@ def run(args: argparse.Namespace) -> None:
     if args.save_trace:
         save_trace(trace, args.save_trace)
     alignment = args.alignment if args.alignment is not None else (1 if args.trace else 512)
-    # Keep a margin for building the problem, validating and writing the plan, so the whole
-    # command ends within --time-limit.
-    budget_s = max(0.9 * args.time_limit - (time.perf_counter() - t0), 0.5)
+    time_limit_s = None
+    if args.time_limit is not None:
+        # a margin for building the problem, validating and writing the plan
+        time_limit_s = max(0.9 * args.time_limit - (time.perf_counter() - t0), 0.5)
     config = PlannerConfig(
         solver=args.solver,
-        time_limit_s=budget_s,
+        work_limit=args.work_limit,
+        time_limit_s=time_limit_s,
         alignment=alignment,
         bilevel=args.bilevel,
         workers=args.workers,
@@ -203,18 +221,19 @@ def run(args: argparse.Namespace) -> None:
     )
     config.check()
     logger.info(
-        "planning %d tensors with %s (%s, time limit %.0f s)",
+        "planning %d tensors with %s (%s, %g work units)",
         len(trace.allocs),
         args.solver,
         "bi-level" if args.bilevel else "flat",
-        args.time_limit,
+        args.work_limit,
     )
     plan = plan_trace(trace, config=config)
     save_plan(plan, args.out)
     print(
         f"peak {plan.peak_bytes} bytes ({plan.peak_bytes / GIB:.3f} GiB), lower bound "
         f"{plan.lower_bound_bytes} bytes, gap {plan.gap:.2%}, {plan.status}, solver "
-        f"{plan.solver}, {plan.solve_s:.2f} s solving, {time.perf_counter() - t0:.2f} s total"
+        f"{plan.solver}, {plan.extra['work_units']:.1f} work units and {plan.solve_s:.2f} s "
+        f"solving, {time.perf_counter() - t0:.2f} s total"
     )
     print(f"plan: {args.out}")
     if args.compare_allocator or args.plot:

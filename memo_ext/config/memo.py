@@ -87,8 +87,12 @@ class MemoConfig:
     plan_cache: str | None = None
     """Directory of cached pass plans (by digest of the request sequence and the run's shapes).
     Default: $XDG_CACHE_HOME/memo_ext/plans (~/.cache/memo_ext/plans)."""
-    plan_time_limit: float = 30.0
-    """Seconds the planner may spend on one pass sequence."""
+    plan_work_limit: float = 30.0
+    """Work the planner may spend on one pass sequence, in work units of about a second of one
+    core each: counted, not timed, so a busy machine makes the same plan, later."""
+    plan_time_limit: float | None = None
+    """Wall-clock safety net of one pass sequence's plan, seconds (default 10 per work unit,
+    plus 10): a search still running then stops where it is, with a valid plan and a warning."""
 
     @property
     def plan_cache_dir(self) -> str:
@@ -129,7 +133,9 @@ class MemoConfig:
             raise UsageError(f"--memo-keep-last-layers must be >= 0, got {self.keep_last_layers}")
         if self.plan_cache:
             check_writable_directory(self.plan_cache, flag="--memo-plan-cache")
-        if self.plan_time_limit <= 0:
+        if not self.plan_work_limit > 0:
+            raise UsageError(f"--memo-plan-work-limit must be positive, got {self.plan_work_limit}")
+        if self.plan_time_limit is not None and not self.plan_time_limit > 0:
             raise UsageError(f"--memo-plan-time-limit must be positive, got {self.plan_time_limit}")
         if isinstance(self.chunk_tokens, int) and self.chunk_tokens < 1:
             raise UsageError(f"--memo-chunk-tokens must be >= 1 or 'auto', got {self.chunk_tokens}")

@@ -12,10 +12,10 @@ recompute, until the next pass begins or the step ends):
    the same sequence of request sizes share a *kind*, planned from the latest free of each
    request over all its passes; each pass of a step remembers its kind by position (the first
    and last backward passes of a step can differ from the middle ones);
-3. each kind's sequence is planned by the planner (its default backend, ``--memo-plan-time-limit``
-   seconds, checked by the planner's validator and again by the core when loaded); plans are
-   cached on disk by a digest of the sequence and the run's shapes (one file per rank), so a
-   restart plans nothing;
+3. each kind's sequence is planned by the planner (its default backend within
+   ``--memo-plan-work-limit`` work units, so a busy machine makes the same plan; checked by the
+   planner's validator and again by the core when loaded); plans are cached on disk by a digest
+   of the sequence and the run's shapes (one file per rank), so a restart plans nothing;
 4. from then on the i-th request of a pass is served at arena base + its planned offset, or by
    the core's fallback path on any divergence (counted by reason; see ``memo_ext.allocator``).
 
@@ -233,7 +233,13 @@ def sequence_digest(sizes: tuple[int, ...], shape_key: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def plan_sequence(record: PassRecord, *, time_limit_s: float, solver: str = "cpsat") -> KindPlan:
+def plan_sequence(
+    record: PassRecord,
+    *,
+    work_limit: float,
+    time_limit_s: float | None = None,
+    solver: str = "cpsat",
+) -> KindPlan:
     """Plan the transients of a pass (the requests freed inside it) with the memory planner.
 
     Raises:
@@ -247,7 +253,11 @@ def plan_sequence(record: PassRecord, *, time_limit_s: float, solver: str = "cps
     if transient:
         trace = Trace([e for e in schedule.events if int(e.id) in transient])
         config = PlannerConfig(
-            solver=solver, time_limit_s=time_limit_s, alignment=ALIGNMENT, bilevel=False
+            solver=solver,
+            work_limit=work_limit,
+            time_limit_s=time_limit_s,
+            alignment=ALIGNMENT,
+            bilevel=False,
         )
         plan = plan_trace(trace, config=config)
         validate(trace, plan)
@@ -318,7 +328,8 @@ class PlannedMemory:
         *,
         shape_key: str,
         cache_dir: str | Path | None,
-        time_limit_s: float,
+        work_limit: float,
+        time_limit_s: float | None = None,
         rank: int = 0,
     ):
         self.core = core
@@ -326,7 +337,6 @@ class PlannedMemory:
         """Plans are cached per rank: a rank's lifetimes depend on its own threads' timing."""
         self.shape_key = shape_key
         self.cache_dir = _usable_cache(cache_dir)
-        self.time_limit_s = time_limit_s
         self.step = 0
         """Steps this process has begun (a resumed run counts from its first step, too)."""
         self.kinds: list[_KindState] = []
@@ -339,6 +349,7 @@ class PlannedMemory:
         """Seconds this step spent planning (and loading plans): no part of training."""
         self._ordinal = 0
         self._open: int | None = None
+        self._limits = {"work_limit": work_limit, "time_limit_s": time_limit_s}
         self._open_stats: dict[str, int] | None = None
         self._recorded_now: list[tuple[int, str, list]] = []
         self._step_stats: dict[str, int] = {}
@@ -459,7 +470,7 @@ class PlannedMemory:
                 return plan
             except (OSError, ValueError) as err:  # json's errors are ValueErrors
                 logger.warning("ignoring the damaged pass plan %s (%s); planning again", path, err)
-        plan = plan_sequence(record, time_limit_s=self.time_limit_s)
+        plan = plan_sequence(record, **self._limits)
         planned = sum(o != UNPLANNED for o in plan.offsets)
         logger.info(
             "--memo-allocator plan: pass %s planned: %d of %d requests in an arena of %.2f MiB "
@@ -549,7 +560,7 @@ class PlannedMemory:
                 continue
             state.record = record
             with self._planning():
-                state.plan = plan_sequence(record, time_limit_s=self.time_limit_s)
+                state.plan = plan_sequence(record, **self._limits)
                 self._save(state.digest, state.plan)
             self.replans += 1
             changed = True
@@ -582,7 +593,7 @@ class PlannedMemory:
             if state.digest == digest and state.record is not None:
                 record = state.record.merged(record)  # the lifetimes of both recordings
             state.digest, state.record = digest, record
-            state.plan = plan_sequence(record, time_limit_s=self.time_limit_s)
+            state.plan = plan_sequence(record, **self._limits)
             self._save(digest, state.plan)
             self.replans += 1
         self.recording = set()

@@ -4,7 +4,7 @@ Typical use::
 
     from memo_ext.planner import PlannerConfig, load_trace, plan_trace, save_plan
     trace = load_trace("layer.trace.json")
-    plan = plan_trace(trace, config=PlannerConfig(solver="cpsat", time_limit_s=60))
+    plan = plan_trace(trace, config=PlannerConfig(solver="cpsat", work_limit=60))
     save_plan(plan, "layer.plan.json")
 
 Modules:

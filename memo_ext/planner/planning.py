@@ -23,6 +23,7 @@ from memo_ext.planner.plan import Plan, validate
 from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of, problem_from_trace
 from memo_ext.planner.settings import PlannerConfig
 from memo_ext.planner.solvers import solve_dsa
+from memo_ext.planner.solvers.work import WorkClock
 from memo_ext.planner.trace import Alloc, Trace, trace_digest
 
 logger = logging.getLogger(__name__)
@@ -90,10 +91,35 @@ def find_layer_passes(trace: Trace, start: np.ndarray, end: np.ndarray) -> list[
     return passes
 
 
+LEVEL1_SHARE = 0.3
+"""Share of a bi-level plan's work for its level 1 (the distinct passes, equal parts)."""
+REFINE_FLOOR_UNITS = 0.5
+"""Work the flat refinement of a bi-level plan gets even when level 2 spent the rest."""
+
+
 def _make_plan(
-    trace: Trace, ids: list[str], offsets: np.ndarray, config: PlannerConfig, **fields
+    trace: Trace,
+    ids: list[str],
+    offsets: np.ndarray,
+    config: PlannerConfig,
+    clock: WorkClock,
+    **fields,
 ) -> Plan:
     _, problem = problem_from_trace(trace, alignment=config.alignment)
+    fields["extra"] = {
+        **fields.get("extra", {}),
+        "work_limit": config.work_limit,
+        "work_units": round(clock.spent, 3),
+        "deterministic": not clock.cut,
+    }
+    if clock.cut:
+        logger.warning(
+            "the wall-clock safety net stopped the planner's search with %.1f of %.1f work "
+            "units spent: the plan is valid, but may differ from one made on a less busy "
+            "machine (raise --time-limit, or lower --work-limit)",
+            clock.spent,
+            config.work_limit,
+        )
     peak, bound = peak_of(problem, offsets), lower_bound(problem)
     plan = Plan(
         offsets={key: int(offset) for key, offset in zip(ids, offsets)},
@@ -109,17 +135,18 @@ def _make_plan(
     return plan
 
 
-def plan_flat(trace: Trace, *, config: PlannerConfig) -> Plan:
+def plan_flat(trace: Trace, *, config: PlannerConfig, clock: WorkClock | None = None) -> Plan:
     """Plans every tensor of the trace in one DSA problem, and validates the plan."""
     t0 = time.perf_counter()
+    clock = clock or config.start_clock()
     ids, problem = problem_from_trace(trace, alignment=config.alignment)
-    options = config.solve_options(config.time_limit_s)
-    solution = solve_dsa(problem, solver=config.solver, options=options)
+    solution = solve_dsa(problem, solver=config.solver, options=config.solve_options(clock))
     return _make_plan(
         trace,
         ids,
         solution.offsets,
         config,
+        clock,
         solver=config.solver,
         status="optimal" if solution.optimal else "feasible",
         solve_s=time.perf_counter() - t0,
@@ -128,7 +155,7 @@ def plan_flat(trace: Trace, *, config: PlannerConfig) -> Plan:
 
 
 def _solve_level1(
-    problem: DsaProblem, passes: list[LayerPass], config: PlannerConfig, budget_s: float
+    problem: DsaProblem, passes: list[LayerPass], config: PlannerConfig, clock: WorkClock
 ) -> dict[tuple, tuple[np.ndarray, int, bool]]:
     """Inner offsets, block size and optimality for each distinct pass signature."""
     distinct = {}
@@ -137,7 +164,7 @@ def _solve_level1(
     solved = {}
     for k, (signature, layer_pass) in enumerate(distinct.items()):
         sub = problem.subproblem(layer_pass.transient)
-        options = config.solve_options(budget_s / len(distinct))
+        options = config.solve_options(clock.share(clock.left() / (len(distinct) - k)))
         result = solve_dsa(sub, solver=config.solver, options=options)
         solved[signature] = (result.offsets, result.peak, result.optimal)
         logger.info(
@@ -155,12 +182,13 @@ def _solve_level1(
 def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
     """Plans a layered trace in two levels (see the module docstring); flat without passes."""
     t0 = time.perf_counter()
+    clock = config.start_clock()
     ids, problem = problem_from_trace(trace, alignment=config.alignment)
     passes = find_layer_passes(trace, problem.start, problem.end)
     if not passes:
         logger.info("no layer passes in the trace: planning it flat")
-        return plan_flat(trace, config=config)
-    inner = _solve_level1(problem, passes, config, budget_s=0.3 * config.time_limit_s)
+        return plan_flat(trace, config=config, clock=clock)
+    inner = _solve_level1(problem, passes, config, clock.share(LEVEL1_SHARE * clock.left()))
     level1_s = time.perf_counter() - t0
     in_block = np.zeros(problem.n, dtype=bool)
     for layer_pass in passes:
@@ -172,7 +200,7 @@ def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
         start=np.concatenate([problem.start[rest], [p.first for p in passes]]).astype(np.int64),
         end=np.concatenate([problem.end[rest], [p.stop for p in passes]]).astype(np.int64),
     )
-    options = config.solve_options(max(config.time_limit_s - level1_s, 0.1))
+    options = config.solve_options(clock.share(clock.left(), floor=0.1))
     outer = solve_dsa(level2, solver=config.solver, options=options)
     offsets = np.zeros(problem.n, dtype=np.int64)
     offsets[rest] = outer.offsets[: len(rest)]
@@ -189,15 +217,16 @@ def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
         "level2_peak_bytes": int(outer.peak),
         "block_bytes": {f"{p.phase}:{p.layer}": int(b) for p, b in zip(passes, blocks)},
     }
-    left_s = config.time_limit_s - (time.perf_counter() - t0)
     if problem.n <= FLAT_REFINE_MAX_TENSORS and peak_of(problem, offsets) > lower_bound(problem):
-        offsets = _refine_flat(problem, offsets, config, left_s)
+        refine = clock.share(clock.left(), floor=REFINE_FLOOR_UNITS)
+        offsets = _refine_flat(problem, offsets, config, refine)
         extra["refined_flat"] = True
     return _make_plan(
         trace,
         ids,
         offsets,
         config,
+        clock,
         solver=f"bilevel:{config.solver}",
         status="feasible",
         solve_s=time.perf_counter() - t0,
@@ -206,10 +235,10 @@ def plan_bilevel(trace: Trace, *, config: PlannerConfig) -> Plan:
 
 
 def _refine_flat(
-    problem: DsaProblem, offsets: np.ndarray, config: PlannerConfig, budget_s: float
+    problem: DsaProblem, offsets: np.ndarray, config: PlannerConfig, clock: WorkClock
 ) -> np.ndarray:
     """A flat solve started from the bi-level placement; keeps whichever peak is lower."""
-    options = config.solve_options(max(budget_s, 0.5), hint=offsets)
+    options = config.solve_options(clock, hint=offsets)
     flat = solve_dsa(problem, solver=config.solver, options=options)
     return flat.offsets if flat.peak < peak_of(problem, offsets) else offsets
 

@@ -128,6 +128,17 @@ def overlap_pairs(problem: DsaProblem) -> np.ndarray:
     return np.stack([np.minimum(i, j), np.maximum(i, j)], axis=1).astype(np.int64)
 
 
+def overlap_count(problem: DsaProblem) -> int:
+    """How many pairs of tensors are live at the same time (``len(overlap_pairs)``), in
+    O(n log n): tensor ``i`` meets every tensor starting before its end, less those that ended
+    by its start."""
+    starts, ends = np.sort(problem.start), np.sort(problem.end)
+    meets = np.searchsorted(starts, problem.end, side="left") - np.searchsorted(
+        ends, problem.start, side="right"
+    )
+    return int((meets.sum() - problem.n) // 2)
+
+
 def find_conflicts(problem: DsaProblem, offsets: np.ndarray) -> np.ndarray:
     """Returns the ``[c, 2]`` pairs of tensors live at the same time whose byte ranges overlap."""
     offsets = np.asarray(offsets, dtype=np.int64)

@@ -8,6 +8,17 @@ import numpy as np
 
 from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.solvers import SOLVERS, SolveOptions
+from memo_ext.planner.solvers.work import WorkClock
+
+SAFETY_FACTOR, SAFETY_MARGIN_S = 10.0, 10.0
+"""The default wall-clock safety net: this many seconds per work unit, plus this many. A work
+unit is about a second of an idle core, so the net is met only on a machine about ten times
+slower or busier than that."""
+
+
+def safety_net_s(work_limit: float) -> float:
+    """The default wall-clock limit of a plan with ``work_limit`` work units."""
+    return SAFETY_FACTOR * work_limit + SAFETY_MARGIN_S
 
 
 @dataclass
@@ -16,8 +27,13 @@ class PlannerConfig:
 
     solver: str = "cpsat"
     """Backend: ``cpsat`` (default), ``canonical``, ``highs``, ``gurobi`` or ``heuristic``."""
-    time_limit_s: float = 60.0
-    """Wall-clock budget for the whole plan, seconds (both levels of a bi-level plan)."""
+    work_limit: float = 60.0
+    """Search work for the whole plan (both levels of a bi-level plan), in work units of about
+    a second of one core each (``memo_ext.planner.solvers.work``): the same trace and settings
+    give the same plan however busy the machine is."""
+    time_limit_s: float | None = None
+    """Wall-clock safety net, seconds: a search still running past it stops where it is (the
+    plan is valid, and records that it was cut). Default: ``safety_net_s(work_limit)``."""
     alignment: int = 1
     """Every offset is a multiple of this many bytes (512 matches PyTorch's CUDA allocator)."""
     bilevel: bool = True
@@ -31,10 +47,17 @@ class PlannerConfig:
     """Cut each problem along its flat levels and place the pieces before searching it whole
     (``memo_ext.planner.solvers.levels``)."""
 
-    def solve_options(self, time_limit_s: float, hint: np.ndarray | None = None) -> SolveOptions:
-        """The backend options of one solve with this configuration."""
+    def start_clock(self) -> WorkClock:
+        """The clock of one plan: the work limit, and the safety net from now."""
+        limit_s = (
+            self.time_limit_s if self.time_limit_s is not None else safety_net_s(self.work_limit)
+        )
+        return WorkClock.start(self.work_limit, limit_s)
+
+    def solve_options(self, clock: WorkClock, hint: np.ndarray | None = None) -> SolveOptions:
+        """The backend options of one solve with this configuration, charged to ``clock``."""
         return SolveOptions(
-            time_limit_s=time_limit_s,
+            clock=clock,
             workers=self.workers,
             seed=self.seed,
             hint=hint,
@@ -47,7 +70,9 @@ class PlannerConfig:
             raise PlannerInputError(
                 f"--solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}"
             )
-        if self.time_limit_s <= 0:
+        if not self.work_limit > 0:
+            raise PlannerInputError(f"--work-limit must be positive, got {self.work_limit}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise PlannerInputError(f"--time-limit must be positive, got {self.time_limit_s}")
         if self.alignment < 1:
             raise PlannerInputError(

@@ -37,5 +37,5 @@ def test_a_real_cuda_step_is_traced_and_its_peak_matches_the_allocator():
         assert lower_bound(problem) == peak
     else:
         assert lower_bound(problem) >= peak
-    plan = plan_trace(trace, config=PlannerConfig(time_limit_s=10, alignment=512))
+    plan = plan_trace(trace, config=PlannerConfig(work_limit=10, alignment=512))
     assert plan.peak_bytes == lower_bound(problem)

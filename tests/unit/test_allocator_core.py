@@ -357,7 +357,7 @@ def layer_program():
     )
     config = traced_transformer_config(shape, layout=ParallelLayout(tp=1, sp=False))
     trace = trace_transformer_layer(config=config, seq_length=96, micro_batch_size=1, num_layers=2)
-    plan = plan_flat(trace, config=PlannerConfig(time_limit_s=20, alignment=ALIGN))
+    plan = plan_flat(trace, config=PlannerConfig(work_limit=20, alignment=ALIGN))
     kinds = {("fwd", 0): 0, ("fwd", 1): 1, ("bwd", 1): 2, ("bwd", 0): 3}
     events = [
         ("alloc", e.id, e.size, kinds[(e.phase, e.layer)])
@@ -896,7 +896,7 @@ def test_a_recorded_torch_step_planned_and_served_computes_the_same(core, shim):
     trace = Trace(
         [Alloc(f"r{i}", size) if t == "alloc" else Free(f"r{i}") for t, i, size in events]
     )
-    plan = plan_flat(trace, config=PlannerConfig(time_limit_s=10, alignment=ALIGN))
+    plan = plan_flat(trace, config=PlannerConfig(work_limit=10, alignment=ALIGN))
     steps, plans = build_program(
         [(t, f"r{i}", size, 4) if t == "alloc" else (t, f"r{i}") for t, i, size in events],
         plan.offsets,

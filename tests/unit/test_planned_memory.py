@@ -77,7 +77,7 @@ def test_pass_record_reads_lifetimes_in_allocation_time():
 
 def test_plan_sequence_places_transients_and_leaves_the_rest():
     record = PassRecord((4096, 8192, 4096, 2048), (2, 3, 4, -1))
-    plan = plan_sequence(record, time_limit_s=5)
+    plan = plan_sequence(record, work_limit=5)
     assert plan.offsets[3] == UNPLANNED
     # 0 and 1 overlap in time, 1 and 2 too; 0 and 2 do not: 12 KiB is optimal
     assert plan.peak_bytes == 12288
@@ -93,7 +93,7 @@ def test_digest_depends_on_sizes_and_shapes_only():
 
 
 def test_record_then_serve_every_transient_at_its_offset(core, tmp_path):
-    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, work_limit=5)
     for iteration in range(1, RECORD_ITERATION + 1):
         run_step(core, memory, iteration)
     plan = memory.kinds[0].plan
@@ -117,7 +117,7 @@ def test_record_then_serve_every_transient_at_its_offset(core, tmp_path):
 
 def test_a_cached_plan_is_reused(core, tmp_path, caplog):
     for _ in range(2):
-        memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+        memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, work_limit=5)
         caplog.clear()
         with caplog.at_level(logging.INFO):
             for iteration in range(1, RECORD_ITERATION + 1):
@@ -126,7 +126,7 @@ def test_a_cached_plan_is_reused(core, tmp_path, caplog):
 
 
 def test_a_late_free_is_planned_again_and_a_divergence_gives_up(core, caplog):
-    memory = PlannedMemory(core, shape_key="t", cache_dir=None, time_limit_s=5)
+    memory = PlannedMemory(core, shape_key="t", cache_dir=None, work_limit=5)
     for iteration in range(1, RECORD_ITERATION + 1):
         run_step(core, memory, iteration)
     caplog.set_level(logging.INFO)
@@ -163,7 +163,7 @@ def test_blocks_freed_late_within_their_pass_live_to_its_end(core):
 
 
 def test_a_resumed_run_records_its_own_second_step(core):
-    memory = PlannedMemory(core, shape_key="t", cache_dir=None, time_limit_s=5)
+    memory = PlannedMemory(core, shape_key="t", cache_dir=None, work_limit=5)
     for iteration in (41, 42, 43):  # a run resumed from iteration 40
         run_step(core, memory, iteration)
     assert memory.kinds and memory.step_metrics()["plan_hit_ratio"] == 1.0
@@ -185,7 +185,7 @@ def test_blocks_freed_by_another_thread_are_left_to_the_caching_path(core):
     assert [op for op, _, _ in events] == ["alloc", "alloc", "free_other", "free"]
     record = PassRecord.from_events(events)
     assert record.ends == (2, -1)
-    assert plan_sequence(record, time_limit_s=5).offsets[1] == UNPLANNED
+    assert plan_sequence(record, work_limit=5).offsets[1] == UNPLANNED
 
 
 @pytest.mark.parametrize(
@@ -197,6 +197,8 @@ def test_blocks_freed_by_another_thread_are_left_to_the_caching_path(core):
             "packed documents (--variable-seq-lengths, --hotspa) change it every step",
         ),
         (["--memo", "--memo-plan-time-limit", "0"], "--memo-plan-time-limit must be positive"),
+        (["--memo", "--memo-plan-work-limit", "0"], "--memo-plan-work-limit must be positive"),
+        (["--memo-plan-work-limit", "5"], "--memo-plan-work-limit only applies with --memo"),
     ],
 )
 def test_the_planned_allocator_refuses_in_one_sentence(extra, message):
@@ -211,7 +213,7 @@ def test_the_planned_allocator_refuses_in_one_sentence(extra, message):
 
 
 def _cached_plan(core, tmp_path):
-    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, work_limit=5)
     for iteration in range(1, RECORD_ITERATION + 1):
         run_step(core, memory, iteration)
     (path,) = tmp_path.glob("*.json")
@@ -260,7 +262,7 @@ def test_a_damaged_cached_plan_is_refused_and_planned_again(core, tmp_path, dama
 def test_a_run_meeting_a_damaged_plan_file_plans_again_and_serves(core, tmp_path, caplog):
     path, plan, _ = _cached_plan(core, tmp_path)
     path.write_text(json.dumps(_damaged(plan.to_json(), "overlap")))
-    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, time_limit_s=5)
+    memory = PlannedMemory(core, shape_key="t", cache_dir=tmp_path, work_limit=5)
     with caplog.at_level(logging.WARNING):
         for iteration in range(1, RECORD_ITERATION + 2):
             run_step(core, memory, iteration)
@@ -274,7 +276,7 @@ def test_an_unwritable_plan_cache_is_said_once_and_the_run_plans_without_it(core
     blocked = tmp_path / "a file"
     blocked.write_text("")
     with caplog.at_level(logging.WARNING):
-        memory = PlannedMemory(core, shape_key="t", cache_dir=blocked / "plans", time_limit_s=5)
+        memory = PlannedMemory(core, shape_key="t", cache_dir=blocked / "plans", work_limit=5)
         for iteration in range(1, RECORD_ITERATION + 2):
             run_step(core, memory, iteration)
     assert memory.cache_dir is None

@@ -46,7 +46,7 @@ def test_layer_trace_shapes_follow_tp_and_sp(tp2_config):
 
 def test_layer_plan_reaches_its_lower_bound(tp2_config):
     trace = trace_transformer_layer(config=tp2_config, seq_length=256, micro_batch_size=2)
-    plan = plan_flat(trace, config=PlannerConfig(time_limit_s=20, alignment=512))
+    plan = plan_flat(trace, config=PlannerConfig(work_limit=20, alignment=512))
     validate(trace, plan)
     assert plan.peak_bytes == plan.lower_bound_bytes and plan.status == "optimal"
 
@@ -62,7 +62,7 @@ def test_bilevel_plan_of_an_iteration_validates(tp2_config):
     assert len(passes) == 8
     # Identical middle layers share one level-1 solution.
     assert len({p.signature for p in passes}) < len(passes)
-    plan = plan_bilevel(trace, config=PlannerConfig(time_limit_s=20, alignment=512))
+    plan = plan_bilevel(trace, config=PlannerConfig(work_limit=20, alignment=512))
     validate(trace, plan)
     assert plan.extra["mode"] == "bilevel" and plan.peak_bytes >= lower_bound(problem)
     assert set(plan.offsets) == set(ids)
@@ -96,7 +96,7 @@ def test_memo_policy_traces_hold_less_than_plain_layers(tp2_config):
         # ... and four layers' activations are no longer held at once.
         _, problem = problem_from_trace(memo)
         assert lower_bound(problem) < lower_bound(plain_problem)
-        plan = plan_bilevel(memo, config=PlannerConfig(time_limit_s=20, alignment=512))
+        plan = plan_bilevel(memo, config=PlannerConfig(work_limit=20, alignment=512))
         validate(memo, plan)
 
 

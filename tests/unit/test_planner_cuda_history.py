@@ -64,7 +64,7 @@ def test_a_pickled_snapshot_is_planned_like_any_trace(tmp_path):
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [_history()]}))
     trace = load_trace(path)
     assert trace.meta["path"] == str(path) and len(trace.allocs) == 3
-    plan = plan_trace(trace, config=PlannerConfig(time_limit_s=5, alignment=512))
+    plan = plan_trace(trace, config=PlannerConfig(work_limit=5, alignment=512))
     assert plan.peak_bytes == 2560 and plan.status == "optimal"
     (tmp_path / "junk.pkl").write_bytes(b"not a pickle")
     with pytest.raises(PlannerInputError, match="not a pickled memory snapshot"):

@@ -16,14 +16,15 @@ from memo_ext.planner.solvers import SolveOptions, solve_dsa
 from memo_ext.planner.solvers.canonical import solve_canonical
 from memo_ext.planner.solvers.greedy import solve_greedy
 from memo_ext.planner.solvers.levels import balanced_subsets, find_level, solve_by_levels
+from memo_ext.planner.solvers.work import WorkClock
 
 
-def _greedy_leaf(piece, room, seconds):
+def _greedy_leaf(piece, room, clock):
     return solve_greedy(piece).offsets
 
 
-def _exact_leaf(piece, room, seconds):
-    return solve_canonical(piece, SolveOptions(time_limit_s=max(seconds, 1.0))).offsets
+def _exact_leaf(piece, room, clock):
+    return solve_canonical(piece, SolveOptions(clock=clock.share(1.0, floor=1.0))).offsets
 
 
 def _constant_live_total(problem: DsaProblem) -> bool:
@@ -62,7 +63,7 @@ def test_balanced_subsets_lists_every_choice_that_balances():
 def test_find_level_where_many_tensors_share_their_times():
     # 400 pieces over 60 times: the equalities alone found no level here in 20 s.
     problem, _ = packable_instance(num_buffers=400, seed=5, duration=60)
-    level = find_level(compress_times(problem), time_limit_s=10)
+    level = find_level(compress_times(problem), clock=WorkClock.start(10))
     assert level is not None
     assert _constant_live_total(problem.subproblem(np.flatnonzero(level)))
 
@@ -80,7 +81,7 @@ def test_levels_pack_cut_rectangles_at_their_height(size):
     for seed in range(25):
         problem, _ = packable_instance(num_buffers=size, seed=seed)
         offsets = solve_by_levels(
-            problem, _exact_leaf, capacity=lower_bound(problem), time_limit_s=30
+            problem, _exact_leaf, capacity=lower_bound(problem), clock=WorkClock.start(30)
         )
         assert offsets is not None, f"seed {seed}"
         assert len(find_conflicts(problem, offsets)) == 0
@@ -91,12 +92,13 @@ def test_levels_found_along_the_way_are_flat():
     problem, _ = packable_instance(num_buffers=80, seed=4)
     seen = []
 
-    def leaf(piece, room, seconds):
+    def leaf(piece, room, clock):
         seen.append(piece)
-        return _exact_leaf(piece, room, seconds)
+        return _exact_leaf(piece, room, clock)
 
     assert (
-        solve_by_levels(problem, leaf, capacity=lower_bound(problem), time_limit_s=30) is not None
+        solve_by_levels(problem, leaf, capacity=lower_bound(problem), clock=WorkClock.start(30))
+        is not None
     )
     # Leaves are small: the cuts did the work.
     assert max((piece.n for piece in seen), default=0) < problem.n // 4
@@ -113,11 +115,11 @@ def test_floors_go_to_the_bottom_and_time_components_start_at_zero():
     )
     calls = []
 
-    def leaf(piece, room, seconds):
+    def leaf(piece, room, clock):
         calls.append(piece.n)
-        return _greedy_leaf(piece, room, seconds)
+        return _greedy_leaf(piece, room, clock)
 
-    offsets = solve_by_levels(problem, leaf, capacity=8, time_limit_s=10)
+    offsets = solve_by_levels(problem, leaf, capacity=8, clock=WorkClock.start(10))
     assert offsets.tolist() == [0, 4, 4, 7]
     assert calls == []  # every piece was a floor
 
@@ -128,25 +130,25 @@ def test_a_leaf_above_its_room_is_a_miss():
         sizes=np.array([1, 2, 3]), start=np.array([0, 1, 2]), end=np.array([2, 3, 4])
     )
 
-    def apart(piece, room, seconds):
+    def apart(piece, room, clock):
         return np.arange(piece.n) * 4
 
-    assert solve_by_levels(problem, apart, capacity=3, time_limit_s=5) is None
-    offsets = solve_by_levels(problem, _greedy_leaf, capacity=5, time_limit_s=5)
+    assert solve_by_levels(problem, apart, capacity=3, clock=WorkClock.start(5)) is None
+    offsets = solve_by_levels(problem, _greedy_leaf, capacity=5, clock=WorkClock.start(5))
     assert offsets is not None and peak_of(problem, offsets) == 5
     # Below the lower bound nothing is tried.
-    assert solve_by_levels(problem, _greedy_leaf, capacity=4, time_limit_s=5) is None
+    assert solve_by_levels(problem, _greedy_leaf, capacity=4, clock=WorkClock.start(5)) is None
 
 
-def test_no_time_means_no_placement():
+def test_no_work_means_no_placement():
     problem, _ = packable_instance(num_buffers=40, seed=0)
-    assert solve_by_levels(problem, _exact_leaf, capacity=1 << 20, time_limit_s=0) is None
+    assert solve_by_levels(problem, _exact_leaf, capacity=1 << 20, clock=WorkClock.start(0)) is None
 
 
 def test_solve_dsa_closes_a_hard_draw_through_its_levels():
     # Searched whole, this draw ends 12-17% above its optimum after 60 s.
     problem, _ = packable_instance(num_buffers=400, seed=18)
-    solution = solve_dsa(problem, options=SolveOptions(time_limit_s=30))
+    solution = solve_dsa(problem, options=SolveOptions(work_limit=30))
     assert solution.optimal and solution.peak == lower_bound(problem)
     assert solution.details["levels"] == [True]
     assert len(find_conflicts(problem, solution.offsets)) == 0
@@ -154,7 +156,7 @@ def test_solve_dsa_closes_a_hard_draw_through_its_levels():
 
 def test_solve_dsa_without_levels_searches_whole():
     problem, _ = packable_instance(num_buffers=40, seed=1)
-    solution = solve_dsa(problem, options=SolveOptions(time_limit_s=10, levels=False))
+    solution = solve_dsa(problem, options=SolveOptions(work_limit=10, levels=False))
     assert "levels" not in solution.details
     assert len(find_conflicts(problem, solution.offsets)) == 0
 

@@ -171,6 +171,7 @@ class Memo(Extension):
                 self.core,
                 shape_key=shape_key(built.run),
                 cache_dir=memo.plan_cache_dir,
+                work_limit=memo.plan_work_limit,
                 time_limit_s=memo.plan_time_limit,
                 rank=built.ctx.rank,
             )

@@ -7,10 +7,15 @@ and stacks nothing: groups never conflict, so each starts at offset 0. Before th
 searches a whole group, the group is cut along its flat levels (``levels``) and the pieces
 placed one by one; when that meets the lower bound the group is done.
 
+Every limit is work counted in work units (``work``), not seconds: a plan does not depend on
+how busy the machine is. ``options.time_limit_s`` is only a safety net.
+
 Backends:
-    cpsat: canonical branch and bound, then OR-Tools CP-SAT from its incumbent (default).
+    cpsat: canonical branch and bound, then OR-Tools CP-SAT from its incumbent beside more of
+        the canonical search (default).
     canonical: canonical branch and bound alone (MiniMalloc-style, compiled with numba).
-    highs: big-M MIP in HiGHS.
+    highs: big-M MIP in HiGHS (its limit is the work left read as seconds: HiGHS has no work
+        limit, so its plans depend on load).
     gurobi: big-M MIP in Gurobi (needs gurobipy and a licence).
     heuristic: greedy best-fit over several orders (no dependencies, milliseconds).
 """
@@ -32,6 +37,7 @@ from memo_ext.planner.solvers.greedy import GREEDY_SHARE, solve_greedy
 from memo_ext.planner.solvers.gurobi import import_gurobi, solve_gurobi
 from memo_ext.planner.solvers.highs import solve_highs
 from memo_ext.planner.solvers.levels import solve_by_levels
+from memo_ext.planner.solvers.work import WorkClock, greedy_units
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +52,14 @@ SOLVERS: dict[str, Callable[[DsaProblem, SolveOptions], Solution]] = {
 __all__ = ["SOLVERS", "Solution", "SolveOptions", "solve_dsa"]
 
 LEVELS_SHARE = 0.25
-"""Fraction of a group's time the level-by-level attempt may spend before the backend."""
+"""Fraction of a group's work the level-by-level attempt may spend before the backend."""
 PLACEMENTS_PER_STAGE = 3
-"""The level-by-level stage runs only with time for this many greedy placements of its group:
+"""The level-by-level stage runs only with work for this many greedy placements of its group:
 it places the group at least once whatever its share, which at 20,000 tensors takes seconds."""
 BACKEND_PLACEMENTS = 12
-"""The backend runs only with time for this many placements: before its time limit starts to
+"""The backend runs only with work for this many placements: before its work limit starts to
 bind it places the group and builds its search state (the canonical search's sections, forwards
-and backwards in time), together about that much work, which its time limit cannot interrupt."""
+and backwards in time), together about that much work, which its limit cannot interrupt."""
 
 
 def _scaled(problem: DsaProblem, unit: int) -> DsaProblem:
@@ -64,69 +70,68 @@ def _solve_groups(
     problem: DsaProblem, groups: list[np.ndarray], solver: str, options: SolveOptions
 ) -> tuple[np.ndarray, bool, dict]:
     """Greedy on every group, then the backend on groups above the overall lower bound, all
-    within ``options.time_limit_s`` (the greedy pass takes at most ``GREEDY_SHARE`` of it, or
-    all of it for the heuristic backend)."""
+    within the solve's work (the greedy pass takes at most ``GREEDY_SHARE`` of it, or all of it
+    for the heuristic backend)."""
+    clock = options.start()
     started = time.perf_counter()
-    deadline = started + options.time_limit_s
-    greedy_s = options.time_limit_s * (1.0 if solver == "heuristic" else GREEDY_SHARE)
+    greedy = clock.share(clock.left() * (1.0 if solver == "heuristic" else GREEDY_SHARE))
     offsets = np.zeros(problem.n, dtype=np.int64)
     target = lower_bound(problem)
-    hard, placement_s = [], {}
+    hard = []
     for k, group in enumerate(groups):
-        share = (started + greedy_s - time.perf_counter()) / (len(groups) - k)
         sub = problem.subproblem(group)
-        first = solve_greedy(sub, SolveOptions(time_limit_s=max(share, 0.0)))
+        share = greedy.share(greedy.left() / (len(groups) - k))
+        first = solve_greedy(sub, SolveOptions(clock=share))
         offsets[group] = first.offsets
         if first.peak > target:
             hard.append(group)
-            placement_s[id(group)] = first.details["placement_s"]
     proven = not hard
     details: dict = {"groups": len(groups), "hard_groups": len(hard)}
-    _log_progress("greedy", offsets, problem, target, started, options.time_limit_s)
+    _log_progress("greedy", offsets, problem, target, clock, started)
     if solver == "heuristic" or not hard:
         return offsets, proven or peak_of(problem, offsets) == target, details
     proven = True
     backend = SOLVERS[solver]
     for k, group in enumerate(sorted(hard, key=len)):
-        share = (deadline - time.perf_counter()) / (len(hard) - k)
+        share = clock.left() / (len(hard) - k)
+        sub = problem.subproblem(group)
+        placement = greedy_units(sub)
         # every stage places the group at least once and the exact backends build search
-        # state of about that cost: with less time than that the group keeps its greedy
-        # placement, so the time limit holds
-        if share < BACKEND_PLACEMENTS * placement_s[id(group)]:
-            details["out_of_time"] = details.get("out_of_time", 0) + 1
+        # state of about that cost: with less work than that the group keeps its greedy
+        # placement, so the work limit holds
+        if share < BACKEND_PLACEMENTS * placement or clock.overdue():
+            details["out_of_work"] = details.get("out_of_work", 0) + 1
             proven = False
             continue
-        sub = problem.subproblem(group)
-        levels_s = LEVELS_SHARE * share
-        if options.levels and levels_s >= PLACEMENTS_PER_STAGE * placement_s[id(group)]:
-            placed = _solve_levels(sub, backend, options, capacity=target, seconds=share)
+        stage = clock.share(share)
+        if options.levels and LEVELS_SHARE * share >= PLACEMENTS_PER_STAGE * placement:
+            placed = _solve_levels(
+                sub, backend, options, capacity=target, clock=stage.share(LEVELS_SHARE * share)
+            )
             details.setdefault("levels", []).append(placed is not None)
             if placed is not None:
                 offsets[group] = placed
                 continue
-            share = (deadline - time.perf_counter()) / (len(hard) - k)
         hint = offsets[group] if options.hint is None else options.hint[group]
-        sub_options = dataclasses.replace(options, time_limit_s=max(share, 0.01), hint=hint)
-        result = backend(sub, sub_options)
+        result = backend(sub, dataclasses.replace(options, clock=stage, hint=hint))
         if peak_of(sub, result.offsets) <= peak_of(sub, offsets[group]):
             offsets[group] = result.offsets
         proven &= result.optimal or result.peak <= target
         details.setdefault("backend", []).append(result.details)
-        _log_progress(
-            f"group {k + 1} of {len(hard)}", offsets, problem, target, started, options.time_limit_s
-        )
+        _log_progress(f"group {k + 1} of {len(hard)}", offsets, problem, target, clock, started)
     return offsets, proven or peak_of(problem, offsets) == target, details
 
 
-def _log_progress(stage, offsets, problem, target, started, limit_s) -> None:
+def _log_progress(stage, offsets, problem, target, clock, started) -> None:
     """One line per stage of a long plan (INFO; every stage of a large one is seconds long)."""
     logger.info(
-        "%s: %d tensors, %.2f%% above the lower bound, %.1f of %.0f s",
+        "%s: %d tensors, %.2f%% above the lower bound, %.1f of %.0f work units (%.1f s)",
         stage,
         problem.n,
         100 * (peak_of(problem, offsets) / max(target, 1) - 1),
+        clock.spent,
+        clock.limit,
         time.perf_counter() - started,
-        limit_s,
     )
 
 
@@ -136,22 +141,21 @@ def _solve_levels(
     options: SolveOptions,
     *,
     capacity: int,
-    seconds: float,
+    clock: WorkClock,
 ) -> np.ndarray | None:
     """Level by level within ``capacity``; each leaf by greedy, then by the backend."""
 
-    def leaf(piece: DsaProblem, room: int, time_limit_s: float) -> np.ndarray:
-        first = solve_greedy(piece, SolveOptions(time_limit_s=GREEDY_SHARE * time_limit_s))
+    def leaf(piece: DsaProblem, room: int, leaf_clock: WorkClock) -> np.ndarray:
+        greedy = SolveOptions(clock=leaf_clock.share(GREEDY_SHARE * leaf_clock.left()))
+        first = solve_greedy(piece, greedy)
         if first.peak <= room:
             return first.offsets
         piece_options = dataclasses.replace(
-            options, time_limit_s=time_limit_s, hint=first.offsets, levels=False
+            options, clock=leaf_clock, hint=first.offsets, levels=False
         )
         return backend(piece, piece_options).offsets
 
-    return solve_by_levels(
-        problem, leaf, capacity=capacity, time_limit_s=LEVELS_SHARE * seconds, seed=options.seed
-    )
+    return solve_by_levels(problem, leaf, capacity=capacity, clock=clock, seed=options.seed)
 
 
 def solve_dsa(
@@ -162,10 +166,13 @@ def solve_dsa(
     Args:
         problem: tensors with aligned sizes and lifetimes.
         solver: one of ``SOLVERS``.
-        options: time limit, workers, seed and optional hint (offsets in problem units).
+        options: work limit, wall-clock safety net, workers, seed and optional hint (offsets
+            in problem units).
 
     Returns:
-        Offsets in the problem's units, the peak and whether it is proven optimal.
+        Offsets in the problem's units, the peak and whether it is proven optimal; its details
+        hold the work spent (``work_units``) and, when the wall-clock safety net stopped a
+        search, ``wall_clock_cut``.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -181,9 +188,13 @@ def solve_dsa(
         hint = hint // unit
     else:
         hint = None  # A hint off the size grid cannot be expressed in the scaled units.
-    options = dataclasses.replace(options, hint=hint)
+    clock = options.start()
+    options = dataclasses.replace(options, hint=hint, clock=clock)
     offsets, proven, details = _solve_groups(scaled, time_components(scaled), solver, options)
     offsets = offsets * unit
     peak = peak_of(problem, offsets)
+    details["work_units"] = round(clock.spent, 3)
+    if clock.cut:
+        details["wall_clock_cut"] = True
     logger.debug("%s: peak %d (lower bound %d)", solver, peak, lower_bound(problem))
     return Solution(offsets, peak, proven or peak == lower_bound(problem), solver, details)

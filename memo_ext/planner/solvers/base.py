@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from memo_ext.planner.solvers.work import WorkClock
 
 
 @dataclass
 class SolveOptions:
     """Knobs shared by all backends."""
 
-    time_limit_s: float = 60.0
-    """Wall-clock budget for the whole solve, seconds."""
+    work_limit: float = 60.0
+    """Search work for the whole solve, in work units (about a second each; see ``work``)."""
+    time_limit_s: float = math.inf
+    """Wall-clock safety net, seconds: a search still running past it stops where it is."""
     workers: int = 2
     """Threads a backend may use (CP-SAT workers, HiGHS / Gurobi threads)."""
     seed: int = 0
@@ -22,6 +27,15 @@ class SolveOptions:
     levels: bool = True
     """Cut a problem along its flat levels and place the pieces one by one before searching
     it whole (``solve_dsa``; see ``levels``)."""
+    clock: WorkClock | None = None
+    """The clock a stage charges its work to (``solve_dsa`` shares one to each stage); when
+    absent, ``start`` makes one from the two limits."""
+
+    def start(self) -> WorkClock:
+        """The clock of this solve."""
+        if self.clock is not None:
+            return self.clock
+        return WorkClock.start(self.work_limit, self.time_limit_s)
 
 
 @dataclass

@@ -34,7 +34,6 @@ better incumbent than the greedy one.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,12 +49,20 @@ from memo_ext.planner.solvers.greedy import (
     place_in_order,
     solve_greedy,
 )
+from memo_ext.planner.solvers.work import (
+    COVER_SCAN_UNITS,
+    NODE_UNITS,
+    SCAN_UNITS,
+    SEARCH_SETUP_UNITS_PER_OVERLAP,
+    WorkClock,
+    greedy_units,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class _Deadline(Exception):
-    """The wall-clock budget is spent."""
+    """The search's work is spent (or the wall-clock safety net reached)."""
 
 
 @dataclass
@@ -138,11 +145,10 @@ def cover_orders(problem: DsaProblem, rng: np.random.Generator):
 
 
 _REPORT_EVERY_S = 10.0
+"""A long search logs its incumbent's gap this often (seconds; the log only)."""
 PROBE_NODE_TENSORS = 1_000_000
-"""Nodes × tensors of a run before its rate is known: about a second at any size (no limit on
+"""Nodes × tensors of a search's first run, before its cost per node is known (no limit on
 problems below a few hundred tensors, whose node budgets are smaller)."""
-
-"""A long search logs its incumbent's gap this often."""
 
 _TABLE_SLOTS = 1 << 21
 """Slots of a failed-state table (32 MiB); it is emptied when half full."""
@@ -154,15 +160,14 @@ class CanonicalSearch:
 
     The search itself is the compiled kernel of ``canonical_kernel``; this class holds its
     arrays, keeps the failed-state tables of the two latest capacities (runs alternate between
-    the lower bound and the incumbent) and stops at the deadline.
+    the lower bound and the incumbent) and charges each run's counted work to its clock, which
+    cuts the next run's node budget to what is left.
     """
 
     problem: DsaProblem
     """The tensors to place (sizes in any unit)."""
-    deadline: float
-    """``time.perf_counter()`` value at which searching stops."""
-    stop: threading.Event | None = None
-    """Set by another thread to stop the search early."""
+    clock: WorkClock
+    """Where the runs' work is charged; a run starts only with work left."""
     sections: _Sections = field(init=False)
     nodes: int = 0
     """Nodes visited over all runs."""
@@ -180,6 +185,7 @@ class CanonicalSearch:
         self.sections = build_sections(self.problem)
         num_sections = len(self.sections.total)
         pairs = overlap_pairs(self.problem)
+        self.clock.spend(SEARCH_SETUP_UNITS_PER_OVERLAP * len(pairs))
         both = np.concatenate([pairs, pairs[:, ::-1]])
         both = both[np.argsort(both[:, 0], kind="stable")]
         nb_ptr = np.searchsorted(both[:, 0], np.arange(n + 1)).astype(np.int64)
@@ -205,12 +211,11 @@ class CanonicalSearch:
         by_section = np.argsort(section, kind="stable")
         self._live_idx = tensor[by_section]
         self._live_ptr = np.searchsorted(section[by_section], np.arange(num_sections + 1))
-        self._cover_nodes, self._cover_s = 0, 0.0
+        # Nodes and work units of the runs so far, per kind: the cost of a node.
+        self._spent = {"canonical": [0, 0.0], "cover": [0, 0.0]}
         self._base_total = self.sections.total.astype(np.int64)
         self._state = kernel.new_state(n, num_sections, len(both) + 1)
         self._tables: dict[tuple[str, int], tuple] = {}
-        # Nodes and seconds of the timed runs (not the one that compiled): the node rate.
-        self._timed_nodes, self._timed_s = 0, 0.0
         self.deepest_offsets = np.full(n, -1, dtype=np.int64)
 
     def _tables_for(self, capacity: int, kind: str = "canonical") -> tuple:
@@ -229,20 +234,29 @@ class CanonicalSearch:
             self._tables[kind, capacity] = tables
         return self._tables[kind, capacity]
 
-    def _node_budget(self, node_limit: int, nodes: int, seconds: float) -> int:
-        """``node_limit`` cut to what the time left allows at ``nodes / seconds`` (the rate of
-        earlier runs of the same kind); raises ``_Deadline`` when no time is left."""
-        left = self.deadline - time.perf_counter()
-        if left <= 0 or (self.stop is not None and self.stop.is_set()):
+    def _node_budget(self, node_limit: int, kind: str) -> int:
+        """``node_limit`` cut to what the clock's work left pays for at the cost per node of
+        earlier runs of the same kind; raises ``_Deadline`` when no work is left."""
+        if self.clock.exhausted():
             raise _Deadline
-        if seconds > 0.05 and np.isfinite(left):
-            node_limit = min(node_limit, max(64, int(left * nodes / seconds)))
-        elif np.isfinite(left):
-            # no rate measured yet, and a node costs time in proportion to the tensors (about
-            # a microsecond each): a first run on a large problem is kept short, so that it
-            # measures the rate instead of running far past the deadline
+        nodes, units = self._spent[kind]
+        left = self.clock.left()
+        if not np.isfinite(left):
+            return node_limit
+        if nodes:
+            node_limit = min(node_limit, max(64, int(left * nodes / max(units, 1e-12))))
+        else:
+            # no cost measured yet, and a node costs work in proportion to the tensors: a first
+            # run on a large problem is kept short, so that it measures the cost instead of
+            # running far past the work left
             node_limit = min(node_limit, max(64, PROBE_NODE_TENSORS // self.problem.n))
         return node_limit
+
+    def _charge(self, kind: str, nodes: int, scanned: int) -> None:
+        units = NODE_UNITS * nodes + (COVER_SCAN_UNITS if kind == "cover" else SCAN_UNITS) * scanned
+        self._spent[kind][0] += nodes
+        self._spent[kind][1] += units
+        self.clock.spend(units)
 
     def run(
         self,
@@ -264,10 +278,10 @@ class CanonicalSearch:
             unless tensors were fixed) or the node budget ran out (``self.complete`` False).
 
         Raises:
-            _Deadline: when the wall-clock budget is spent (checked before the run; the run's
-                budget is cut to what the remaining time allows at the rate seen so far).
+            _Deadline: when the work is spent (checked before the run; the run's node budget
+                is cut to what the work left pays for at the cost per node seen so far).
         """
-        node_limit = self._node_budget(node_limit, self._timed_nodes, self._timed_s)
+        node_limit = self._node_budget(node_limit, "canonical")
         if fixed is None:
             fixed = np.full(self.problem.n, -1, dtype=np.int64)
         graph = (*self._graph, np.asarray(rank, dtype=np.int64))
@@ -287,15 +301,12 @@ class CanonicalSearch:
         counters = self._state[kernel.COUNTERS]
         self.run_nodes = int(counters[kernel.NODES])
         self.nodes += self.run_nodes
+        self._charge("canonical", self.run_nodes, int(counters[kernel.WORK]))
         if first_call and elapsed > 1.0:
-            # a process's first call compiles, or loads numba's cache (make install fills it):
-            # either way nothing the user acts on, every planning process
+            # a process's first call compiles, or loads numba's cache (make install fills it)
             logger.debug(
                 "first call of the canonical search loop: %.0f s (compiled or loaded)", elapsed
             )
-        else:
-            self._timed_nodes += self.run_nodes
-            self._timed_s += elapsed
         self.deepest = int(counters[kernel.DEEPEST])
         self.deepest_offsets = self._state[kernel.DEEPEST_OFFSETS].copy()
         self.complete = outcome == kernel.FAILED and not (fixed >= 0).any()
@@ -318,9 +329,8 @@ class CanonicalSearch:
             _Deadline: as ``run``.
         """
         assert self.full_at(capacity)
-        node_limit = self._node_budget(node_limit, self._cover_nodes, self._cover_s)
-        t0 = time.perf_counter()
-        outcome, nodes, offsets, depth = cover_kernel(
+        node_limit = self._node_budget(node_limit, "cover")
+        outcome, nodes, offsets, depth, scanned = cover_kernel(
             int(capacity),
             int(node_limit),
             *self._graph,
@@ -329,8 +339,7 @@ class CanonicalSearch:
             np.asarray(rank, dtype=np.int64),
             self._tables_for(int(capacity), "cover"),
         )
-        self._cover_nodes += nodes
-        self._cover_s += time.perf_counter() - t0
+        self._charge("cover", int(nodes), int(scanned))
         self.run_nodes = int(nodes)
         self.nodes += self.run_nodes
         self.complete = outcome == kernel.FAILED
@@ -340,29 +349,35 @@ class CanonicalSearch:
         return None
 
     def cover_node_ratio(self) -> float:
-        """Cover nodes per canonical node in the same time, as measured so far (0.1 before)."""
-        if self._cover_s < 0.05 or self._timed_s < 0.05:
+        """Cover nodes per canonical node of the same work, as counted so far (0.1 before)."""
+        (canonical_nodes, canonical_units), (cover_nodes, cover_units) = (
+            self._spent["canonical"],
+            self._spent["cover"],
+        )
+        if not canonical_nodes or not cover_nodes:
             return 0.1
-        return (self._cover_nodes / self._cover_s) / (self._timed_nodes / self._timed_s)
+        return (cover_nodes / cover_units) / (canonical_nodes / canonical_units)
 
     def complete_deepest(self) -> np.ndarray:
         """The most complete placement of the last run, finished greedily above the rest.
 
         A run aimed at a tight capacity packs the bottom of the region densely before it gets
         stuck; stacking the tensors it did not reach on top is often far better than a greedy
-        placement from scratch. Past the search's deadline only the first greedy order runs
-        (each costs O(n²)).
+        placement from scratch. With less work left than one placement (each costs O(n²)) only
+        the first greedy order runs.
         """
         partial = self.deepest_offsets
         left = np.flatnonzero(partial < 0)
         best, best_peak = partial, None
+        cost = greedy_units(self.problem)
         for order in greedy_orders(self.problem.subproblem(left)).values():
             for best_fit in (False, True):
-                if best_peak is not None and time.perf_counter() > self.deadline:
+                if best_peak is not None and (self.clock.left() < cost or self.clock.overdue()):
                     return best
                 offsets = place_in_order(
                     self.problem, left[order], best_fit=best_fit, offsets=partial
                 )
+                self.clock.spend(cost)
                 peak = peak_of(self.problem, offsets)
                 if best_peak is None or peak < best_peak:
                     best, best_peak = offsets, peak
@@ -498,33 +513,28 @@ def _schedule(
 
 
 def solve_canonical(
-    problem: DsaProblem,
-    options: SolveOptions | None = None,
-    *,
-    stop: threading.Event | None = None,
-    improve: bool = True,
+    problem: DsaProblem, options: SolveOptions | None = None, *, improve: bool = True
 ) -> Solution:
     """Minimises the peak by canonical branch and bound, from a greedy incumbent.
 
     Args:
         problem: the tensors to place.
-        options: time limit, seed and optional hint.
-        stop: optional event another thread sets to end the search early.
+        options: work limit (or clock), seed and optional hint.
         improve: also aim just below the incumbent; without it every run aims at the lower
             bound (when another solver takes care of improving the incumbent).
     """
     options = options or SolveOptions()
-    deadline = time.perf_counter() + options.time_limit_s
-    greedy = SolveOptions(time_limit_s=GREEDY_SHARE * options.time_limit_s)
+    clock = options.start()
+    greedy = SolveOptions(clock=clock.share(GREEDY_SHARE * clock.left()))
     best = solve_greedy(problem, greedy).offsets
     if options.hint is not None and peak_of(problem, options.hint) < peak_of(problem, best):
         best = np.asarray(options.hint, dtype=np.int64)
     bound = lower_bound(problem)
     searches = []
     for p in (problem, time_reversed(problem)):
-        if time.perf_counter() > deadline:  # building a search costs O(n · times) itself
+        if clock.exhausted():  # building a search costs O(n · times) itself
             break
-        searches.append(CanonicalSearch(problem=p, deadline=deadline, stop=stop))
+        searches.append(CanonicalSearch(problem=p, clock=clock))
     if not searches:
         peak = peak_of(problem, best)
         return Solution(best, peak, peak == bound, "canonical", {"bound": int(bound)})
@@ -547,6 +557,6 @@ def warm_up() -> None:
     problem = DsaProblem(
         sizes=np.array([2, 1, 1]), start=np.array([0, 0, 1]), end=np.array([2, 1, 2])
     )
-    search = CanonicalSearch(problem=problem, deadline=float("inf"))
+    search = CanonicalSearch(problem=problem, clock=WorkClock(limit=float("inf")))
     search.run(capacity=3, rank=np.arange(problem.n), node_limit=100)
     search.cover(capacity=3, rank=np.arange(problem.n), node_limit=100)

@@ -34,8 +34,9 @@ STACK_C, STACK_RAISED, RAISED_IDX, RAISED_OLD = range(5, 9)
 COUNTERS, DEEPEST_OFFSETS, SCRATCH, USABLE, ALLOWED = range(9, 14)
 """Counters below, the offsets of the deepest partial placement, a zeroed ``[S]`` buffer and two
 ``[n]`` buffers for a node's usable offsets and allowed flags."""
-# Counters shared by every frame of a run.
-DEPTH, NODES, BUDGET, DEEPEST, RAISED_TOP = range(5)
+# Counters shared by every frame of a run. ``WORK`` adds up, over the nodes, the members and
+# sections each one scans: what a node costs, counted (``work.py`` turns it into work units).
+DEPTH, NODES, BUDGET, DEEPEST, RAISED_TOP, WORK = range(6)
 
 _NO_FLOOR = np.iinfo(np.int64).max
 
@@ -54,7 +55,7 @@ def new_state(num_tensors: int, num_sections: int, num_raised: int) -> tuple:
         STACK_RAISED: n,
         RAISED_IDX: num_raised,
         RAISED_OLD: num_raised,
-        COUNTERS: RAISED_TOP + 1,
+        COUNTERS: WORK + 1,
         DEEPEST_OFFSETS: n,
         SCRATCH: sections,
         USABLE: n,
@@ -125,6 +126,7 @@ def _place(c, off, pb, st):
             min_off[j] = top
             r += 1
     counters[RAISED_TOP] = r
+    counters[WORK] += nb_ptr[c + 1] - nb_ptr[c] + hi[c] - lo[c]
     for s in range(lo[c], hi[c]):
         st[TOTAL][s] -= sizes[c]
     for s in range(lo[c], hi[c] - 1):
@@ -252,6 +254,7 @@ def _search(capacity, pb, st, tables, pool, pool_top):
     while True:
         if action == _ENTER:
             counters[NODES] += 1
+            counters[WORK] += num_members + s_hi - s_lo
             counters[BUDGET] -= 1
             if counters[BUDGET] < 0:
                 return OUT_OF_NODES
@@ -275,6 +278,7 @@ def _search(capacity, pb, st, tables, pool, pool_top):
                 if placed[i] != 0:
                     continue
                 mo = min_off[i]
+                counters[WORK] += hi[i] - lo[i]  # its sections, scanned by sections_fit
                 ok = mo > last_off or (mo == last_off and rank[i] > last_rank)
                 unplaced[m], allowed_buf[m] = i, ok
                 usable_buf[m] = mo
@@ -282,6 +286,7 @@ def _search(capacity, pb, st, tables, pool, pool_top):
                     # The canonical order forbids this tensor at its minimum offset: it must
                     # rest on a neighbour still to be placed (at or above ``last_off``).
                     lowest = _NO_FLOOR
+                    counters[WORK] += nb_ptr[i + 1] - nb_ptr[i]
                     for q in range(nb_ptr[i], nb_ptr[i + 1]):
                         j = nb_idx[q]
                         if placed[j] == 0:

@@ -75,9 +75,10 @@ def cover_kernel(
         tables: failed-state table for this capacity (``CanonicalSearch._tables_for``).
 
     Returns:
-        ``(outcome, nodes, offsets, deepest)``: FOUND (``offsets`` is the cover), FAILED (there
-        is none) or OUT_OF_NODES (``offsets`` is then the deepest partial cover, -1 for the
-        tensors it leaves, and ``deepest`` how many it placed).
+        ``(outcome, nodes, offsets, deepest, work)``: FOUND (``offsets`` is the cover), FAILED
+        (there is none) or OUT_OF_NODES (``offsets`` is then the deepest partial cover, -1 for
+        the tensors it leaves, and ``deepest`` how many it placed); ``work`` counts the section
+        entries and neighbours scanned, what the run cost.
     """
     n, num_sections = len(sizes), len(sec_ptr) - 1
     offsets = np.full(n, -1, dtype=np.int64)
@@ -99,15 +100,15 @@ def cover_kernel(
     # The fingerprint of the current state (see ``_toggle``) and of each frame's node.
     key = np.zeros(2, dtype=np.uint64)
     f_key = np.zeros((n + 1, 2), dtype=np.uint64)
-    depth, nodes, deepest, pool_top, log_top = 0, 0, 0, 0, 0
+    depth, nodes, deepest, pool_top, log_top, work = 0, 0, 0, 0, 0, 0
     entering = True
     while True:
         if entering:
             nodes += 1
             if nodes > node_limit:
-                return OUT_OF_NODES, nodes, deepest_offsets, deepest
+                return OUT_OF_NODES, nodes, deepest_offsets, deepest, work
             if depth == n:
-                return FOUND, nodes, offsets, n
+                return FOUND, nodes, offsets, n, work
             if depth > deepest:
                 deepest = depth
                 deepest_offsets[:] = offsets
@@ -124,8 +125,10 @@ def cover_kernel(
                     if f >= capacity:
                         continue
                     count = 0
+                    work += sec_ptr[s + 1] - sec_ptr[s]
                     for k in range(sec_ptr[s], sec_ptr[s + 1]):
                         i = sec_idx[k]
+                        work += (nb_ptr[i + 1] - nb_ptr[i]) * (offsets[i] < 0)
                         if offsets[i] < 0 and _fits(i, f, capacity, sizes, nb_ptr, nb_idx, offsets):
                             count += 1
                     if count < best_count:
@@ -162,7 +165,7 @@ def cover_kernel(
             remember_failed(f_key[depth, 0], f_key[depth, 1], tables)
             pool_top = f_base[depth]
             if depth == 0:
-                return FAILED, nodes, deepest_offsets, deepest
+                return FAILED, nodes, deepest_offsets, deepest, work
             depth -= 1
             continue
         c = pool[f_base[depth] + f_next[depth]]
@@ -170,6 +173,7 @@ def cover_kernel(
         f = low[f_sec[depth]]
         offsets[c], f_placed[depth], f_log[depth] = f, c, log_top
         _toggle(c, f, sizes[c], lo[c], hi[c], key)
+        work += hi[c] - lo[c]
         # Sections whose lowest free byte it covers move up past it and past any tensor
         # already placed right above.
         for s in range(lo[c], hi[c]):

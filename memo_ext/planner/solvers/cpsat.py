@@ -4,21 +4,41 @@ Lifetimes are fixed intervals on the time axis; offsets are integer variables on
 the objective is the peak. The search starts from the canonical branch-and-bound incumbent
 (hint and upper bound), and tensors with identical lifetimes and sizes are ordered by offset to
 break their symmetry. When the incumbent already meets the lower bound no model is built.
+
+CP-SAT is limited by its deterministic time, not by seconds, and runs one worker (its parallel
+portfolio shares solutions as they come, and its interleaved mode overshoots the limit by whole
+batches): its result depends on the model and the seed, not on how busy the machine is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-import time
 
 import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
 from memo_ext.planner.solvers.canonical import solve_canonical
+from memo_ext.planner.solvers.work import (
+    CPSAT_SETUP_UNITS_PER_TENSOR,
+    MODEL_UNITS_PER_TENSOR,
+    UNITS_PER_DETERMINISTIC_SECOND,
+)
 
 logger = logging.getLogger(__name__)
+
+QUICK_SHARE, QUICK_UNITS = 0.1, 2.0
+"""The first canonical run gets this share of the work, at most this many units."""
+CPSAT_SHARE = 0.5
+"""CP-SAT's share of the work left after the first canonical run; the second gets the rest.
+CP-SAT runs only when its share pays for its setup (``setup_units``) twice."""
+
+
+def setup_units(problem: DsaProblem) -> float:
+    """Work of building a placement model and of CP-SAT's presolve of it."""
+    return (MODEL_UNITS_PER_TENSOR + CPSAT_SETUP_UNITS_PER_TENSOR) * problem.n
 
 
 def _symmetric_groups(problem: DsaProblem) -> list[np.ndarray]:
@@ -63,36 +83,35 @@ def _symmetry_consistent(problem: DsaProblem, offsets: np.ndarray) -> np.ndarray
     return offsets
 
 
-def solve_cpsat_model(
-    problem: DsaProblem, options: SolveOptions, *, bound: int, running: list | None = None
-) -> Solution:
-    """Runs CP-SAT alone (optionally from ``options.hint``) within the time limit.
-
-    Args:
-        running: when given, the ``CpSolver`` is appended to it so another thread can call
-            ``stop_search()``.
-    """
+def solve_cpsat_model(problem: DsaProblem, options: SolveOptions, *, bound: int) -> Solution:
+    """Runs CP-SAT alone (optionally from ``options.hint``) within the solve's work."""
     from ortools.sat.python import cp_model
 
-    entered = time.perf_counter()
+    clock = options.start()
     hint = options.hint
     upper = peak_of(problem, hint) if hint is not None else int(problem.sizes.sum())
     model, offset_vars, _ = build_cpsat_model(problem, upper=upper, lower=bound, hint=hint)
+    clock.spend(setup_units(problem))
     solver = cp_model.CpSolver()
-    # the model's construction (seconds on large traces) counts against the limit too
-    left = options.time_limit_s - (time.perf_counter() - entered)
-    solver.parameters.max_time_in_seconds = max(left, 0.01)
-    solver.parameters.num_workers = max(options.workers, 1)
+    solver.parameters.max_deterministic_time = max(
+        clock.left() / UNITS_PER_DETERMINISTIC_SECOND, 0.01
+    )
+    solver.parameters.max_time_in_seconds = max(clock.seconds_left(), 0.01)  # the safety net
+    solver.parameters.num_workers = 1
     solver.parameters.random_seed = options.seed
-    if running is not None:
-        running.append(solver)
     status = solver.solve(model)
+    clock.spend(min(solver.deterministic_time * UNITS_PER_DETERMINISTIC_SECOND, clock.left()))
+    if solver.deterministic_time < solver.parameters.max_deterministic_time and status not in (
+        cp_model.OPTIMAL,
+        cp_model.INFEASIBLE,
+    ):
+        clock.overdue()  # stopped by the wall clock: the tree is marked cut
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         offsets = np.asarray([solver.value(v) for v in offset_vars], dtype=np.int64)
         if hint is None or peak_of(problem, offsets) < peak_of(problem, hint):
             hint = offsets
     if hint is None:
-        raise RuntimeError("CP-SAT found no placement within the time limit")
+        raise RuntimeError("CP-SAT found no placement within its work limit")
     best_bound = max(bound, int(np.ceil(solver.best_objective_bound - 1e-6)))
     return Solution(
         offsets=_symmetry_consistent(problem, hint),
@@ -104,53 +123,56 @@ def solve_cpsat_model(
 
 
 def solve_cpsat(problem: DsaProblem, options: SolveOptions | None = None) -> Solution:
-    """Canonical branch and bound and CP-SAT side by side; the first proof stops both.
+    """Canonical branch and bound, then CP-SAT and the canonical search again, side by side.
 
     A short canonical run gives CP-SAT its hint and upper bound (and often closes the instance
-    at once). Then CP-SAT runs in a thread (it releases the GIL) with one worker fewer than
-    asked, improving the incumbent, while the canonical search keeps restarting in this thread,
-    aimed at the lower bound and just below its incumbent; whichever proves optimality stops
-    the other, and the lower peak wins.
+    at once). Then CP-SAT gets ``CPSAT_SHARE`` of the work left (when that pays for its setup),
+    improving the incumbent and raising the lower bound, and the canonical search gets the
+    rest, aimed at the lower bound and just below the incumbent; with two workers or more they
+    run in two threads. Each stops at its own proof or at its own work limit, never at the
+    other's, so the placement kept (the lower peak, CP-SAT's on a tie) is the same whether they
+    ran side by side or one after the other, and however long either took in seconds.
     """
     options = options or SolveOptions()
-    t0 = time.perf_counter()
-    quick = SolveOptions(
-        time_limit_s=min(2.0, 0.1 * options.time_limit_s), seed=options.seed, hint=options.hint
+    clock = options.start()
+    quick = dataclasses.replace(
+        options, clock=clock.share(min(QUICK_UNITS, QUICK_SHARE * clock.left()))
     )
     first = solve_canonical(problem, quick)
-    if first.optimal:
-        return Solution(first.offsets, first.peak, True, "cpsat", {"canonical": first.details})
-    left = options.time_limit_s - (time.perf_counter() - t0)
+    details = {"canonical": first.details}
+    if first.optimal or clock.exhausted():
+        return Solution(first.offsets, first.peak, first.optimal, "cpsat", details)
     bound = max(lower_bound(problem), first.details.get("bound", 0))
-    cp_options = SolveOptions(
-        time_limit_s=left,
-        workers=max(options.workers - 1, 1),
-        seed=options.seed,
-        hint=first.offsets,
-    )
-    running: list = []
-    results: dict = {}
-    stop = threading.Event()
+    cp_units = CPSAT_SHARE * clock.left()
+    if cp_units < 2 * setup_units(problem):
+        cp_units = 0.0
+    cp_clock, canonical_clock = clock.detached(cp_units), clock.detached(clock.left() - cp_units)
+    results: dict[str, Solution] = {}
 
     def run_cpsat() -> None:
-        results["cpsat"] = solve_cpsat_model(problem, cp_options, bound=bound, running=running)
-        if results["cpsat"].optimal:
-            stop.set()
+        cp_options = dataclasses.replace(options, clock=cp_clock, hint=first.offsets)
+        results["cpsat"] = solve_cpsat_model(problem, cp_options, bound=bound)
 
-    thread = threading.Thread(target=run_cpsat, daemon=True)
-    thread.start()
-    second = solve_canonical(
-        problem,
-        SolveOptions(time_limit_s=left, seed=options.seed + 1, hint=first.offsets),
-        stop=stop,
-        improve=True,
+    thread = None
+    if cp_units and options.workers > 1:
+        thread = threading.Thread(target=run_cpsat, name="cpsat", daemon=True)
+        thread.start()
+    elif cp_units:
+        run_cpsat()
+    canonical_options = dataclasses.replace(
+        options, clock=canonical_clock, seed=options.seed + 1, hint=first.offsets
     )
-    if running:  # the canonical search is done (proof or deadline): CP-SAT stops too
-        running[0].stop_search()
-    thread.join()
-    best = min([second, results.get("cpsat", second)], key=lambda s: s.peak)
-    details = {"canonical": second.details, "cpsat": results.get("cpsat", second).details}
-    optimal = best.optimal or best.peak <= max(
-        second.details.get("bound", 0), details["cpsat"].get("bound", 0)
-    )
-    return Solution(best.offsets, best.peak, optimal, "cpsat", details)
+    second = solve_canonical(problem, canonical_options)
+    if thread is not None:
+        thread.join()
+    clock.absorb(cp_clock)
+    clock.absorb(canonical_clock)
+    details["canonical_after"] = second.details
+    best = second
+    if "cpsat" in results:
+        details["cpsat"] = results["cpsat"].details
+        bound = max(bound, results["cpsat"].details["bound"])
+        if results["cpsat"].peak <= second.peak:
+            best = results["cpsat"]
+    bound = max(bound, second.details.get("bound", 0))
+    return Solution(best.offsets, best.peak, best.optimal or best.peak <= bound, "cpsat", details)

@@ -7,15 +7,16 @@ and two gap rules (lowest gap, tightest gap) are tried and the lowest peak kept.
 
 from __future__ import annotations
 
-import time
+import dataclasses
 
 import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, lower_bound, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
+from memo_ext.planner.solvers.work import greedy_units
 
 GREEDY_SHARE = 0.2
-"""Fraction of a solve's time a greedy incumbent may take (it stops between orders)."""
+"""Fraction of a solve's work a greedy incumbent may take (it stops between orders)."""
 
 
 def _gap_offset(lo: np.ndarray, hi: np.ndarray, size: int, best_fit: bool) -> int:
@@ -76,22 +77,22 @@ def solve_greedy(problem: DsaProblem, options: SolveOptions | None = None) -> So
     """Best of the greedy orders and gap rules; optimal only when it meets the lower bound.
 
     Each placement costs O(n²) on n tensors (seconds at 20,000): with ``options`` the orders
-    stop at its time limit, the first one always placed.
+    stop when the work left is less than one more placement, the first one always placed.
     """
-    limit = options.time_limit_s if options is not None else float("inf")
-    started = time.perf_counter()
-    deadline = started + limit
-    best, best_name, placed = None, "", 0
+    clock = options.start() if options is not None else None
+    cost = greedy_units(problem)
+    best, best_name = None, ""
     tries = [
         (name, order, fit)
         for name, order in greedy_orders(problem).items()
         for fit in (False, True)
     ]
     for name, order, best_fit in tries:
-        if best is not None and time.perf_counter() > deadline:
+        if best is not None and clock is not None and (clock.left() < cost or clock.overdue()):
             break
         offsets = place_in_order(problem, order, best_fit=best_fit)
-        placed += 1
+        if clock is not None:
+            clock.spend(cost)
         if best is None or peak_of(problem, offsets) < peak_of(problem, best):
             best, best_name = offsets, f"{name}/{'best' if best_fit else 'first'}-fit"
     peak = peak_of(problem, best)
@@ -100,16 +101,19 @@ def solve_greedy(problem: DsaProblem, options: SolveOptions | None = None) -> So
         peak=peak,
         optimal=peak == lower_bound(problem),
         solver="heuristic",
-        details={"order": best_name, "placement_s": (time.perf_counter() - started) / placed},
+        details={"order": best_name},
     )
 
 
 def mip_start(
-    problem: DsaProblem, hint: np.ndarray | None, *, time_limit_s: float = float("inf")
+    problem: DsaProblem, hint: np.ndarray | None, options: SolveOptions
 ) -> tuple[np.ndarray, int, int]:
-    """Start of the big-M MIP backends: the better of the greedy placement and ``hint``,
-    with its peak (an upper bound) and the live-total lower bound."""
-    start = solve_greedy(problem, SolveOptions(time_limit_s=time_limit_s)).offsets
+    """Start of the big-M MIP backends: the better of the greedy placement (within
+    ``GREEDY_SHARE`` of the solve's work) and ``hint``, with its peak (an upper bound) and the
+    live-total lower bound."""
+    clock = options.start()
+    share = dataclasses.replace(options, clock=clock.share(GREEDY_SHARE * clock.left()))
+    start = solve_greedy(problem, share).offsets
     if hint is not None and peak_of(problem, hint) < peak_of(problem, start):
         start = np.asarray(hint, dtype=np.int64)
     return start, peak_of(problem, start), lower_bound(problem)

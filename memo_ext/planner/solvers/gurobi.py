@@ -12,7 +12,7 @@ import numpy as np
 from memo_ext.planner.errors import SolverUnavailableError
 from memo_ext.planner.problem import DsaProblem, find_conflicts, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import GREEDY_SHARE, mip_start
+from memo_ext.planner.solvers.greedy import mip_start
 
 
 def import_gurobi():
@@ -31,9 +31,8 @@ def solve_gurobi(problem: DsaProblem, options: SolveOptions | None = None) -> So
     """Solves the big-M MIP with Gurobi from the greedy (or hinted) placement."""
     gp = import_gurobi()
     options = options or SolveOptions()
-    start, upper, bound = mip_start(
-        problem, options.hint, time_limit_s=GREEDY_SHARE * options.time_limit_s
-    )
+    clock = options.start()
+    start, upper, bound = mip_start(problem, options.hint, options)
     if upper == bound:
         return Solution(start, upper, True, "gurobi", {"bound": bound})
     try:
@@ -41,7 +40,9 @@ def solve_gurobi(problem: DsaProblem, options: SolveOptions | None = None) -> So
         model = gp.Model(env=env)
     except gp.GurobiError as err:
         raise SolverUnavailableError(f"Gurobi could not start ({err}); check the licence") from None
-    model.Params.TimeLimit = max(options.time_limit_s, 0.01)
+    # Gurobi's work units are deterministic and, like ours, about a second each
+    model.Params.WorkLimit = max(clock.left(), 0.01)
+    model.Params.TimeLimit = max(clock.seconds_left(), 0.01)
     model.Params.Threads = max(options.workers, 1)
     model.Params.Seed = options.seed
     sizes = [int(s) for s in problem.sizes]
@@ -63,6 +64,7 @@ def solve_gurobi(problem: DsaProblem, options: SolveOptions | None = None) -> So
         raise SolverUnavailableError(
             f"Gurobi failed ({err}); the licence may be too small"
         ) from None
+    clock.spend(min(float(model.Work), clock.left()))
     best = start
     if model.SolCount:
         offsets = np.rint([v.X for v in o]).astype(np.int64)

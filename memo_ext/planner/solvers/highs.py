@@ -6,7 +6,8 @@ lifetimes overlap a binary ``z_ij`` (1 when ``i`` sits below ``j``)::
     o_i + s_i <= o_j + U (1 - z_ij)        o_j + s_j <= o_i + U z_ij        o_i + s_i <= M
 
 with ``U`` the incumbent's peak (a valid big-M: no offset exceeds it). Minimise ``M``. The greedy
-placement is passed as the starting solution.
+placement is passed as the starting solution. HiGHS takes no deterministic work limit, so it runs
+for the work left read as seconds: unlike the other backends, its plans depend on load.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, find_conflicts, overlap_pairs, peak_of
 from memo_ext.planner.solvers.base import Solution, SolveOptions
-from memo_ext.planner.solvers.greedy import GREEDY_SHARE, mip_start
+from memo_ext.planner.solvers.greedy import mip_start
 
 
 def _start_values(problem: DsaProblem, pairs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -28,9 +29,8 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     import highspy
 
     options = options or SolveOptions()
-    start, upper, bound = mip_start(
-        problem, options.hint, time_limit_s=GREEDY_SHARE * options.time_limit_s
-    )
+    clock = options.start()
+    start, upper, bound = mip_start(problem, options.hint, options)
     if upper == bound:
         return Solution(start, upper, True, "highs", {"bound": bound})
     pairs = overlap_pairs(problem)
@@ -38,7 +38,8 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(max(options.time_limit_s, 0.01)))
+    # HiGHS has no deterministic work limit: its time limit is the work left, read as seconds
+    h.setOptionValue("time_limit", float(max(min(clock.left(), clock.seconds_left()), 0.01)))
     h.setOptionValue("threads", int(max(options.workers, 1)))
     h.setOptionValue("random_seed", int(options.seed))
     sizes = problem.sizes.astype(float)
@@ -65,6 +66,7 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     solution.value_valid = True
     h.setSolution(solution)
     h.run()
+    clock.spend(clock.left())
     best = start
     info = h.getInfo()
     values = np.asarray(h.getSolution().col_value[:n])

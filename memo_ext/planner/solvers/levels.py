@@ -25,21 +25,29 @@ the whole problem as before. Leaves (pieces no cut splits) go to a solver the ca
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 from memo_ext.planner.problem import DsaProblem, compress_times, lower_bound, time_components
+from memo_ext.planner.solvers.work import (
+    MODEL_UNITS_PER_TENSOR,
+    UNITS_PER_DETERMINISTIC_SECOND,
+    WorkClock,
+)
 
 logger = logging.getLogger(__name__)
 
-LeafSolver = Callable[[DsaProblem, int, float], np.ndarray]
-"""``(problem, capacity, seconds) -> offsets``: a placement of a piece no cut splits."""
+LeafSolver = Callable[[DsaProblem, int, WorkClock], np.ndarray]
+"""``(problem, capacity, clock) -> offsets``: a placement of a piece no cut splits, within the
+work of ``clock``."""
+
+LEVEL_UNITS = 1.0
+"""Work one level search may take at most."""
 
 
 class _Miss(Exception):
-    """A piece did not fit its share of the target, or time ran out."""
+    """A piece did not fit its share of the target, or the work ran out."""
 
 
 MAX_TABLE_SIDE = 16
@@ -85,7 +93,7 @@ def balanced_subsets(gained: list[int], lost: list[int], *, limit: int) -> np.nd
 
 
 def find_level(
-    problem: DsaProblem, *, time_limit_s: float = 1.0, seed: int = 0
+    problem: DsaProblem, *, clock: WorkClock | None = None, seed: int = 0
 ) -> np.ndarray | None:
     """The smallest proper subset whose live total is the same at every instant of the span.
 
@@ -99,7 +107,8 @@ def find_level(
 
     Args:
         problem: tensors forming one time component.
-        time_limit_s: CP-SAT's budget; the smallest subset found by then is returned.
+        clock: CP-SAT's work (its deterministic time; ``LEVEL_UNITS`` when absent); the smallest
+            subset found by then is returned.
         seed: CP-SAT's random seed.
 
     Returns:
@@ -136,11 +145,17 @@ def find_level(
             model.add_allowed_assignments([chosen[i] for i in gained + lost], table.tolist())
     model.add(sum(chosen) <= n - 1)
     model.minimize(sum(chosen))
+    clock = clock or WorkClock.start(LEVEL_UNITS)
+    clock.spend(MODEL_UNITS_PER_TENSOR * n)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+    solver.parameters.max_deterministic_time = max(
+        clock.left() / UNITS_PER_DETERMINISTIC_SECOND, 0.01
+    )
+    solver.parameters.max_time_in_seconds = max(clock.seconds_left(), 0.01)  # the safety net
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     status = solver.solve(model)
+    clock.spend(min(solver.deterministic_time * UNITS_PER_DETERMINISTIC_SECOND, clock.left()))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return np.asarray([solver.value(x) for x in chosen], dtype=bool)
@@ -151,24 +166,23 @@ def solve_by_levels(
     leaf: LeafSolver,
     *,
     capacity: int,
-    time_limit_s: float,
+    clock: WorkClock,
     seed: int = 0,
 ) -> np.ndarray | None:
     """A placement within ``capacity`` built level by level, or None.
 
     Args:
         problem: the tensors to place.
-        leaf: places a piece no cut splits within a capacity and a time limit (it may return a
+        leaf: places a piece no cut splits within a capacity and a clock (it may return a
             placement above the capacity; the piece then counts as a miss).
         capacity: the peak every piece must fit under (usually the lower bound).
-        time_limit_s: budget for the whole attempt.
+        clock: the work of the whole attempt.
         seed: seed of the level searches.
 
     Returns:
         Offsets with peak at most ``capacity``, or None when some piece missed its share or the
-        time ran out.
+        work ran out.
     """
-    deadline = time.perf_counter() + time_limit_s
     # In a trace, a free and the alloc after it are one event apart; on one time they can
     # replace each other in a level.
     problem = compress_times(problem)
@@ -198,10 +212,9 @@ def solve_by_levels(
         sub = problem.subproblem(index)
         if lower_bound(sub) > room:
             raise _Miss
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        if clock.exhausted():
             raise _Miss
-        level = find_level(sub, time_limit_s=min(1.0, left), seed=seed)
+        level = find_level(sub, clock=clock.share(LEVEL_UNITS), seed=seed)
         if level is not None:
             stats["levels"] += 1
             height = lower_bound(sub.subproblem(np.flatnonzero(level)))
@@ -211,8 +224,8 @@ def solve_by_levels(
             return offsets
         stats["leaves"] += 1
         stats["largest_leaf"] = max(stats["largest_leaf"], len(index))
-        share = max(min(left, 0.1), left * len(index) / problem.n)
-        offsets = leaf(sub, room, share)
+        left = clock.left()
+        offsets = leaf(sub, room, clock.share(max(min(left, 0.1), left * len(index) / problem.n)))
         if (offsets + sub.sizes).max() > room:
             raise _Miss
         return offsets

@@ -1,0 +1,120 @@
+"""Plans do not depend on the machine's load: the planner counts work, it does not time it."""
+
+import logging
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from memo_ext.planner import PlannerConfig, plan_trace, validate
+from memo_ext.planner.packable import packable_instance
+from memo_ext.planner.solvers import greedy
+from memo_ext.planner.solvers.work import WorkClock
+from memo_ext.planner.trace import trace_from_intervals
+
+
+def _hard_trace():
+    """A 200-piece rectangle whose pieces share few times: neither the levels nor a short
+    search close it, so the work limit is what ends the search."""
+    problem, _ = packable_instance(num_buffers=200, seed=1, duration=30)
+    return trace_from_intervals(
+        [
+            (f"b{i}", int(s), int(e), int(z))
+            for i, (s, e, z) in enumerate(zip(problem.start, problem.end, problem.sizes))
+        ]
+    )
+
+
+CONFIG = {"work_limit": 1.5, "bilevel": False, "alignment": 1}
+
+
+@pytest.fixture(scope="module")
+def quiet_plan():
+    trace = _hard_trace()
+    plan = plan_trace(trace, config=PlannerConfig(**CONFIG))
+    # the work limit, not a proof, ended it: the case the wall clock used to decide
+    assert plan.status != "optimal"
+    assert plan.extra["deterministic"] and 1.5 <= plan.extra["work_units"] < 2.5
+    return trace, plan
+
+
+def _spin():
+    while True:
+        pass
+
+
+def test_a_busy_machine_gets_the_same_plan(quiet_plan):
+    trace, quiet = quiet_plan
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(3)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        busy = plan_trace(trace, config=PlannerConfig(**CONFIG))
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+    assert busy.offsets == quiet.offsets
+    assert busy.extra["work_units"] == quiet.extra["work_units"]
+    assert busy.extra["deterministic"]
+
+
+def test_stalls_anywhere_in_the_search_change_nothing(quiet_plan, monkeypatch):
+    # every greedy placement (in every stage: incumbents, completions of partial placements)
+    # made slow at random, as a loaded machine makes it
+    import time
+
+    trace, quiet = quiet_plan
+    rng = np.random.default_rng(0)
+    place = greedy.place_in_order
+
+    def stalled(*args, **kwargs):
+        time.sleep(float(rng.uniform(0, 0.02)))
+        return place(*args, **kwargs)
+
+    for module in ("greedy", "canonical"):
+        monkeypatch.setattr(f"memo_ext.planner.solvers.{module}.place_in_order", stalled)
+    assert plan_trace(trace, config=PlannerConfig(**CONFIG)).offsets == quiet.offsets
+
+
+def test_one_worker_or_two_make_the_same_plan(quiet_plan):
+    trace, quiet = quiet_plan
+    for workers in (1, 3):
+        plan = plan_trace(trace, config=PlannerConfig(**CONFIG, workers=workers))
+        assert plan.offsets == quiet.offsets
+
+
+def test_the_wall_clock_safety_net_cuts_the_search_and_says_so(caplog):
+    trace = _hard_trace()
+    # searched whole (the levels close it with this much work), and for longer than allowed
+    config = PlannerConfig(**{**CONFIG, "work_limit": 600.0}, time_limit_s=0.5, levels=False)
+    with caplog.at_level(logging.WARNING, logger="memo_ext.planner.planning"):
+        plan = plan_trace(trace, config=config)
+    validate(trace, plan)
+    assert plan.extra["deterministic"] is False
+    assert plan.extra["work_units"] < 600
+    assert any("safety net" in r.getMessage() for r in caplog.records)
+
+
+def test_work_clocks_share_what_is_left_and_charge_upwards():
+    root = WorkClock.start(10.0)
+    stage = root.share(4.0)
+    stage.spend(1.5)
+    assert (stage.left(), root.left()) == (2.5, 8.5)
+    assert root.share(100.0).limit == 8.5  # never more than is left
+    assert root.share(0.0, floor=0.5).limit == 0.5  # unless a floor is asked for
+    side = root.detached(3.0)
+    side.spend(2.0)
+    assert root.left() == 8.5  # a detached stage is charged only when absorbed
+    root.absorb(side)
+    assert root.left() == 6.5 and not root.cut
+    late = WorkClock.start(10.0, time_limit_s=-1.0)
+    child = late.share(5.0)
+    assert child.exhausted() and late.cut and child.cut
+    root.absorb(_cut_clock())
+    assert root.cut
+
+
+def _cut_clock() -> WorkClock:
+    clock = WorkClock.start(1.0, time_limit_s=-1.0)
+    assert clock.overdue()
+    return clock
