@@ -102,7 +102,6 @@ from memo_ext.data.lengths import (
     summarize_lengths,
 )
 from memo_ext.errors import UsageError
-from memo_ext.features import recompute
 from memo_ext.features.hotspa.auto import (
     AUTO_RECOMPUTE,
     BucketStats,
@@ -113,6 +112,7 @@ from memo_ext.features.hotspa.auto import (
     length_statistics,
     sampled_lengths,
 )
+from memo_ext.features.recompute import method as recompute
 from memo_ext.hardware import DEVICES, DeviceSpec, device_spec
 from memo_ext.parallel import LayoutError, ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape

@@ -47,14 +47,15 @@ from memo_ext.estimate.cost_model import (
 )
 from memo_ext.estimate.search import SearchSpace, best_at_length, find_max_seq_length
 from memo_ext.estimate.stage import Place
-from memo_ext.features import memory_method
 from memo_ext.features.memo.stage import memo_at
+from memo_ext.features.registry import memory_method
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS
 
 ROWS = (("gpt-7b", 8), ("gpt-13b", 16), ("gpt-30b", 32), ("gpt-65b", 64))
-METHODS = ("full", "selective", "memo")  # the table's columns (memo_ext.features.METHODS names)
+# the table's columns (names of memo_ext.features.registry.METHODS)
+METHODS = ("full", "selective", "memo")
 DEVICE = DEVICES["a800-80g"]
 HOST_BYTES_PER_NODE = 2048 * GIB
 K = 1024

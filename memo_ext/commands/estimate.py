@@ -41,7 +41,7 @@ from memo_ext.estimate.search import (  # noqa: E402
     best_at_length,
     find_max_seq_length,
 )
-from memo_ext.features import memory_method, method_names  # noqa: E402
+from memo_ext.features.registry import memory_method, method_names  # noqa: E402
 from memo_ext.flags import (  # noqa: E402
     SpellCheckedParser,
     add_flags,

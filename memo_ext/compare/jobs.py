@@ -1,6 +1,6 @@
 """One configuration of a comparison (``memo-compare``) as one torchrun job, and what came of it.
 
-A :class:`Method` is what a comparison varies (a method of ``memo_ext.features.COMPARED``:
+A :class:`Method` is what a comparison varies (a method of ``memo_ext.features.registry.COMPARED``:
 Megatron's recomputation, megatron-core's offloading, MEMO, …, each its feature's), how it is
 spelled on the command line (``memo=0.25@tp4cp2``), optionally in its own layout;
 :func:`run_job` runs one job with a time limit and returns a :class:`JobOutcome`, in which an
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memo_ext.errors import OutOfMemory, UsageError, out_of_memory
-from memo_ext.features import COMPARED, compared_method
 from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.registry import COMPARED, compared_method
 from memo_ext.parallel import ParallelLayout, parse_layout
 
 _SPEC = re.compile(r"^(?P<name>[a-z+-]+)(?:=(?P<alpha>[^@]+))?(?:@(?P<layout>[a-z0-9]+))?$")
@@ -37,7 +37,7 @@ class Method:
     """One method of a comparison, optionally in its own parallel layout."""
 
     name: str
-    """A method of ``memo_ext.features.COMPARED``."""
+    """A method of ``memo_ext.features.registry.COMPARED``."""
     alpha: float | None = None
     """MEMO's α; ``None`` for the rule (``auto``)."""
     layout: str | None = None
@@ -45,7 +45,7 @@ class Method:
 
     @property
     def spec(self) -> ComparedMethod:
-        """What the method's feature says of it (``memo_ext.features.COMPARED``)."""
+        """What the method's feature says of it (``memo_ext.features.registry.COMPARED``)."""
         return compared_method(self.name)
 
     @property

@@ -7,12 +7,15 @@ default the field's default) and the README's flag reference is generated from t
 model's size is :class:`~memo_ext.shapes.ModelShape` and the process layout
 :class:`~memo_ext.parallel.ParallelLayout`; the sections here hold the rest:
 
-- ``network``: the model beyond its shape, megatron's recomputation, the distributed settings;
+- ``network``: the model beyond its shape, the distributed settings;
 - ``train``: batches, schedule, optimizer, precision; ``data``: tokens and tokenizer;
 - ``output``: logging, evaluation, checkpoints, cleanup, profiling, the preflight;
-- ``memo``, ``hotspa``, ``megatron_offload``: one section per memory or parallelism feature,
-  each with the rules it imposes on the rest of the run (``check_with``);
-- ``run``: :class:`RunConfig`, all sections together.
+- ``run``: :class:`RunConfig`, all sections together, the features' among them.
+
+Each memory or parallelism feature owns its section, in its own package
+(``memo_ext.features.<name>.config``: ``recompute``, ``memo``, ``hotspa``, ``megatron_offload``),
+with the rules it imposes on the rest of the run (``check_with``); this package gathers them
+into :class:`RunConfig` and re-exports them.
 
 A :class:`RunConfig` is built once from the flags (``memo_ext.arguments.parse_args``), checked
 (:meth:`RunConfig.check`, one sentence per problem; no file is read here, the files the flags
@@ -20,7 +23,7 @@ name are checked by ``memo_ext.data.input_files``) and resolved once against the
 data (``memo_ext.training.resolve``): nothing downstream changes it. Its megatron-core
 ``TransformerConfig`` is built by ``memo_ext.mcore.transformer_config.run_transformer_config``.
 This package imports nothing of the trainer above ``errors``, ``flags``, ``hardware``,
-``parallel`` and ``shapes``.
+``parallel`` and ``shapes``, and the features' sections.
 """
 
 from memo_ext.config.common import AUTO, check_regular_file, check_writable_directory, installed
@@ -32,26 +35,10 @@ from memo_ext.config.data import (
     TokenizerSpec,
     check_split,
 )
-from memo_ext.config.hotspa import (
-    RECOMPUTE_CHOICES,
-    HotSPaConfig,
-    check_buckets,
-    parse_buckets,
-    parse_token_counts,
-    split_recompute,
-)
-from memo_ext.config.megatron_offload import (
-    MIN_OFFLOADED_TENSOR_SIZE,
-    OFFLOAD_MODULES,
-    MegatronOffloadConfig,
-    megatron_offload_missing,
-)
-from memo_ext.config.memo import DEFAULT_HOST_SHARE, MemoConfig, parse_alpha, parse_chunk_tokens
 from memo_ext.config.network import (
     ATTENTION_BACKENDS,
     DistributedConfig,
     ModelConfig,
-    RecomputeConfig,
     resolve_attention_backend,
 )
 from memo_ext.config.output import (
@@ -69,6 +56,27 @@ from memo_ext.config.train import (
     parse_step_schedule,
     sample_based_steps,
 )
+from memo_ext.features.hotspa.config import (
+    RECOMPUTE_CHOICES,
+    HotSPaConfig,
+    check_buckets,
+    parse_buckets,
+    parse_token_counts,
+    split_recompute,
+)
+from memo_ext.features.megatron_offload.config import (
+    MIN_OFFLOADED_TENSOR_SIZE,
+    OFFLOAD_MODULES,
+    MegatronOffloadConfig,
+    megatron_offload_missing,
+)
+from memo_ext.features.memo.config import (
+    DEFAULT_HOST_SHARE,
+    MemoConfig,
+    parse_alpha,
+    parse_chunk_tokens,
+)
+from memo_ext.features.recompute.config import RecomputeConfig
 
 __all__ = [
     "ATTENTION_BACKENDS",

@@ -8,10 +8,7 @@ from dataclasses import dataclass, field
 
 from memo_ext.config.common import check_writable_directory
 from memo_ext.config.data import TOKENIZER_FIELDS, DataConfig
-from memo_ext.config.hotspa import HotSPaConfig
-from memo_ext.config.megatron_offload import MegatronOffloadConfig
-from memo_ext.config.memo import MemoConfig
-from memo_ext.config.network import DistributedConfig, ModelConfig, RecomputeConfig
+from memo_ext.config.network import DistributedConfig, ModelConfig
 from memo_ext.config.output import (
     CheckpointConfig,
     CleanupConfig,
@@ -23,6 +20,10 @@ from memo_ext.config.output import (
 from memo_ext.config.train import TrainConfig
 from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
+from memo_ext.features.hotspa.config import HotSPaConfig
+from memo_ext.features.megatron_offload.config import MegatronOffloadConfig
+from memo_ext.features.memo.config import MemoConfig
+from memo_ext.features.recompute.config import RecomputeConfig
 from memo_ext.flags import argv_of
 from memo_ext.hardware import available_host_memory_bytes
 from memo_ext.parallel import ParallelLayout

@@ -39,7 +39,6 @@ from megatron.core.transformer.transformer_block import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo_ext.config import MemoConfig
-from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
 from memo_ext.estimate.fits import (
     LayerFigures,
     LayerFit,
@@ -49,6 +48,7 @@ from memo_ext.estimate.fits import (
     parse_method,
     reference_tokens,
 )
+from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE
 from memo_ext.mcore.flop_count import flop_counter_mode
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.tracing import (

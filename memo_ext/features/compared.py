@@ -1,8 +1,8 @@
 """A method as the comparisons run it (``memo-compare --methods``): its name, the trainer flags
 that select it, how the estimator predicts it and how it is traced on fake tensors, and what a
 machine must have to run it. Each feature lists its own (``COMPARED`` in its package); the
-comparison harness (``memo_ext.compare``) reads them from ``memo_ext.features.COMPARED`` and
-names none.
+comparison harness (``memo_ext.compare``) reads them from
+``memo_ext.features.registry.COMPARED`` and names none.
 """
 
 from __future__ import annotations

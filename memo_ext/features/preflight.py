@@ -21,7 +21,7 @@ from memo_ext.estimate.cost_model import Batch, Efficiency, Estimate, EstimateEr
 from memo_ext.estimate.cost_model import estimate as run_estimate
 from memo_ext.estimate.stage import MemoryMethod
 from memo_ext.extension import PlanningTarget
-from memo_ext.features import METHODS, memory_method_of
+from memo_ext.features.registry import METHODS, memory_method_of
 from memo_ext.hardware import (
     DEVICES,
     GIB,

@@ -29,8 +29,8 @@ from typing import ClassVar
 
 import torch
 
-from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
 from memo_ext.errors import UsageError
+from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE
 
 
 class Placement(enum.Enum):

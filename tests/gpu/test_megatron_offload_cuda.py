@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from memo_ext.features.megatron_offload import MEGATRON_OFFLOAD_FLAGS
+from memo_ext.features.megatron_offload.method import MEGATRON_OFFLOAD_FLAGS
 from tests.launch import GPU_LLAMA, cli, launch_pretrain
 
 pytestmark = [

@@ -14,7 +14,7 @@ from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.estimate.cost_model import estimate
 from memo_ext.estimate.measure import layer_fit, trace_layer
 from memo_ext.estimate.search import find_max_seq_length
-from memo_ext.features import memory_method
+from memo_ext.features.registry import memory_method
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape

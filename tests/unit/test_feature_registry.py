@@ -15,7 +15,9 @@ from memo_ext.compare.jobs import parse_method
 from memo_ext.errors import UsageError
 from memo_ext.estimate.cost_model import Batch, Efficiency, estimate
 from memo_ext.estimate.stage import MemoryMethod, Stage, StageContext
-from memo_ext.features import (
+from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.recompute.method import NO_RECOMPUTE
+from memo_ext.features.registry import (
     COMPARED,
     METHODS,
     memory_method,
@@ -23,8 +25,6 @@ from memo_ext.features import (
     register,
     unregister,
 )
-from memo_ext.features.compared import ComparedMethod
-from memo_ext.features.recompute import NO_RECOMPUTE
 from memo_ext.hardware import DEVICES
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS

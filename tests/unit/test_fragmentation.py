@@ -25,7 +25,7 @@ from memo_ext.estimate.fragmentation import (
     iteration_fit,
     replay_iteration,
 )
-from memo_ext.features import memory_method
+from memo_ext.features.registry import memory_method
 from memo_ext.hardware import DEVICES, GIB, Calibration
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.caching_allocator import CachingAllocatorModel, OutOfMemory

@@ -21,7 +21,6 @@ from memo_ext.estimate.cost_model import (
     gemm_seconds,
     matmul_shape_factor,
 )
-from memo_ext.features import memory_method
 from memo_ext.features.hotspa import auto
 from memo_ext.features.hotspa.auto import (
     SWITCH_MARGIN,
@@ -35,6 +34,7 @@ from memo_ext.features.hotspa.auto import (
     plan_metrics,
 )
 from memo_ext.features.hotspa.extension import _log_one_bucket
+from memo_ext.features.registry import memory_method
 from memo_ext.hardware import device_spec
 from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout, parse_strategies

@@ -18,6 +18,15 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors", "device"}),
     frozenset({"files"}),
     frozenset({"shapes", "parallel", "hardware", "flags", "collectives", "extension"}),
+    frozenset({"config.common"}),
+    frozenset(
+        {
+            "features.recompute.config",
+            "features.memo.config",
+            "features.hotspa.config",
+            "features.megatron_offload.config",
+        }
+    ),
     frozenset({"config"}),
     frozenset({"mcore", "data"}),
     frozenset({"planner", "allocator"}),
@@ -32,7 +41,9 @@ LAYERS: tuple[frozenset[str], ...] = (
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers
 only: not of its own layer (across), not of a higher one (up). The libraries (``memo``,
 ``hotspa``, the estimator) sit below ``features``, whose packages connect them to the trainer,
-the estimator's callers and the comparisons; nothing below ``features`` knows a feature."""
+the estimator's callers and the comparisons; nothing below ``features`` knows a feature. Each
+feature's section of the configuration (``features.<name>.config``) sits just below ``config``,
+which gathers them, and above ``config.common``, the checks they share."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -80,10 +91,12 @@ def read_package(root: Path = PACKAGE) -> dict[str, ast.AST]:
 
 def component(module: str) -> str:
     """``memo_ext.memo.runtime`` → ``memo``; a module declared in LAYERS is its own component
-    (``memo_ext.features.memo.extension`` → ``memo.extension``)."""
+    (``memo_ext.config.common`` → ``config.common``, ``memo_ext.features.memo.config`` →
+    ``features.memo.config``)."""
     parts = module.split(".")
-    if len(parts) > 2 and layer_of(".".join(parts[1:3])) is not None:
-        return ".".join(parts[1:3])
+    for depth in (4, 3):
+        if len(parts) >= depth and layer_of(".".join(parts[1:depth])) is not None:
+            return ".".join(parts[1:depth])
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -256,8 +269,8 @@ one that is gone but still listed."""
 
 def feature_names() -> frozenset[str]:
     """Every name a feature answers to: its package, its extension's, its methods'."""
-    from memo_ext.features import COMPARED, METHODS
     from memo_ext.features.extensions import FEATURES
+    from memo_ext.features.registry import COMPARED, METHODS
 
     packages = {p.name for p in (PACKAGE / "features").iterdir() if (p / "__init__.py").exists()}
     names = packages | {p.replace("_", "-") for p in packages}

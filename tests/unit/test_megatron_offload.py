@@ -15,12 +15,12 @@ from tqdm import tqdm
 
 import memo_ext.compare.jobs as mj
 import memo_ext.config as c
-import memo_ext.features.megatron_offload as offload_feature
+import memo_ext.features.megatron_offload.method as offload_feature
 from memo_ext.arguments import parse_args
 from memo_ext.commands import compare_methods as cm
 from memo_ext.compare import runs as compare_runs
 from memo_ext.compare.report import format_summary
-from memo_ext.config import megatron_offload
+from memo_ext.features.megatron_offload import config as megatron_offload
 from memo_ext.errors import UsageError
 from memo_ext.estimate.cost_model import Efficiency
 from memo_ext.hardware import DeviceSpec

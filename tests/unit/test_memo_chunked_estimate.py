@@ -19,8 +19,8 @@ from memo_ext.estimate.measure import (
     layer_fit,
     trace_layer,
 )
-from memo_ext.features import memory_method
 from memo_ext.features.memo.stage import auto_chunk_tokens
+from memo_ext.features.registry import memory_method
 from memo_ext.hardware import DEVICES
 from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers
 from memo_ext.parallel import ParallelLayout

@@ -37,7 +37,7 @@ from memo_ext.estimate.cost_model import (
     collective_latency_s,
     estimate,
 )
-from memo_ext.features.recompute import recompute_method
+from memo_ext.features.recompute.method import recompute_method
 from memo_ext.hardware import DeviceSpec
 from memo_ext.hotspa.buckets import bucket_rows
 from memo_ext.parallel import LayoutError, ParallelLayout

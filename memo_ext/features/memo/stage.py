@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memo_ext.config import MemoConfig
-from memo_ext.config.memo import DEFAULT_OFFLOAD_RULE
 from memo_ext.estimate.cost_model import (
     Batch,
     Efficiency,
@@ -27,6 +26,7 @@ from memo_ext.estimate.cost_model import (
 )
 from memo_ext.estimate.fits import LayerFigures, memo_method
 from memo_ext.estimate.stage import LayerTime, Stage, StageContext
+from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE
 from memo_ext.hardware import DeviceSpec
 from memo_ext.memo.alpha import HostMemoryError, LayerCost, solve_alpha
 from memo_ext.memo.modes import StageBytes, layer_mode

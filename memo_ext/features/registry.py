@@ -1,0 +1,59 @@
+"""The lists the rest of the house reads of the features (see the package's docstring):
+:data:`METHODS` the estimator prices, :data:`COMPARED` a comparison runs, and how to add to them."""
+
+from __future__ import annotations
+
+from memo_ext.config import RunConfig
+from memo_ext.errors import UsageError
+from memo_ext.estimate.stage import MemoryMethod
+from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.megatron_offload import method as megatron_offload
+from memo_ext.features.memo import method as memo
+from memo_ext.features.recompute import method as recompute
+
+METHODS: list[MemoryMethod] = [*recompute.METHODS, *memo.METHODS]
+"""Every memory method the estimator prices (``memo-estimate --method`` lists them in this
+order)."""
+
+
+COMPARED: list[ComparedMethod] = [*recompute.COMPARED, *megatron_offload.COMPARED, *memo.COMPARED]
+"""Every method a comparison can run (``memo-compare --methods``), in the order its help lists
+them."""
+
+
+def compared_method(name: str) -> ComparedMethod | None:
+    """The comparison method ``name``, or ``None``."""
+    return next((m for m in COMPARED if m.name == name), None)
+
+
+def register(registry: list, item):
+    """Add ``item`` (a :class:`MemoryMethod` to :data:`METHODS`, a :class:`ComparedMethod` to
+    :data:`COMPARED`) to ``registry``; its name must be new there. Returns ``item``."""
+    if any(known.name == item.name for known in registry):
+        raise ValueError(f"{item.name!r} is registered already")
+    registry.append(item)
+    return item
+
+
+def unregister(registry: list, item) -> None:
+    """Take ``item`` out of ``registry`` (a test's own, after the test)."""
+    if item in registry:
+        registry.remove(item)
+
+
+def method_names() -> list[str]:
+    """The names of :data:`METHODS`, in order."""
+    return [m.name for m in METHODS]
+
+
+def memory_method(name: str) -> MemoryMethod:
+    """The registered method ``name``; UsageError naming the registered ones otherwise."""
+    for method in METHODS:
+        if method.name == name:
+            return method
+    raise UsageError(f"--method must be one of {', '.join(method_names())}, got {name!r}")
+
+
+def memory_method_of(run: RunConfig) -> MemoryMethod:
+    """The method ``run``'s flags select; no recomputation when none does."""
+    return next((m for m in METHODS if m.selected_by(run)), recompute.NO_RECOMPUTE)
