@@ -109,7 +109,10 @@ def parse_args(
     sections["layout"] = sections["layout"].with_world(world_size)
     run = c.RunConfig(**_with_derived_defaults(sections), world_size=world_size)
     run.check()
-    run = check_inputs(run)
+    data = check_inputs(
+        run.data, evaluation=run.evaluation.enabled, calibration=run.preflight.calibration
+    )
+    run = dataclasses.replace(run, data=data)
     # a sample-based run's optimizer steps, derived once: every reader of train_iters sees them
     run = dataclasses.replace(run, train=run.train.with_derived_iters())
     if run.hotspa.enabled:

@@ -24,7 +24,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 if TYPE_CHECKING:
-    from memo_ext.config import RunConfig
+    from memo_ext.config import DataConfig, TrainConfig
 
 
 class DocumentSource(Protocol):
@@ -162,15 +162,15 @@ def global_batches(
         yield batch
 
 
-def document_source(run: RunConfig, *, vocab_size: int) -> DocumentSource:
+def document_source(data: DataConfig, train: TrainConfig, *, vocab_size: int) -> DocumentSource:
     """The whole documents ``--variable-seq-lengths`` trains on."""
-    if run.data.mock_data:
+    if data.mock_data:
         return MockDocuments(
-            num_documents=run.train.total_train_samples,
-            seq_length=run.data.seq_length,
+            num_documents=train.total_train_samples,
+            seq_length=data.seq_length,
             vocab_size=vocab_size,
-            seed=run.train.seed,
+            seed=train.seed,
         )
     # per-split paths: the packed rows read the training prefix (evaluation is refused there)
-    prefix = (run.data.train_data_path or run.data.data_path)[0]
-    return IndexedDocuments(prefix, mmap=run.data.mmap_bin_files)
+    prefix = (data.train_data_path or data.data_path)[0]
+    return IndexedDocuments(prefix, mmap=data.mmap_bin_files)

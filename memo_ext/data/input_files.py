@@ -1,7 +1,8 @@
 """The files a run's flags name, checked before any process group, model or dataset exists:
 the --data-args-path / --per-split-data-args-path lists (read into the run here), the datasets'
 ``.bin`` / ``.idx`` pairs against ``--split``, the tokenizer's files against
-``--vocab-size``, the estimator's calibration file. ``RunConfig.check`` reads no file; this does.
+``--vocab-size``, the estimator's calibration file. ``RunConfig.check`` reads no file; this does,
+from the sections that name them.
 """
 
 from __future__ import annotations
@@ -10,25 +11,43 @@ import dataclasses
 import json
 import logging
 
-from memo_ext.config import DEFAULT_SPLIT, DataConfig, RunConfig, check_regular_file
+from memo_ext.config import DEFAULT_SPLIT, DataConfig, check_regular_file
 from memo_ext.errors import UsageError
 from memo_ext.hardware import read_calibration
 
 logger = logging.getLogger(__name__)
 
 
-def check_inputs(run: RunConfig) -> RunConfig:
+def check_inputs(
+    data: DataConfig, *, evaluation: bool, calibration: str | None = None
+) -> DataConfig:
     """Read what the flags name: a missing or malformed file fails here, in one sentence.
-    Returns ``run`` with an unset ``--split`` fitted to the corpus (``fit_split``).
+
+    Args:
+        data: the run's data section.
+        evaluation: whether the run evaluates (a corpus must then keep validation documents).
+        calibration: the estimator's calibration file (``--calibration``), if any.
+
+    Returns:
+        ``data`` with the argument files read into it and an unset ``--split`` fitted to the
+        corpus (``fit_split``).
 
     Raises:
         UsageError: naming the file and what is wrong with it.
     """
+    data = _check_data(data, evaluation=evaluation)
+    if calibration is not None:
+        read_calibration(calibration)
+    return data
+
+
+def _check_data(data: DataConfig, *, evaluation: bool) -> DataConfig:
+    """The data files of ``check_inputs``: argument files, tokenizer files, datasets."""
     # megatron-core's readers, imported here: --help and a wrong flag import no megatron-core
     from memo_ext.data.datasets import SPLIT_PARTS, check_indexed_dataset, check_split_documents, fit_split, parse_blend
     from memo_ext.data.tokenizers import tokenizer_for
 
-    data = read_data_args(run.data)
+    data = read_data_args(data)
     if data.tokenizer_type not in ("ByteTokenizer", "NullTokenizer"):  # read from files
         tokenizer = tokenizer_for(data)
         if data.vocab_size is not None and data.vocab_size != tokenizer.vocab_size:
@@ -37,15 +56,15 @@ def check_inputs(run: RunConfig) -> RunConfig:
                 f"{data.vocab_size}; drop --vocab-size"
             )
     if data.per_split:
-        _check_per_split(data, evaluation=run.evaluation.enabled)
-        return _check_rest(dataclasses.replace(run, data=data))
+        _check_per_split(data, evaluation=evaluation)
+        return data
     try:
         prefixes = parse_blend(data.data_path)[0] if data.data_path else []
         documents = {prefix: check_indexed_dataset(prefix) for prefix in prefixes}
         split = data.split_or_default
         if data.split is None and documents and not data.variable_seq_lengths:
             split = fit_split(
-                DEFAULT_SPLIT, list(documents.values()), keep_validation=run.evaluation.enabled
+                DEFAULT_SPLIT, list(documents.values()), keep_validation=evaluation
             )
             if split != DEFAULT_SPLIT:
                 dropped = [
@@ -68,13 +87,7 @@ def check_inputs(run: RunConfig) -> RunConfig:
                 check_split_documents(prefix, split, documents=count)
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
-    return _check_rest(dataclasses.replace(run, data=dataclasses.replace(data, split=split)))
-
-
-def _check_rest(run: RunConfig) -> RunConfig:
-    if run.preflight.calibration is not None:
-        read_calibration(run.preflight.calibration)
-    return run
+    return dataclasses.replace(data, split=split)
 
 
 def read_data_args(data: DataConfig) -> DataConfig:

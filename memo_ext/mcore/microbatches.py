@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from megatron.core import num_microbatches_calculator as calculators
 
-from memo_ext.config import RunConfig
-from memo_ext.config.train import batch_at
+from memo_ext.config.train import TrainConfig, batch_at
 
 
 class StepBatchSizeCalculator(calculators.NumMicroBatchesCalculator):
@@ -52,21 +51,24 @@ def install_step_schedule(calculator: StepBatchSizeCalculator) -> None:
     calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
 
 
-def init_microbatches(run: RunConfig, *, rank: int, data_parallel_size: int) -> None:
-    """megatron-core's global calculator for ``run``: constant, ramped, or the step schedule."""
+def init_microbatches(
+    train: TrainConfig, *, seq_length: int, rank: int, data_parallel_size: int
+) -> None:
+    """megatron-core's global calculator for ``train``'s batches: constant, ramped, or the step
+    schedule (whose sizes are in tokens of ``seq_length``)."""
     calculators.init_num_microbatches_calculator(
         rank=rank,
-        rampup_batch_size=run.train.rampup_batch_size,
-        global_batch_size=run.train.global_batch_size,
-        micro_batch_size=run.train.micro_batch_size,
+        rampup_batch_size=train.rampup_batch_size,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
         data_parallel_size=data_parallel_size,
     )
-    if run.train.step_schedule is not None:
+    if train.step_schedule is not None:
         install_step_schedule(
             StepBatchSizeCalculator(
-                run.train.step_schedule,
-                seq_length=run.data.seq_length,
-                micro_batch_size=run.train.micro_batch_size,
+                train.step_schedule,
+                seq_length=seq_length,
+                micro_batch_size=train.micro_batch_size,
                 data_parallel_size=data_parallel_size,
             )
         )
@@ -77,6 +79,6 @@ def update_batch_ramp(consumed_samples: int, num_microbatches: int) -> bool:
     order: unchecked, then checked); True when the micro-batches per step changed."""
     calculators.update_num_microbatches(consumed_samples, consistency_check=False, verbose=True)
     changed = calculators.get_num_microbatches() != num_microbatches
-    # every batch of the ramp splits into micro-batches × DP: RunConfig checked START and INCR
+    # every batch of the ramp splits into micro-batches × DP: TrainConfig checked START and INCR
     calculators.update_num_microbatches(consumed_samples, consistency_check=True)
     return changed

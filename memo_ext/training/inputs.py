@@ -114,7 +114,7 @@ def _packed_batches(
 ) -> Iterator:
     """Per step, this DP rank's packed rows of the next ``global_batch_size`` documents, or
     the first extension's own batches of them."""
-    source = document_source(run, vocab_size=tokenizer.vocab_size)
+    source = document_source(run.data, run.train, vocab_size=tokenizer.vocab_size)
     for extension in extensions:
         batches = extension.batches(
             run, source, rank=ctx.rank, consumed_documents=progress.consumed_samples

@@ -141,7 +141,12 @@ def train(run: RunConfig) -> TrainSummary:
                 device=ctx.device,
                 planned=any(extension.replaces_allocator for extension in extensions),
             )
-            init_microbatches(run, rank=ctx.rank, data_parallel_size=ctx.dp_size)
+            init_microbatches(
+                run.train,
+                seq_length=run.data.seq_length,
+                rank=ctx.rank,
+                data_parallel_size=ctx.dp_size,
+            )
             if run.checkpoint.save:  # held until the run ends: one run per --save at a time
                 held.enter_context(hold_save_dir(run.checkpoint.save))
             return _train(run, ctx, tokenizer, extensions)

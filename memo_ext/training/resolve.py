@@ -45,7 +45,9 @@ def resolve_run(
     context = ResolveContext(
         tokenizer=tokenizer,
         target=target or planning_target(run),
-        documents=lambda: document_source(parsed, vocab_size=tokenizer.vocab_size),
+        documents=lambda: document_source(
+            parsed.data, parsed.train, vocab_size=tokenizer.vocab_size
+        ),
     )
     for extension in extensions_for(run) if extensions is None else extensions:
         run = extension.resolve(run, context)

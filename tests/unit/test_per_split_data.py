@@ -135,7 +135,7 @@ def test_packed_documents_read_the_train_path(corpora):
     run = _parse(
         "--train-data-path", corpora["train"], "--variable-seq-lengths", "--micro-batch-size", "1"
     )
-    source = document_source(run, vocab_size=257)
+    source = document_source(run.data, run.train, vocab_size=257)
     assert len(source) == 20 and set(source.document(3).tolist()) == {ord("a")}
 
 
