@@ -58,7 +58,6 @@ from memo_ext.hotspa.switch import (
     ranks_per_node,
 )
 from memo_ext.mcore.groups import build_process_groups, home_process_groups, swap_cp_group
-from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -162,21 +161,21 @@ class HotSPaEngine:
     def __init__(
         self,
         *,
-        run,
+        variants: Sequence[Variant],
         home_model: torch.nn.Module,
         home_config,
+        config_for: Callable[[ParallelLayout, str | None], object],
         build_model: Callable[..., torch.nn.Module],
+        gated: bool,
         share_home_model: bool = True,
     ) -> None:
-        """``run``: the resolved ``RunConfig`` (its HotSPa layouts, the last one home);
-        ``home_config``: the home model's ``TransformerConfig``; ``build_model(config=,
-        pg_collection=)`` builds the model of another layout on these processes."""
-        self.layouts = list(run.hotspa.strategies)
-        own = run.recompute.granularity or "none"
-        methods = [
-            m if m != own else None for m in run.hotspa.recompute or [None] * len(self.layouts)
-        ]
-        self.keys: list[Variant] = list(zip(self.layouts, methods))
+        """``variants``: per bucket, its layout and recomputation (``None``: the run's own), the
+        last one home; ``home_config``: the home model's ``TransformerConfig``;
+        ``config_for(layout, recompute)`` the ``TransformerConfig`` of another variant, and
+        ``build_model(config=, pg_collection=)`` its model on these processes; ``gated``: the
+        MLP is gated (SwiGLU), so its first weight holds two halves."""
+        self.layouts = [layout for layout, _ in variants]
+        self.keys: list[Variant] = list(variants)
         """Per bucket, its (layout, recomputation): what picks the model that runs it."""
         self.home: Variant = self.keys[-1]
         home_layout = self.home[0]
@@ -197,7 +196,7 @@ class HotSPaEngine:
                     layout=layout, config=home_config, pgs=pgs, model=home_model, shares_home=True
                 )
                 continue
-            config = run_transformer_config(run, layout, recompute=method)
+            config = config_for(layout, method)
             model = build_model(config=config, pg_collection=pgs)
             copy = WorkingCopy(model)
             copy.release()  # until its first bucket: the weight switch will fill it
@@ -205,7 +204,6 @@ class HotSPaEngine:
                 layout=layout, config=config, pgs=pgs, model=model, copy=copy, recompute=method
             )
         rank = dist.get_rank()
-        gated = run.shape.swiglu
         switched = [rt for rt in self.runtimes.values() if not rt.shares_home]
         local = {
             rt.name: describe_shards(

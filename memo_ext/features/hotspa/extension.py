@@ -29,6 +29,7 @@ from memo_ext.extension import (
 from memo_ext.features.hotspa import auto
 from memo_ext.hotspa.buckets import hotspa_step_batches
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
+from memo_ext.mcore.transformer_config import run_transformer_config
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +100,18 @@ class HotSPa(Extension):
         # transformer-engine's attention keeps CP state beyond its cp_group attribute: give
         # CP-only layouts their own model there instead of swapping the home model's group
         te = resolve_attention_backend(run.model.attention_backend) == "te"
+        own = run.recompute.granularity or "none"
+        methods = run.hotspa.recompute or [None] * len(run.hotspa.strategies)
         self.engine = HotSPaEngine(
-            run=run,
+            variants=[
+                (layout, None if method == own else method)
+                for layout, method in zip(run.hotspa.strategies, methods)
+            ],
             home_model=built.model,
             home_config=built.config,
+            config_for=lambda layout, method: run_transformer_config(run, layout, recompute=method),
             build_model=built.build_model,
+            gated=run.shape.swiglu,
             share_home_model=not te,
         )
         self.plan_figures = auto.plan_metrics(run.hotspa)
