@@ -14,7 +14,8 @@ from memo_ext.config.common import at_least, check_writable_directory
 from memo_ext.errors import UsageError
 
 if TYPE_CHECKING:
-    from memo_ext.config.run import RunConfig
+    from memo_ext.config.output import EvaluationConfig
+    from memo_ext.config.train import TrainConfig
 
 TOKENIZER_TYPES = (
     "ByteTokenizer",
@@ -231,12 +232,14 @@ class DataConfig:
         if self.per_split and not self.per_split_data_args_path and not self.train_data_path:
             raise UsageError("per-split data paths need --train-data-path PREFIX…")
 
-    def check_with(self, run: RunConfig) -> None:
+    def check_with(
+        self, *, train: TrainConfig, evaluation: EvaluationConfig, memo_enabled: bool
+    ) -> None:
         """Evaluation needs validation data; packed rows (--variable-seq-lengths) run under DP,
         TP, PP and CP: refuse what they do not support."""
         # a per-split JSON file is read later: check_inputs checks its "valid" list
         no_valid = not (self.per_split_data_args_path or self.valid_data_path)
-        if self.per_split and run.evaluation.enabled and no_valid:
+        if self.per_split and evaluation.enabled and no_valid:
             raise UsageError(
                 "--eval-interval evaluates on validation data, which per-split paths take "
                 "from --valid-data-path; give it, or drop --eval-interval"
@@ -244,14 +247,13 @@ class DataConfig:
         if not self.variable_seq_lengths:
             return
         unsupported = {
-            "--micro-batch-size > 1 (a packed row is one micro-batch)": run.train.micro_batch_size
-            != 1,
-            "--memo": run.memo.enabled,
-            "--eval-interval": bool(run.evaluation.eval_interval),
+            "--micro-batch-size > 1 (a packed row is one micro-batch)": train.micro_batch_size != 1,
+            "--memo": memo_enabled,
+            "--eval-interval": bool(evaluation.eval_interval),
             # rows are packed from global_batch_size documents per step (with HotSPa, split
             # into buckets from them): a growing batch is not wired through either
-            "--rampup-batch-size": run.train.rampup_batch_size is not None,
-            "--step-batch-size-schedule": run.train.step_batch_size_schedule is not None,
+            "--rampup-batch-size": train.rampup_batch_size is not None,
+            "--step-batch-size-schedule": train.step_batch_size_schedule is not None,
             "a blend of several --data-path prefixes": len(self.data_path) > 1,
             "a blend of several --train-data-path prefixes": len(self.train_data_path) > 1,
             "--data-args-path": self.data_args_path is not None,

@@ -131,16 +131,39 @@ class RunConfig:
         if self.profile.enabled:
             check_writable_directory(self.profile_dir, flag="--profile: trace folder")
         self.memo.check()
-        self.memo.check_with(self)
+        self.memo.check_with(
+            model=self.model,
+            recompute=self.recompute,
+            offload=self.offload,
+            data=self.data,
+            shape=self.shape,
+            layout=self.layout,
+        )
         self.evaluation.check()
         self._check_retrieval()
         self.evaluation.check_split(split=self.data.split_or_default, mock_data=self.data.mock_data)
         self.checkpoint.check()
         self.preflight.check()
-        self.data.check_with(self)
+        self.data.check_with(
+            train=self.train, evaluation=self.evaluation, memo_enabled=self.memo.enabled
+        )
         self.hotspa.check()
-        self.hotspa.check_with(self)
-        self.offload.check_with(self)
+        self.hotspa.check_with(
+            data=self.data,
+            model=self.model,
+            recompute=self.recompute,
+            shape=self.shape,
+            layout=self.layout,
+            world_size=self.world_size,
+        )
+        self.offload.check_with(
+            recompute=self.recompute,
+            hotspa=self.hotspa,
+            layout=self.layout,
+            data=self.data,
+            train=self.train,
+            evaluation=self.evaluation,
+        )
 
     def _check_sequence(self) -> None:
         seq = self.data.seq_length

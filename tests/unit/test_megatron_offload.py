@@ -190,12 +190,24 @@ def test_fine_grained_refuses_a_changing_number_of_micro_batches(offload_machine
         run, **{section: dataclasses.replace(getattr(run, section), **field_values)}
     )
     with pytest.raises(UsageError, match="replays the first step's micro-batches"):
-        changed.offload.check_with(changed)
+        changed.offload.check_with(**_offload_sections(changed))
     # the layer-level variant keeps no state across steps: the same run is fine with it
     layer = dataclasses.replace(
         changed, offload=c.MegatronOffloadConfig(cpu_offloading_num_layers=3)
     )
-    layer.offload.check_with(layer)
+    layer.offload.check_with(**_offload_sections(layer))
+
+
+def _offload_sections(run) -> dict:
+    """What ``MegatronOffloadConfig.check_with`` reads of ``run``."""
+    return dict(
+        recompute=run.recompute,
+        hotspa=run.hotspa,
+        layout=run.layout,
+        data=run.data,
+        train=run.train,
+        evaluation=run.evaluation,
+    )
 
 
 @pytest.mark.parametrize("flags", [FINE, LAYER])

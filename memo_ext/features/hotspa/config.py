@@ -14,7 +14,9 @@ from memo_ext.parallel import LayoutError, ParallelLayout, parse_strategies
 from memo_ext.shapes import ModelShape
 
 if TYPE_CHECKING:
-    from memo_ext.config.run import RunConfig
+    from memo_ext.config.data import DataConfig
+    from memo_ext.config.network import ModelConfig
+    from memo_ext.features.recompute.config import RecomputeConfig
 
 
 def check_buckets(bounds: tuple[int, ...], *, seq_length: int) -> None:
@@ -157,15 +159,25 @@ class HotSPaConfig:
             recompute=recompute if any(recompute) else None,
         )
 
-    def check_with(self, run: RunConfig) -> None:
-        """HotSPa against the rest of the run: whole documents, no dropout (the layouts share
-        the home layout's random streams), layouts only from --hotspa-strategies, and
-        recomputation suffixes only where a bucket has a model of its own."""
+    def check_with(
+        self,
+        *,
+        data: DataConfig,
+        model: ModelConfig,
+        recompute: RecomputeConfig,
+        shape: ModelShape,
+        layout: ParallelLayout,
+        world_size: int,
+    ) -> None:
+        """HotSPa against the rest of the run (the sections it reads): whole documents, no
+        dropout (the layouts share the home layout's random streams), layouts only from
+        --hotspa-strategies, and recomputation suffixes only where a bucket has a model of its
+        own."""
         if not self.enabled:
             return
-        if not run.data.variable_seq_lengths:
+        if not data.variable_seq_lengths:
             raise UsageError("--hotspa trains whole documents: add --variable-seq-lengths")
-        dropout = max(run.model.attention_dropout, run.model.hidden_dropout)
+        dropout = max(model.attention_dropout, model.hidden_dropout)
         if dropout > 0:
             raise UsageError(
                 "--hotspa layouts share the home layout's dropout random streams, so the TP ranks "
@@ -173,20 +185,18 @@ class HotSPaConfig:
                 f"--hidden-dropout 0 (got {dropout})"
             )
         fixed = {
-            "--tensor-model-parallel-size": run.layout.tp,
-            "--pipeline-model-parallel-size": run.layout.pp,
-            "--context-parallel-size": run.layout.cp,
+            "--tensor-model-parallel-size": layout.tp,
+            "--pipeline-model-parallel-size": layout.pp,
+            "--context-parallel-size": layout.cp,
         }
         for flag, value in fixed.items():
             if value != 1:
                 raise UsageError(
                     f"with --hotspa the layouts come from --hotspa-strategies; drop {flag}"
                 )
-        hot = self.parsed(
-            seq_length=run.data.seq_length, world_size=run.world_size, shape=run.shape
-        )
+        hot = self.parsed(seq_length=data.seq_length, world_size=world_size, shape=shape)
         if hot.recompute:
-            hot._check_recompute(run.recompute.granularity or "none")
+            hot._check_recompute(recompute.granularity or "none")
 
     def _check_recompute(self, own: str) -> None:
         """``:method`` suffixes: not on buckets that run on the home model (whose recomputation

@@ -10,7 +10,12 @@ from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 
 if TYPE_CHECKING:
-    from memo_ext.config.run import RunConfig
+    from memo_ext.config.data import DataConfig
+    from memo_ext.config.output import EvaluationConfig
+    from memo_ext.config.train import TrainConfig
+    from memo_ext.features.hotspa.config import HotSPaConfig
+    from memo_ext.features.recompute.config import RecomputeConfig
+    from memo_ext.parallel import ParallelLayout
 
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
 """megatron-core's ``offload_modules`` of a dense GPT layer (its ``expert_fc1`` and ``moe_act``
@@ -122,32 +127,59 @@ class MegatronOffloadConfig:
                 f"--min-offloaded-tensor-size must be >= 0, got {self.min_offloaded_tensor_size}"
             )
 
-    def check_with(self, run: RunConfig) -> None:
-        """The offloading against the rest of the run (what megatron-core refuses, what this
-        trainer does not run it with), then the machine; --memo refuses it itself."""
+    def check_with(
+        self,
+        *,
+        recompute: RecomputeConfig,
+        hotspa: HotSPaConfig,
+        layout: ParallelLayout,
+        data: DataConfig,
+        train: TrainConfig,
+        evaluation: EvaluationConfig,
+    ) -> None:
+        """The offloading against the rest of the run (the sections it reads: what
+        megatron-core refuses, what this trainer does not run it with), then the machine;
+        --memo refuses it itself."""
         if not self.enabled:
             return
-        for given, other, why in self._conflicts(run):
+        conflicts = self._conflicts(
+            recompute=recompute,
+            hotspa=hotspa,
+            layout=layout,
+            data=data,
+            train=train,
+            evaluation=evaluation,
+        )
+        for given, other, why in conflicts:
             if given:
                 raise UsageError(
                     f"{self.flag} does not run with {other} here: {why}; drop one of them"
                 )
         self.check_machine()
 
-    def _conflicts(self, run: RunConfig) -> list[tuple[bool, str, str]]:
+    def _conflicts(
+        self,
+        *,
+        recompute: RecomputeConfig,
+        hotspa: HotSPaConfig,
+        layout: ParallelLayout,
+        data: DataConfig,
+        train: TrainConfig,
+        evaluation: EvaluationConfig,
+    ) -> list[tuple[bool, str, str]]:
         """(given?, the other flag, why) for each combination this offloading refuses."""
         conflicts = [
             (
-                run.recompute.granularity is not None,
+                recompute.granularity is not None,
                 "--recompute-granularity",
                 "megatron-core refuses layer-level offloading with recomputation, and the "
                 "fine-grained one is run here as a baseline of its own, without it",
             ),
-            (run.hotspa.enabled, "--hotspa", "its bucket models are built without it"),
+            (hotspa.enabled, "--hotspa", "its bucket models are built without it"),
         ]
         if self.layer_offloading:
             no_pp = "megatron-core's layer-level offloading has no pipeline support"
-            return conflicts + [(run.layout.pp > 1, "--pipeline-model-parallel-size > 1", no_pp)]
+            return conflicts + [(layout.pp > 1, "--pipeline-model-parallel-size > 1", no_pp)]
         # fine-grained: megatron-core caches the first training step's micro-batches and walks
         # that cache in every later step (a micro-batch past it is not offloaded), and resets its
         # state only at the end of a training pass of its schedules
@@ -156,11 +188,11 @@ class MegatronOffloadConfig:
             "device"
         )
         return conflicts + [
-            (run.data.variable_seq_lengths, "--variable-seq-lengths", replay),
-            (run.train.rampup_batch_size is not None, "--rampup-batch-size", replay),
-            (run.train.step_batch_size_schedule is not None, "--step-batch-size-schedule", replay),
+            (data.variable_seq_lengths, "--variable-seq-lengths", replay),
+            (train.rampup_batch_size is not None, "--rampup-batch-size", replay),
+            (train.step_batch_size_schedule is not None, "--step-batch-size-schedule", replay),
             (
-                run.evaluation.enabled,
+                evaluation.enabled,
                 "--eval-interval",
                 "megatron-core resets its offload state only after training passes, so an "
                 "evaluation pass would leave it out of step with the next training step",

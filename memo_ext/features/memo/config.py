@@ -15,7 +15,12 @@ from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 
 if TYPE_CHECKING:
-    from memo_ext.config.run import RunConfig
+    from memo_ext.config.data import DataConfig
+    from memo_ext.config.network import ModelConfig
+    from memo_ext.features.megatron_offload.config import MegatronOffloadConfig
+    from memo_ext.features.recompute.config import RecomputeConfig
+    from memo_ext.parallel import ParallelLayout
+    from memo_ext.shapes import ModelShape
 
 DEFAULT_OFFLOAD_RULE = "tokenwise"
 """MEMO's own offload rule (``memo_ext.memo.rules.TokenWise``)."""
@@ -179,26 +184,36 @@ class MemoConfig:
                 "(--cpu-offloading-num-layers, --fine-grained-activation-offloading); drop one"
             )
 
-    def check_with(self, run: RunConfig) -> None:
-        """MEMO against the rest of the run: what it cannot run with, what chunking and the
-        planned allocator cannot, and a stage it would leave without an offloaded layer."""
+    def check_with(
+        self,
+        *,
+        model: ModelConfig,
+        recompute: RecomputeConfig,
+        offload: MegatronOffloadConfig,
+        data: DataConfig,
+        shape: ModelShape,
+        layout: ParallelLayout,
+    ) -> None:
+        """MEMO against the rest of the run (the sections it reads): what it cannot run with,
+        what chunking and the planned allocator cannot, and a stage it would leave without an
+        offloaded layer."""
         if not self.enabled:
             return
         self.check_combination(
-            hidden_dropout=run.model.hidden_dropout,
-            recompute_granularity=run.recompute.granularity,
-            attention_backend=run.model.attention_backend,
-            cpu_offloading=run.offload.layer_offloading,
-            fine_grained_activation_offloading=run.offload.fine_grained_activation_offloading,
+            hidden_dropout=model.hidden_dropout,
+            recompute_granularity=recompute.granularity,
+            attention_backend=model.attention_backend,
+            cpu_offloading=offload.layer_offloading,
+            fine_grained_activation_offloading=offload.fine_grained_activation_offloading,
         )
         if self.allocator == "plan":
-            self._check_planned_allocator(variable_seq_lengths=run.data.variable_seq_lengths)
-        if self.chunk_tokens is not None and run.data.variable_seq_lengths:
+            self._check_planned_allocator(variable_seq_lengths=data.variable_seq_lengths)
+        if self.chunk_tokens is not None and data.variable_seq_lengths:
             raise UsageError(
                 "--memo-chunk-tokens cannot chunk packed documents (--variable-seq-lengths, "
                 "--hotspa): RoPE positions restart per document; drop one of them"
             )
-        stage_layers = run.shape.num_layers // run.layout.pp
+        stage_layers = shape.num_layers // layout.pp
         if self.kept_layers >= stage_layers:
             raise UsageError(
                 f"--memo would offload no layer: each pipeline stage has {stage_layers} layers and "
