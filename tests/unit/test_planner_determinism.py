@@ -118,3 +118,27 @@ def _cut_clock() -> WorkClock:
     clock = WorkClock.start(1.0, time_limit_s=-1.0)
     assert clock.overdue()
     return clock
+
+
+def test_a_cpsat_solve_stopped_by_the_wall_clock_marks_the_plan_cut():
+    from types import SimpleNamespace
+
+    from memo_ext.planner.solvers.work import UNITS_PER_DETERMINISTIC_SECOND, charge_cpsat
+
+    def solver(used):
+        limits = SimpleNamespace(max_deterministic_time=1.0)
+        return SimpleNamespace(deterministic_time=used, parameters=limits)
+
+    # stopped short of its deterministic limit, past the deadline, not finished: the wall clock
+    late = WorkClock.start(10.0, time_limit_s=-1.0)
+    charge_cpsat(late, solver(0.25), finished=False)
+    assert late.cut and late.spent == 0.25 * UNITS_PER_DETERMINISTIC_SECOND
+    # a proof, or a solve that used its whole limit, says nothing of the wall clock
+    for used, finished in ((0.25, True), (1.0, False)):
+        clock = WorkClock.start(10.0, time_limit_s=-1.0)
+        charge_cpsat(clock, solver(used), finished=finished)
+        assert not clock.cut
+    # before the deadline nothing is cut whatever stopped it
+    early = WorkClock.start(10.0)
+    charge_cpsat(early, solver(0.25), finished=False)
+    assert not early.cut

@@ -25,6 +25,7 @@ from memo_ext.planner.solvers.work import (
     CPSAT_SETUP_UNITS_PER_TENSOR,
     MODEL_UNITS_PER_TENSOR,
     UNITS_PER_DETERMINISTIC_SECOND,
+    charge_cpsat,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,12 +101,7 @@ def solve_cpsat_model(problem: DsaProblem, options: SolveOptions, *, bound: int)
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = options.seed
     status = solver.solve(model)
-    clock.spend(min(solver.deterministic_time * UNITS_PER_DETERMINISTIC_SECOND, clock.left()))
-    if solver.deterministic_time < solver.parameters.max_deterministic_time and status not in (
-        cp_model.OPTIMAL,
-        cp_model.INFEASIBLE,
-    ):
-        clock.overdue()  # stopped by the wall clock: the tree is marked cut
+    charge_cpsat(clock, solver, finished=status in (cp_model.OPTIMAL, cp_model.INFEASIBLE))
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         offsets = np.asarray([solver.value(v) for v in offset_vars], dtype=np.int64)
         if hint is None or peak_of(problem, offsets) < peak_of(problem, hint):

@@ -34,6 +34,7 @@ from memo_ext.planner.solvers.work import (
     MODEL_UNITS_PER_TENSOR,
     UNITS_PER_DETERMINISTIC_SECOND,
     WorkClock,
+    charge_cpsat,
 )
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def find_level(
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     status = solver.solve(model)
-    clock.spend(min(solver.deterministic_time * UNITS_PER_DETERMINISTIC_SECOND, clock.left()))
+    charge_cpsat(clock, solver, finished=status in (cp_model.OPTIMAL, cp_model.INFEASIBLE))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return np.asarray([solver.value(x) for x in chosen], dtype=bool)

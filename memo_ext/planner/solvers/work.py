@@ -54,6 +54,16 @@ CPSAT_SETUP_UNITS_PER_TENSOR = 6e-3
 time does not see (measured 1.6-13 s on models of 200-3,000 tensors; a rough fit)."""
 
 
+def charge_cpsat(clock: WorkClock, solver, *, finished: bool) -> None:
+    """Charges a CP-SAT solve (``solver``, a ``CpSolver`` after ``solve``) to ``clock``: its
+    deterministic time. One that stopped short of its deterministic limit without ``finished``
+    (optimal, or proven infeasible) was stopped by the wall clock, which marks the tree as cut."""
+    used, limit = solver.deterministic_time, solver.parameters.max_deterministic_time
+    clock.spend(min(used * UNITS_PER_DETERMINISTIC_SECOND, clock.left()))
+    if not finished and used < limit:
+        clock.overdue()
+
+
 def greedy_units(problem: DsaProblem) -> float:
     """Work of one greedy placement of ``problem``'s tensors."""
     n = problem.n
