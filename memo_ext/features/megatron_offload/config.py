@@ -142,32 +142,7 @@ class MegatronOffloadConfig:
         --memo refuses it itself."""
         if not self.enabled:
             return
-        conflicts = self._conflicts(
-            recompute=recompute,
-            hotspa=hotspa,
-            layout=layout,
-            data=data,
-            train=train,
-            evaluation=evaluation,
-        )
-        for given, other, why in conflicts:
-            if given:
-                raise UsageError(
-                    f"{self.flag} does not run with {other} here: {why}; drop one of them"
-                )
-        self.check_machine()
-
-    def _conflicts(
-        self,
-        *,
-        recompute: RecomputeConfig,
-        hotspa: HotSPaConfig,
-        layout: ParallelLayout,
-        data: DataConfig,
-        train: TrainConfig,
-        evaluation: EvaluationConfig,
-    ) -> list[tuple[bool, str, str]]:
-        """(given?, the other flag, why) for each combination this offloading refuses."""
+        # (given?, the other flag, why) for each combination this offloading refuses
         conflicts = [
             (
                 recompute.granularity is not None,
@@ -179,22 +154,29 @@ class MegatronOffloadConfig:
         ]
         if self.layer_offloading:
             no_pp = "megatron-core's layer-level offloading has no pipeline support"
-            return conflicts + [(layout.pp > 1, "--pipeline-model-parallel-size > 1", no_pp)]
-        # fine-grained: megatron-core caches the first training step's micro-batches and walks
-        # that cache in every later step (a micro-batch past it is not offloaded), and resets its
-        # state only at the end of a training pass of its schedules
-        replay = (
-            "megatron-core replays the first step's micro-batches, and more would stay on the "
-            "device"
-        )
-        return conflicts + [
-            (data.variable_seq_lengths, "--variable-seq-lengths", replay),
-            (train.rampup_batch_size is not None, "--rampup-batch-size", replay),
-            (train.step_batch_size_schedule is not None, "--step-batch-size-schedule", replay),
-            (
-                evaluation.enabled,
-                "--eval-interval",
-                "megatron-core resets its offload state only after training passes, so an "
-                "evaluation pass would leave it out of step with the next training step",
-            ),
-        ]
+            conflicts.append((layout.pp > 1, "--pipeline-model-parallel-size > 1", no_pp))
+        else:
+            # fine-grained: megatron-core caches the first training step's micro-batches and
+            # walks that cache in every later step (a micro-batch past it is not offloaded), and
+            # resets its state only at the end of a training pass of its schedules
+            replay = (
+                "megatron-core replays the first step's micro-batches, and more would stay on "
+                "the device"
+            )
+            conflicts += [
+                (data.variable_seq_lengths, "--variable-seq-lengths", replay),
+                (train.rampup_batch_size is not None, "--rampup-batch-size", replay),
+                (train.step_batch_size_schedule is not None, "--step-batch-size-schedule", replay),
+                (
+                    evaluation.enabled,
+                    "--eval-interval",
+                    "megatron-core resets its offload state only after training passes, so an "
+                    "evaluation pass would leave it out of step with the next training step",
+                ),
+            ]
+        for given, other, why in conflicts:
+            if given:
+                raise UsageError(
+                    f"{self.flag} does not run with {other} here: {why}; drop one of them"
+                )
+        self.check_machine()
