@@ -139,11 +139,12 @@ def _recording_stopped_workers(statuses: dict[int, int | None]) -> Iterator[None
     """Record each worker's exit code when torchrun's agent shuts its workers down (on a
     signal, after forwarding it): the agent keeps them to itself and raises. torch's agent
     internals (``LocalElasticAgent._shutdown``, ``SubprocessContext.subprocess_handlers``) are
-    checked by ``tests/unit/test_launch.py``."""
+    checked by ``tests/unit/test_launch.py``. The agent's arguments are passed on as given: its
+    signature differs between torch releases (2.11 takes ``death_sig``, 2.13 a ``timeout`` too)."""
     shutdown = LocalElasticAgent._shutdown
 
-    def recording(agent, death_sig=signal.SIGTERM, timeout=30):
-        shutdown(agent, death_sig, timeout)
+    def recording(agent, *args, **kwargs):
+        shutdown(agent, *args, **kwargs)
         handlers = getattr(agent._pcontext, "subprocess_handlers", None) or {}
         statuses.update({rank: h.proc.returncode for rank, h in handlers.items()})
 

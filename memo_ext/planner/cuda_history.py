@@ -11,7 +11,9 @@ fake-tensor trace of the same step compared with it.
 A block's lifetime runs from its ``alloc`` to the program's release (``free_requested``, or
 ``free_completed`` when no request was logged). Blocks allocated before the history was switched
 on are not in the log; their frees are skipped and counted in the trace's ``meta``. Sizes are
-the allocator's block sizes (requests rounded up to 512 bytes, or more for large blocks).
+what the program asked for (the log's ``size`` is the request): the caching allocator's own
+figures (``max_memory_allocated``) count its blocks, each request rounded up to 512 bytes, which
+``problem_from_trace(trace, alignment=512)`` reproduces.
 """
 
 from __future__ import annotations

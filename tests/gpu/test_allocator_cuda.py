@@ -2,7 +2,7 @@
 
 The pluggable allocator must be installed before CUDA is initialised, so the program runs in its
 own process: record a forward pass, give every recorded block its own range (a valid plan, no
-reuse), serve it, and compare with the recorded run.
+reuse), serve it, and compare with the recorded run; and run out of memory under the core.
 """
 
 import json
@@ -66,19 +66,16 @@ for _ in range(4):
     del out
     backend_allocs.append(core.stats()["fallback_backend_allocs"])
 stats = core.stats()
-try:  # far past the device: the core returns NULL, the shim raises (no illegal address)
-    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
-    oom = "no error"
-except torch.OutOfMemoryError as err:
-    oom = str(err)
-usable = bool(torch.ones(4, device="cuda").sum().item() == 4)  # no sticky CUDA error after it
 print(json.dumps({"stats": stats, "same": same, "in_arena": in_arena, "planned": len(allocs),
-                  "backend_allocs": backend_allocs, "oom": oom, "usable": usable}))
+                  "backend_allocs": backend_allocs}), flush=True)
 """
 
 
 def test_a_recorded_cuda_forward_is_served_from_the_arena():
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True)
+    # -X faulthandler: a crash in native code names the script's line it died on
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", SCRIPT], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     stats = out["stats"]
@@ -86,4 +83,35 @@ def test_a_recorded_cuda_forward_is_served_from_the_arena():
     assert out["same"] and out["in_arena"]
     # After the first step (whose comparison may take a new block) nothing reaches cudaMalloc.
     assert len(set(out["backend_allocs"][1:])) == 1
+
+
+OUT_OF_MEMORY = r"""
+import json
+import torch
+from memo_ext.allocator.core import AllocatorCore
+from memo_ext.allocator.cuda import install_cuda_allocator
+
+core = AllocatorCore()
+install_cuda_allocator(core)
+kept = torch.ones(1024, device="cuda")  # a cached block, which the core hands back before failing
+del kept
+try:  # far past the device: the core returns NULL, the shim raises (no illegal address)
+    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    oom = "no error"
+except torch.OutOfMemoryError as err:
+    oom = str(err)
+usable = bool(torch.ones(4, device="cuda").sum().item() == 4)  # no sticky CUDA error after it
+print(json.dumps({"oom": oom, "usable": usable}), flush=True)
+"""
+
+
+def test_running_out_under_the_core_is_torch_out_of_memory():
+    """The shim raises c10::OutOfMemoryError from the pluggable allocator's ``alloc``. On an
+    H200 with torch 2.11 this process died of a segmentation fault at the allocation."""
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", OUT_OF_MEMORY], capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
     assert f"Tried to allocate {1 << 50} B" in out["oom"] and out["usable"]

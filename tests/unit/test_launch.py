@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from memo_ext.launch import exit_status, first_failure
@@ -66,10 +67,42 @@ def test_the_torch_agent_internals_the_launcher_reads_are_there():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
-    assert list(inspect.signature(LocalElasticAgent._shutdown).parameters) == [
+    # torch 2.11 has (self, death_sig), 2.13 (self, death_sig, timeout): passed on as given
+    assert list(inspect.signature(LocalElasticAgent._shutdown).parameters)[:2] == [
         "self",
         "death_sig",
-        "timeout",
     ]
     assert "self._pcontext" in inspect.getsource(LocalElasticAgent._shutdown)
     assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext.__init__)
+
+
+@pytest.mark.parametrize("release", ["2.11", "2.13"])
+def test_the_stopped_workers_are_recorded_whatever_the_agents_shutdown_takes(monkeypatch, release):
+    """The wrapper passes the agent's arguments on as given: torch 2.11's ``_shutdown`` takes
+    ``death_sig`` alone, 2.13's a ``timeout`` too, and every torchrun run ends through it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from memo_ext.launch import _recording_stopped_workers
+
+    calls = []
+    if release == "2.11":
+
+        def shutdown(self, death_sig=signal.SIGTERM):
+            calls.append((death_sig,))
+    else:
+
+        def shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            calls.append((death_sig, timeout))
+
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", shutdown)
+    handler = SimpleNamespace(proc=SimpleNamespace(returncode=0))
+    agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={0: handler}))
+    statuses: dict[int, int | None] = {}
+    with _recording_stopped_workers(statuses):
+        LocalElasticAgent._shutdown(agent)  # how the agent ends a run that finished
+        LocalElasticAgent._shutdown(agent, signal.SIGINT)  # and one stopped by a signal
+    assert LocalElasticAgent._shutdown is shutdown
+    assert calls[0][0] == signal.SIGTERM and calls[1][0] == signal.SIGINT
+    assert statuses == {0: 0}
