@@ -87,31 +87,39 @@ def test_a_recorded_cuda_forward_is_served_from_the_arena():
 
 OUT_OF_MEMORY = r"""
 import json
+import sys
 import torch
-from memo_ext.allocator.core import AllocatorCore
+from memo_ext.allocator.core import AllocatorCore, AllocatorCoreError
 from memo_ext.allocator.cuda import install_cuda_allocator
 
 core = AllocatorCore()
 install_cuda_allocator(core)
 kept = torch.ones(1024, device="cuda")  # a cached block, which the core hands back before failing
 del kept
+try:  # the core alone first (no torch, no raise in C++): a crash below it is the CUDA runtime's
+    core.alloc(1 << 50)
+    direct = "no error"
+except AllocatorCoreError as err:
+    direct = str(err)
+print("the core alone:", direct, file=sys.stderr, flush=True)
 try:  # far past the device: the core returns NULL, the shim raises (no illegal address)
     torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     oom = "no error"
 except torch.OutOfMemoryError as err:
     oom = str(err)
 usable = bool(torch.ones(4, device="cuda").sum().item() == 4)  # no sticky CUDA error after it
-print(json.dumps({"oom": oom, "usable": usable}), flush=True)
+print(json.dumps({"direct": direct, "oom": oom, "usable": usable}), flush=True)
 """
 
 
 def test_running_out_under_the_core_is_torch_out_of_memory():
-    """The shim raises c10::OutOfMemoryError from the pluggable allocator's ``alloc``. On an
-    H200 with torch 2.11 this process died of a segmentation fault at the allocation."""
+    """The shim raises c10::OutOfMemoryError from the pluggable allocator's ``alloc``: torch
+    turns it into torch.OutOfMemoryError, and CUDA stays usable."""
     result = subprocess.run(
         [sys.executable, "-X", "faulthandler", "-c", OUT_OF_MEMORY], capture_output=True,
         text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "could not allocate" in out["direct"]
     assert f"Tried to allocate {1 << 50} B" in out["oom"] and out["usable"]
