@@ -91,7 +91,7 @@ def build_training_state(
     in the environment, as torchrun sets them."""
     from memo_ext.arguments import parse_args
     from memo_ext.data.tokenizers import tokenizer_for
-    from memo_ext.mcore.transformer_config import run_transformer_config
+    from memo_ext.features.megatron import run_transformer_config
     from memo_ext.training.initialize import (
         device_environment,
         init_distributed,

@@ -21,7 +21,7 @@ A :class:`RunConfig` is built once from the flags (``memo_ext.arguments.parse_ar
 (:meth:`RunConfig.check`, one sentence per problem; no file is read here, the files the flags
 name are checked by ``memo_ext.data.input_files``) and resolved once against the tokenizer and the
 data (``memo_ext.training.resolve``): nothing downstream changes it. Its megatron-core
-``TransformerConfig`` is built by ``memo_ext.mcore.transformer_config.run_transformer_config``.
+``TransformerConfig`` is built by ``memo_ext.features.megatron.run_transformer_config``.
 This package imports nothing of the trainer above ``errors``, ``flags``, ``hardware``,
 ``parallel`` and ``shapes``, and the features' sections.
 """

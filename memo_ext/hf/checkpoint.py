@@ -32,6 +32,7 @@ from memo_ext.arguments import parse_args
 from memo_ext.config import RunConfig
 from memo_ext.device import compute_device, on_gpu
 from memo_ext.errors import UsageError
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.hf.files import check_names, check_tied_head, read_config, tensor_files
 from memo_ext.hf.weights import (
     VOCAB_DIVISIBLE_BY,
@@ -41,7 +42,6 @@ from memo_ext.hf.weights import (
     trainer_flags,
 )
 from memo_ext.mcore.compat import cpu_compat
-from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import padded_vocab_size
 from memo_ext.training.checkpoint import (

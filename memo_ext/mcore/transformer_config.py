@@ -1,9 +1,10 @@
 """A model shape and a parallel layout as megatron-core's ``TransformerConfig``, and back.
 
 :func:`transformer_config` is the one place a ``TransformerConfig`` is made from our types: the
-trainer's (:func:`run_transformer_config`), the estimator's and the planner's traces all come
-from it. :func:`traced_transformer_config` is the variant for fake-tensor traces (bf16, no
-dropout, nothing initialised); :func:`model_shape_of` reads a shape back from a config.
+trainer's (:func:`model_transformer_config`, with the fields the run's features set), the
+estimator's and the planner's traces all come from it. :func:`traced_transformer_config` is the
+variant for fake-tensor traces (bf16, no dropout, nothing initialised); :func:`model_shape_of`
+reads a shape back from a config.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 
-from memo_ext.config import RecomputeConfig, RunConfig
+from memo_ext.config import ModelConfig, TrainConfig
 from memo_ext.device import on_gpu
 from memo_ext.mcore.rotary import YarnTransformerConfig, yarn_fields
 from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
@@ -76,49 +77,41 @@ def traced_transformer_config(
     return transformer_config(shape, layout=layout, **{**base, **fields})
 
 
-def run_transformer_config(
-    run: RunConfig, layout: ParallelLayout | None = None, *, recompute: str | None = None
+def model_transformer_config(
+    shape: ModelShape,
+    model: ModelConfig,
+    train: TrainConfig,
+    *,
+    layout: ParallelLayout,
+    fused_cross_entropy: bool,
+    **fields,
 ) -> TransformerConfig:
-    """A fresh megatron-core config of ``run``'s model in ``layout`` (default: the run's), with
-    ``recompute`` (``none``, ``selective``, ``full``: every layer) in place of the run's
-    recomputation when given (HotSPa's per-layout choice)."""
-    m, r, t, o = run.model, run.recompute, run.train, run.offload
-    if recompute is not None:
-        r = RecomputeConfig(
-            granularity=None if recompute == "none" else recompute,
-            method="uniform" if recompute == "full" else None,
-            num_layers=1 if recompute == "full" else None,
-        )
+    """A fresh megatron-core config of a run's model (``shape`` and the ``model`` section) at the
+    ``train`` section's precision, in ``layout``; ``fields`` are what the run's features set
+    (recomputation, megatron-core's offloading: ``memo_ext.features.megatron``)."""
     return transformer_config(
-        run.shape,
-        layout=layout or run.layout,
-        layernorm_epsilon=m.norm_epsilon,
-        attention_dropout=m.attention_dropout,
-        hidden_dropout=m.hidden_dropout,
-        init_method_std=m.init_method_std,
-        recompute_granularity=r.granularity,
-        recompute_method=r.method,
-        recompute_num_layers=r.num_layers,
-        cpu_offloading=o.layer_offloading,
-        cpu_offloading_num_layers=o.cpu_offloading_num_layers,
-        fine_grained_activation_offloading=o.fine_grained_activation_offloading,
-        offload_modules=list(o.offload_modules),
-        min_offloaded_tensor_size=o.min_offloaded_tensor_size,
-        bf16=t.bf16,
-        fp16=t.fp16,
-        params_dtype=t.params_dtype,
-        pipeline_dtype=t.params_dtype,
+        shape,
+        layout=layout,
+        layernorm_epsilon=model.norm_epsilon,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        init_method_std=model.init_method_std,
+        bf16=train.bf16,
+        fp16=train.fp16,
+        params_dtype=train.params_dtype,
+        pipeline_dtype=train.params_dtype,
         # the loss is a mean over every real token of the global batch, however it is split
         calculate_per_token_loss=True,
-        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
-        cross_entropy_loss_fusion=run.fused_cross_entropy,
+        layernorm_zero_centered_gamma=model.apply_layernorm_1p,
+        cross_entropy_loss_fusion=fused_cross_entropy,
         # memo_ext.mcore.init redraws every weight after the model is built, independently
         # of the parallel layout. megatron's own draw still runs: with it off, its layers
         # also skip tagging weights as tensor-parallel, which gradient norms and checkpoints
         # need.
         use_cpu_initialization=not on_gpu(),
         perform_initialization=True,
-        **(yarn_fields(m) if run.shape.position_embedding_type == "yarn" else {}),
+        **(yarn_fields(model) if shape.position_embedding_type == "yarn" else {}),
+        **fields,
     )
 
 

@@ -43,9 +43,9 @@ from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.errors import UsageError
 from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, StepLoss
 from memo_ext.features.extensions import extensions_for
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.features.preflight import check_preflight, planning_target
 from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
-from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.training.checkpoint import (
     TrainProgress,
     check_save_target,

@@ -6,7 +6,7 @@ import pytest
 
 from memo_ext.arguments import parse_args
 from memo_ext.errors import UsageError
-from memo_ext.mcore.transformer_config import run_transformer_config
+from memo_ext.features.megatron import run_transformer_config
 from tests.launch import SMALL_GPT, cli
 
 BASE = SMALL_GPT

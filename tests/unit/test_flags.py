@@ -10,8 +10,8 @@ import pytest
 
 from memo_ext.arguments import SECTIONS, build_parser, parse_args
 from memo_ext.config import HotSPaConfig, MemoConfig, TrainConfig
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.flags import add_flags, cli_fields, field_docs, flag_name, overrides_from_flags
-from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 from tests.launch import cli, run_tool

@@ -34,9 +34,9 @@ from memo_ext.features.hotspa.auto import (
     plan_metrics,
 )
 from memo_ext.features.hotspa.extension import _log_one_bucket
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.features.registry import memory_method
 from memo_ext.hardware import device_spec
-from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.parallel import ParallelLayout, parse_strategies
 from memo_ext.shapes import model_shape
 

@@ -260,7 +260,6 @@ NAMED_OUTSIDE_FEATURES: dict[tuple[str, str], str] = {
     ("memo_ext/estimate/fits.py", "memo-"): "the tracer's name of a MEMO trace (memo-A@C:RULE)",
     ("memo_ext/compare/memory.py", "memo-"): "the activation report's MEMO rows",
     ("memo_ext/compare/report.py", "none"): "the comparison table's baseline column",
-    ("memo_ext/mcore/transformer_config.py", "none"): "HotSPa's per-layout recomputation value",
 }
 """The comparisons with a feature's name still made outside ``memo_ext/features``, each with why.
 A ratchet (as torchtitan's ``test_no_new_cli_options``): a new one fails the test, and so does

@@ -18,7 +18,7 @@ import pytest
 import torch.nn.functional as F
 
 from memo_ext.arguments import parse_args
-from memo_ext.mcore.transformer_config import run_transformer_config
+from memo_ext.features.megatron import run_transformer_config
 
 BASE = "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 --train-iters 1"
 BASE += " --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000"

@@ -22,9 +22,10 @@ from memo_ext.compare import runs as compare_runs
 from memo_ext.compare.report import format_summary
 from memo_ext.errors import UsageError
 from memo_ext.estimate.cost_model import Efficiency
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.features.megatron_offload import config as megatron_offload
 from memo_ext.hardware import DeviceSpec
-from memo_ext.mcore.transformer_config import run_transformer_config, transformer_config
+from memo_ext.mcore.transformer_config import transformer_config
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 from tests.launch import SMALL_GPT, cli

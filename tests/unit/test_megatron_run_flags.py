@@ -23,8 +23,9 @@ from memo_ext.data.demo_corpus import build_demo_corpus
 from memo_ext.data.sampler import build_batch_iterator
 from memo_ext.data.tokenizers import ByteTokenizer
 from memo_ext.errors import UsageError
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.mcore.norms import Norm
-from memo_ext.mcore.transformer_config import model_shape_of, run_transformer_config
+from memo_ext.mcore.transformer_config import model_shape_of
 from memo_ext.shapes import ModelShape
 from memo_ext.training import housekeeping
 from memo_ext.training.housekeeping import ManualGC, StepProfiler, notices_for_this_machine

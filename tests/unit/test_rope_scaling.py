@@ -27,11 +27,11 @@ from memo_ext.config import MemoConfig
 from memo_ext.data.packing import pack_documents
 from memo_ext.errors import UsageError
 from memo_ext.estimate.measure import trace_layer
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.mcore.chunked import ChunkedLayer
 from memo_ext.mcore.groups import build_process_groups
 from memo_ext.mcore.rotary import YarnTransformerConfig, rotary_arguments, yarn_fields
 from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.mcore.transformer_config import run_transformer_config
 from memo_ext.megatron_lm.translate import translate
 from memo_ext.memo.policy import apply_memo
 from memo_ext.shapes import ModelShape

@@ -29,7 +29,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from memo_ext.arguments import parse_args  # noqa: E402
-from memo_ext.mcore.transformer_config import run_transformer_config  # noqa: E402
+from memo_ext.features.megatron import run_transformer_config  # noqa: E402
 from memo_ext.training.model import build_gpt_model  # noqa: E402
 from tests.launch import cli  # noqa: E402
 

@@ -27,9 +27,9 @@ from memo_ext.extension import (
     StepLoss,
 )
 from memo_ext.features.hotspa import auto
+from memo_ext.features.megatron import run_transformer_config
 from memo_ext.hotspa.buckets import hotspa_step_batches
 from memo_ext.hotspa.engine import HotSPaEngine, format_hotspa_metrics
-from memo_ext.mcore.transformer_config import run_transformer_config
 
 logger = logging.getLogger(__name__)
 

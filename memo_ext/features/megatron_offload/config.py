@@ -72,6 +72,16 @@ class MegatronOffloadConfig:
     def enabled(self) -> bool:
         return self.layer_offloading or self.fine_grained_activation_offloading
 
+    def megatron_fields(self) -> dict:
+        """The ``TransformerConfig`` fields that make megatron-core offload this way."""
+        return dict(
+            cpu_offloading=self.layer_offloading,
+            cpu_offloading_num_layers=self.cpu_offloading_num_layers,
+            fine_grained_activation_offloading=self.fine_grained_activation_offloading,
+            offload_modules=list(self.offload_modules),
+            min_offloaded_tensor_size=self.min_offloaded_tensor_size,
+        )
+
     @property
     def flag(self) -> str:
         """The flag that turned offloading on (for messages)."""

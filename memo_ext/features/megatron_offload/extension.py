@@ -1,6 +1,6 @@
 """megatron-core's own activation offloading (``--cpu-offloading-num-layers``,
 ``--fine-grained-activation-offloading``) as an extension of the trainer: megatron-core does
-the work through the ``TransformerConfig`` fields ``run_transformer_config`` sets, so all the
+the work through the ``TransformerConfig`` fields its section sets (``megatron_fields``), so all the
 trainer needs to know is that the estimator does not model it."""
 
 from __future__ import annotations

@@ -22,6 +22,23 @@ class RecomputeConfig:
     num_layers: int | None = None
     """Layers per recompute unit (uniform) or recomputed layers per stage (block)."""
 
+    @classmethod
+    def of_layout(cls, method: str) -> RecomputeConfig:
+        """HotSPa's per-layout choice (``none``, ``selective``, ``full``: every layer)."""
+        if method == "none":
+            return cls()
+        if method == "full":
+            return cls(granularity="full", method="uniform", num_layers=1)
+        return cls(granularity=method)
+
+    def megatron_fields(self) -> dict:
+        """The ``TransformerConfig`` fields that make megatron-core recompute this way."""
+        return dict(
+            recompute_granularity=self.granularity,
+            recompute_method=self.method,
+            recompute_num_layers=self.num_layers,
+        )
+
     def check(self, *, stage_layers: int) -> None:
         """``stage_layers``: transformer layers per pipeline stage."""
         if self.granularity is None:
