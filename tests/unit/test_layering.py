@@ -219,6 +219,52 @@ def test_megatron_private_names_only_in_mcore(package):
     assert {name: found for name, found in uses.items() if found} == {}
 
 
+RUN_PROTOCOLS = frozenset({"memo_ext.extension", "memo_ext.estimate.stage"})
+"""The protocols a feature implements, whose methods are handed the run: below ``features`` the
+only modules that name ``RunConfig``, and only as a type (under ``TYPE_CHECKING``)."""
+
+
+def run_config_uses(tree: ast.AST) -> list[str]:
+    """Where a module imports ``RunConfig`` at run time, and where it names it at all."""
+    runtime = [
+        f"imports RunConfig (line {node.lineno})"
+        for node in _runtime_nodes(tree)
+        if isinstance(node, ast.ImportFrom) and any(a.name == "RunConfig" for a in node.names)
+    ]
+    named = [
+        f"names RunConfig (line {node.lineno})"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name) and node.id == "RunConfig"
+    ]
+    return runtime or named[:1]
+
+
+def test_below_the_features_functions_take_the_sections_they_read(package):
+    """The libraries below ``features`` (``mcore``, ``data``, the planner, MEMO, the estimator,
+    HotSPa's engine, ...) are handed the sections of the run they read, never the whole run."""
+    below = layer_of("features")
+    uses = {
+        name: run_config_uses(tree)
+        for name, tree in package.items()
+        if component(name)
+        and layer_of(component(name)) < below
+        and not component(name).startswith(("config", "features."))
+    }
+    runtime = {
+        name: found
+        for name, found in uses.items()
+        if found and (name not in RUN_PROTOCOLS or found[0].startswith("imports"))
+    }
+    assert runtime == {}
+    planted = "from memo_ext.config import RunConfig\ndef f(run: RunConfig): ...\n"
+    assert run_config_uses(ast.parse(planted)) == ["imports RunConfig (line 1)"]
+    hinted = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from memo_ext.config import "
+        "RunConfig\ndef f(run: RunConfig): ...\n"
+    )
+    assert run_config_uses(ast.parse(hinted)) == ["names RunConfig (line 4)"]
+
+
 def test_the_checks_catch_what_they_are_for():
     # an upward import, an import across one layer, a cycle and a private megatron name, each
     # planted in a copy of a real graph and source, must be reported
