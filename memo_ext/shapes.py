@@ -12,6 +12,8 @@ can build on it.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -182,6 +184,17 @@ def model_shape(name: str, **overrides) -> ModelShape:
         raise UsageError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
     changes = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(MODELS[name], **changes)
+
+
+def embedding_rows(
+    vocab_size: int, *, divisible_by: int = 128, tp_sizes: Iterable[int] = (1,)
+) -> int:
+    """The embedding rows this trainer gives a vocabulary: the smallest multiple of
+    lcm(``divisible_by``, every TP degree of the run) that holds it, so that every layout a run
+    uses (HotSPa's too) splits one and the same table. The run's resolution, the estimator, the
+    planner's traces and the converters all pad by this rule; Megatron-LM's own
+    (``divisible_by`` × TP, :func:`padded_vocab_size`) is read only from its checkpoints."""
+    return padded_vocab_size(vocab_size, divisible_by=math.lcm(divisible_by, *tp_sizes))
 
 
 def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:

@@ -23,7 +23,7 @@ from memo_ext.estimate.fits import LayerFigures
 from memo_ext.estimate.stage import LayerTime, MemoryMethod, Place, Stage, StageContext
 from memo_ext.hardware import DeviceSpec
 from memo_ext.parallel import LayoutError, ParallelLayout
-from memo_ext.shapes import ModelShape, padded_vocab_size, train_flops
+from memo_ext.shapes import ModelShape, embedding_rows, train_flops
 
 # Achieved fraction of the dense peak per op class.
 # - matmul (assumption from vendor benchmarks): large bf16 GEMMs (h >= 4096) reach about 75% of
@@ -215,8 +215,8 @@ def params_per_gpu(
     model: ModelShape, layout: ParallelLayout, layer: LayerFigures, seq_length: int
 ) -> int:
     """Parameters on the busiest stage: its layers plus one end (embedding or output layer,
-    TP-sharded as Megatron-LM pads it; tied when PP is 1) and the final norm."""
-    padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=layout.tp)
+    TP-sharded as the trainer pads it; tied when PP is 1) and the final norm."""
+    padded = embedding_rows(model.vocab_size, tp_sizes=(layout.tp,))
     ends = padded // layout.tp * model.hidden_size + 2 * model.hidden_size
     if model.position_embedding_type == "learned_absolute":
         ends += seq_length * model.hidden_size
@@ -527,7 +527,7 @@ def _finish(stage: Stage, ctx: StageContext, *, seq_length, states, params, meth
     model, layout, batch, device, eff = ctx.model, ctx.layout, ctx.batch, ctx.device, ctx.eff
     time = stage.time
     # output layer and loss: 2·tokens·h·vocab/tp forward, twice that backward
-    padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=layout.tp)
+    padded = embedding_rows(model.vocab_size, tp_sizes=(layout.tp,))
     ends_flops = 6 * ctx.tokens * batch.micro_batch_size * model.hidden_size * padded // layout.tp
     time.compute_s += _seconds(ends_flops, 0, device=device, eff=eff, cp=1)[0]
     stage_s = time.compute_s + time.comm_s + time.copy_s

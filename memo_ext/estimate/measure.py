@@ -66,7 +66,7 @@ from memo_ext.memo.policy import (
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.capture import trace_module, trace_transformer_layer
 from memo_ext.planner.problem import lower_bound, problem_from_trace
-from memo_ext.shapes import ModelShape, padded_vocab_size
+from memo_ext.shapes import ModelShape, embedding_rows
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def loss_max_live_bytes(
     """
     sp = sp and tp > 1
     h, b = model.hidden_size, micro_batch_size
-    padded = padded_vocab_size(model.vocab_size, divisible_by=128, tp_size=tp)
+    padded = embedding_rows(model.vocab_size, tp_sizes=(tp,))
     with warnings.catch_warnings(), fake_parallel_state(tp):
         warnings.simplefilter("ignore")
         with FakeTensorMode(allow_non_fake_inputs=True):

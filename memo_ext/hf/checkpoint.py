@@ -43,7 +43,7 @@ from memo_ext.hf.weights import (
 )
 from memo_ext.mcore.compat import cpu_compat
 from memo_ext.parallel import ParallelLayout
-from memo_ext.shapes import padded_vocab_size
+from memo_ext.shapes import embedding_rows
 from memo_ext.training.checkpoint import (
     MODEL_FLAGS_FILE,
     WEIGHTS_ONLY,
@@ -107,8 +107,9 @@ def build_model(
     run = parse_args(
         [*flags, *_RUN_STUB, "--seq-length", "8"], world_size=world_size, notices=False
     )
-    divisible = run.model.make_vocab_size_divisible_by
-    padded = padded_vocab_size(vocab_size, divisible_by=divisible)
+    padded = embedding_rows(
+        vocab_size, divisible_by=run.model.make_vocab_size_divisible_by, tp_sizes=(run.layout.tp,)
+    )
     run = dataclasses.replace(
         run,
         shape=dataclasses.replace(run.shape, vocab_size=vocab_size),

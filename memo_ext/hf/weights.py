@@ -33,7 +33,7 @@ import torch
 
 from memo_ext.errors import UsageError
 from memo_ext.hf import FAMILIES
-from memo_ext.shapes import padded_vocab_size
+from memo_ext.shapes import embedding_rows
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -70,7 +70,7 @@ class HFShape:
     @property
     def padded_vocab(self) -> int:
         """Embedding rows in our checkpoint (the trainer's padding rule, TP 1)."""
-        return padded_vocab_size(self.vocab_size, divisible_by=VOCAB_DIVISIBLE_BY)
+        return embedding_rows(self.vocab_size, divisible_by=VOCAB_DIVISIBLE_BY)
 
 
 def hf_shape(config: dict) -> HFShape:

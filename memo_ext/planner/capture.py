@@ -39,7 +39,7 @@ from memo_ext.mcore.tracing import (
 )
 from memo_ext.planner.errors import PlannerInputError
 from memo_ext.planner.trace import Alloc, Event, Free, Trace
-from memo_ext.shapes import padded_vocab_size
+from memo_ext.shapes import embedding_rows
 
 logger = logging.getLogger(__name__)
 
@@ -326,8 +326,8 @@ def _layer_output(layer):
 def _build_ends(vocab_size: int | None, *, tp: int, h: int, s: int, dtype) -> dict | None:
     if vocab_size is None:
         return None
-    # Megatron-LM pads the vocabulary to a multiple of 128 x TP and splits it across TP ranks.
-    padded = padded_vocab_size(vocab_size, divisible_by=128, tp_size=tp)
+    # the trainer's padding (lcm of 128 and TP), split across TP ranks
+    padded = embedding_rows(vocab_size, tp_sizes=(tp,))
     return {
         "word": torch.nn.Parameter(torch.empty(padded // tp, h, dtype=dtype)),
         "position": torch.nn.Parameter(torch.empty(s, h, dtype=dtype)),

@@ -18,14 +18,13 @@ It returns a new :class:`~memo_ext.config.RunConfig` (``dataclasses.replace``).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from memo_ext.config import RunConfig
 from memo_ext.data.documents import document_source
 from memo_ext.extension import Extension, PlanningTarget, ResolveContext
 from memo_ext.features.extensions import extensions_for
 from memo_ext.features.preflight import planning_target
-from memo_ext.shapes import padded_vocab_size
+from memo_ext.shapes import embedding_rows
 from memo_ext.training.checkpoint import padded_vocab_to_load
 
 
@@ -52,9 +51,8 @@ def resolve_run(
     for extension in extensions_for(run) if extensions is None else extensions:
         run = extension.resolve(run, context)
     tp_sizes = [run.layout.tp] + [layout.tp for layout in run.hotspa.strategies or ()]
-    padded = padded_vocab_size(
-        tokenizer.vocab_size,
-        divisible_by=math.lcm(run.model.make_vocab_size_divisible_by, *tp_sizes),
+    padded = embedding_rows(
+        tokenizer.vocab_size, divisible_by=run.model.make_vocab_size_divisible_by, tp_sizes=tp_sizes
     )
     padded = padded_vocab_to_load(
         run.checkpoint, vocab_size=tokenizer.vocab_size, tp_sizes=tp_sizes, padded=padded

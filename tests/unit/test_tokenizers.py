@@ -112,3 +112,26 @@ def test_padded_vocab_size(vocab_size, divisible_by, tp_size, expected):
     got = padded_vocab_size(vocab_size, divisible_by=divisible_by, tp_size=tp_size)
     assert got == expected
     assert got % (divisible_by * tp_size) == 0 and got - vocab_size < divisible_by * tp_size
+
+
+def test_the_estimator_pads_the_vocabulary_as_the_trainer_does():
+    """One rule, lcm(--make-vocab-size-divisible-by, every TP degree): the trainer's resolution
+    and the estimator price the same embedding rows (Megatron-LM's 128 × TP is its own, read
+    only from its checkpoints)."""
+    from types import SimpleNamespace
+
+    from memo_ext.estimate.cost_model import params_per_gpu
+    from memo_ext.parallel import ParallelLayout
+    from memo_ext.shapes import embedding_rows, model_shape
+
+    assert embedding_rows(50257, tp_sizes=(8,)) == 50304  # Megatron-LM's rule: 51,200
+    assert embedding_rows(50257, tp_sizes=(8, 3)) == 50304  # a multiple of lcm(128, 8, 3) = 384
+    assert embedding_rows(1001, divisible_by=64, tp_sizes=(3,)) == 1152
+    layer, layout = SimpleNamespace(param_count=0), ParallelLayout(tp=8)
+
+    def rows(vocab_size: int) -> int:
+        shape = model_shape("gpt-7b", vocab_size=vocab_size, position_embedding_type="rope")
+        return (params_per_gpu(shape, layout, layer, 1024) - 2 * 4096) * 8 // 4096
+
+    # 50,305 tokens take 50,432 rows here; under Megatron-LM's rule both sizes take 51,200
+    assert rows(50257) == 50304 and rows(50305) == 50432
