@@ -275,3 +275,23 @@ def assert_same_curves(reference: list[dict], other: list[dict], *, rtol: float)
     (``tools/compare_metrics.py``'s rule)."""
     differences = curve_differences(reference, other, rtol=rtol)
     assert not differences, "\n".join(differences)
+
+
+def unserved_steps(records: list[dict]) -> list[tuple[int, float]]:
+    """The served steps (iteration 3 on: steps 1 and 2 record and plan) whose planned requests
+    missed, as ``(iteration, hit ratio)``, apart from what the design allows: a block freed
+    later than its plan says (another thread's timing) makes the next planned request over its
+    bytes miss, counted as an overlap, and its kind is planned again at that step's end with
+    the block living to the end of its pass (``plan_replans`` grows). Such a step may dip below
+    0.99; any other miss, or a dip without a re-plan, is reported."""
+    found = []
+    for before, record in zip(records, records[1:]):
+        ratio = record.get("plan_hit_ratio")
+        if record["iteration"] < 3 or (ratio is not None and ratio >= 0.99):
+            continue
+        replanned = record["plan_replans"] > before["plan_replans"]
+        if ratio is None or not (
+            replanned and record["plan_misses"] == record["plan_miss_overlap"]
+        ):
+            found.append((record["iteration"], ratio))
+    return found

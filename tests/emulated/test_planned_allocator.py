@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.emulated.test_training import TINY, train_on
+from tests.launch import unserved_steps
 
 PLANNED = [
     "--memo",
@@ -24,13 +25,13 @@ PLANNED = [
 
 def test_planned_layer_passes_are_served_on_the_device(cuda, tmp_path):
     """Backward passes run on autograd's device thread here, as on a GPU: their frees come at
-    that thread's times; the hit ratio holds every served step."""
+    that thread's times; the hit ratio holds every served step but one whose block freed late
+    was planned again."""
     summary, records = train_on(cuda, tmp_path, *PLANNED, "--train-iters", "6",
                                 "--memo-plan-cache", str(tmp_path / "plans"))  # fmt: skip
     assert summary.iterations == 6
     assert cuda.allocator is not None and cuda.shim.memo_emulated_device_in_use() > 0
-    served = [r for r in records if r["iteration"] >= 3]
-    assert all(r["plan_hit_ratio"] >= 0.99 for r in served), [r["plan_hit_ratio"] for r in served]
+    assert len(records) == 6 and unserved_steps(records) == []
     # torch's own statistics raise under a pluggable allocator: the core's figures stand in
     assert records[-1]["mem_allocated_bytes"] > 0
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from tests.launch import cli, launch_pretrain
+from tests.launch import cli, launch_pretrain, unserved_steps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,8 +57,7 @@ def test_planned_allocator_on_cuda(tmp_path):
     for a, b in zip(plain, planned, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["iteration"]
     served = [r for r in planned if r["iteration"] >= 3]
-    assert all(r["plan_hit_ratio"] >= 0.99 for r in served)
-    assert all(r["plan_miss_overlap"] == 0 for r in served)
+    assert served and unserved_steps(planned) == []
     peaks = [json.loads(p.read_text())["peak_bytes"] for p in cache.glob("*-rank0.json")]
     assert {r["plan_arena_bytes"] for r in served} == {max(peaks)}
     caching_reserved = max(r["mem_reserved_bytes"] for r in plain if r["iteration"] >= 3)
