@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memo_ext.config import MemoConfig
+from memo_ext.config import MemoConfig, RecomputeConfig
 from memo_ext.estimate.fits import (
     LayerFigures,
     LayerFit,
@@ -74,13 +74,10 @@ _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention"
 
 
 def method_overrides(method: str) -> dict:
-    """``TransformerConfig`` fields of a Megatron recomputation method."""
-    if method == "full":
-        return dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
-    if method == "selective":
-        return dict(recompute_granularity="selective")
+    """``TransformerConfig`` fields of a Megatron recomputation method (every layer under full),
+    as the recompute feature sets them; none for the other methods."""
+    if method == "full" or method == "selective":
+        return RecomputeConfig.of_layout(method).megatron_fields()
     return {}
 
 
