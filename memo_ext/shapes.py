@@ -2,8 +2,11 @@
 
 :class:`ModelShape` is the project's single description of a decoder-only transformer's size: the
 trainer's model flags are generated from it, the estimator, the planner and the memory report
-take it, and ``memo_ext.mcore.transformer_config`` converts it to and from megatron-core's
-``TransformerConfig``. The presets are the MEMO paper's GPT models and Llama 1 / 2 shapes.
+take it, ``memo_ext.mcore.transformer_config`` converts it to and from megatron-core's
+``TransformerConfig``, a checkpoint's identity record is written from it
+(``memo_ext.training.checkpoint.identity``) and the Hugging Face converter reads a
+``config.json`` into it (``memo_ext.hf.weights.HFModel``). The presets are the MEMO paper's GPT
+models and Llama 1 / 2 shapes.
 
 This module imports nothing else from the package (but ``memo_ext.errors``), so every subsystem
 can build on it.

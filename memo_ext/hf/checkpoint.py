@@ -37,7 +37,7 @@ from memo_ext.hf.files import check_names, check_tied_head, read_config, tensor_
 from memo_ext.hf.weights import (
     VOCAB_DIVISIBLE_BY,
     hf_config,
-    hf_shape,
+    hf_model,
     links_for,
     trainer_flags,
 )
@@ -155,18 +155,18 @@ def import_hf(*, hf_dir: Path, out: Path, progress: bool = True) -> list[str]:
     check_new_folder(out, what="the checkpoint")
     config = read_config(hf_dir)
     flags = trainer_flags(config)
-    shape = hf_shape(config)
+    source = hf_model(config)
     files = tensor_files(hf_dir)
-    check_names(shape, files, hf_dir)
+    check_names(source, files, hf_dir)
     with single_process(), contextlib.ExitStack() as stack:
         handles = {
             f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())
         }
         read = lambda name: handles[files[name]].get_tensor(name)  # noqa: E731
-        check_tied_head(shape, files, read)
-        _, model = build_model(flags, vocab_size=shape.vocab_size)
+        check_tied_head(source, files, read)
+        _, model = build_model(flags, vocab_size=source.shape.vocab_size)
         params = model.state_dict(keep_vars=True)
-        links = links_for(shape, names=set(files))
+        links = links_for(source, names=set(files))
         for link in tqdm(links, desc="import", unit="tensor", disable=not progress):
             tensors = [read(name) for name in link.sources]
             _copy_into(params[link.key], link.to_mcore(tensors), key=link.key)
@@ -296,15 +296,15 @@ def export_hf(
         run, model = load_model(load, flags=flags, vocab_size=vocab_size)
         config = hf_config(family=family, run=run, vocab_size=vocab_size, base=source)
         config["torch_dtype"] = dtype
-        shape = hf_shape(config)
-        if shape.padded_vocab != run.model.padded_vocab_size:
+        target = hf_model(config)
+        if target.padded_vocab != run.model.padded_vocab_size:
             raise UsageError(
                 f"the checkpoint pads its vocabulary to {run.model.padded_vocab_size} rows; this "
                 f"tool exports models padded to a multiple of {VOCAB_DIVISIBLE_BY}"
             )
         params = model.state_dict(keep_vars=True)
         tensors = {}
-        for link in tqdm(links_for(shape), desc="export", unit="tensor", disable=not progress):
+        for link in tqdm(links_for(target), desc="export", unit="tensor", disable=not progress):
             param = params.pop(link.key)
             parts = link.to_hf(param.detach())
             for name, part in zip(link.sources, parts):

@@ -16,7 +16,7 @@ import torch
 
 from memo_ext.errors import UsageError
 from memo_ext.files import read_json
-from memo_ext.hf.weights import HFShape, links_for
+from memo_ext.hf.weights import HFModel, links_for
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -114,52 +114,52 @@ def header_names(file: Path) -> list[str]:
         ) from None
 
 
-def check_names(shape: HFShape, files: dict[str, Path], hf_dir: Path) -> None:
-    """Every tensor of ``shape``'s model is in the files, and every tensor of the files is in
+def check_names(model: HFModel, files: dict[str, Path], hf_dir: Path) -> None:
+    """Every tensor of ``model`` is in the files, and every tensor of the files is in
     the model (a tied model's own ``lm_head.weight`` aside: :func:`check_tied_head` looks at it).
 
     Raises:
         UsageError: a missing tensor, or tensors the model config.json describes has no place
             for (layers beyond ``num_hidden_layers`` named as such).
     """
-    links = links_for(shape, names=set(files))
+    links = links_for(model, names=set(files))
     wanted = {name for link in links for name in link.sources}
     missing = sorted(wanted - set(files))
     if missing:
         raise UsageError(
-            f"{hf_dir} lacks {len(missing)} tensor(s) a {shape.family} model has, e.g. "
+            f"{hf_dir} lacks {len(missing)} tensor(s) a {model.family} model has, e.g. "
             f"{missing[0]}; is {CONFIG} the one of these weights?"
         )
     extra = sorted(
         name
         for name in set(files) - wanted
-        if not IGNORED.fullmatch(name) and not (shape.tied and name == "lm_head.weight")
+        if not IGNORED.fullmatch(name) and not (model.tied and name == "lm_head.weight")
     )
     if not extra:
         return
     layers = sorted({int(m.group(1)) for name in extra if (m := _LAYER.search(name))})
-    if layers and layers[0] >= shape.num_layers:
+    if layers and layers[0] >= model.shape.num_layers:
         raise UsageError(
             f"{hf_dir}'s weights hold {layers[-1] + 1} layers, {CONFIG} says "
-            f"{shape.num_layers}: fix num_hidden_layers (importing would drop layers "
+            f"{model.shape.num_layers}: fix num_hidden_layers (importing would drop layers "
             f"{', '.join(map(str, layers))})"
         )
     raise UsageError(
-        f"{hf_dir} holds {len(extra)} tensor(s) a {shape.family} model of this {CONFIG} has no "
+        f"{hf_dir} holds {len(extra)} tensor(s) a {model.family} model of this {CONFIG} has no "
         f"place for, e.g. {extra[0]}: is {CONFIG} the one of these weights?"
     )
 
 
-def check_tied_head(shape: HFShape, files: dict[str, Path], read) -> None:
+def check_tied_head(model: HFModel, files: dict[str, Path], read) -> None:
     """A model whose config ties the output layer to the embedding may still hold its own
     ``lm_head.weight``; it is dropped only when it equals the embedding (``read``: name → tensor).
 
     Raises:
         UsageError: the two differ, so the files hold an untied model.
     """
-    if not shape.tied or "lm_head.weight" not in files:
+    if not model.tied or "lm_head.weight" not in files:
         return
-    embedding = next(link.sources[0] for link in links_for(shape, names=set(files)))
+    embedding = next(link.sources[0] for link in links_for(model, names=set(files)))
     if not torch.equal(read("lm_head.weight"), read(embedding)):
         raise UsageError(
             f"{CONFIG} ties the output layer to the embedding (tie_word_embeddings), but "

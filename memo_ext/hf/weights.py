@@ -33,7 +33,7 @@ import torch
 
 from memo_ext.errors import UsageError
 from memo_ext.hf import FAMILIES
-from memo_ext.shapes import embedding_rows
+from memo_ext.shapes import ModelShape, embedding_rows
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -53,28 +53,23 @@ _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 @dataclass(frozen=True, kw_only=True)
-class HFShape:
-    """The sizes of an HF model that the tensor links need."""
+class HFModel:
+    """An HF causal LM as this project describes it: its family (which names its tensors), its
+    :class:`~memo_ext.shapes.ModelShape` (the trainer's flags and the checkpoint's identity
+    describe the same) and whether its output layer is the embedding."""
 
     family: str
-    num_layers: int
-    hidden_size: int
-    heads: int
-    groups: int
-    head_dim: int
-    vocab_size: int
+    shape: ModelShape
     tied: bool
-    qkv_bias: bool = False
-    """Biases on the query / key / value projections (Qwen2)."""
 
     @property
     def padded_vocab(self) -> int:
         """Embedding rows in our checkpoint (the trainer's padding rule, TP 1)."""
-        return embedding_rows(self.vocab_size, divisible_by=VOCAB_DIVISIBLE_BY)
+        return embedding_rows(self.shape.vocab_size, divisible_by=VOCAB_DIVISIBLE_BY)
 
 
-def hf_shape(config: dict) -> HFShape:
-    """The shape of the model an HF ``config.json`` describes.
+def hf_model(config: dict) -> HFModel:
+    """The model an HF ``config.json`` describes.
 
     Raises:
         UsageError: a family this tool does not convert, or a size that is missing or not a
@@ -86,7 +81,7 @@ def hf_shape(config: dict) -> HFShape:
             f"config.json's model_type is {family!r}; this tool converts {', '.join(FAMILIES)}"
         )
     if family == "gpt2":
-        return _gpt2_shape(config)
+        return _gpt2_model(config)
     hidden = whole_field(config, "hidden_size")
     heads = whole_field(config, "num_attention_heads")
     groups = whole_field(config, "num_key_value_heads", default=heads)
@@ -100,33 +95,41 @@ def hf_shape(config: dict) -> HFShape:
             f"config.json's hidden_size {hidden} is not a multiple of its num_attention_heads "
             f"{heads}, and it gives no head_dim"
         )
-    return HFShape(
-        family=family,
+    head_dim = whole_field(config, "head_dim", default=hidden // heads)
+    shape = ModelShape(
         num_layers=whole_field(config, "num_hidden_layers"),
         hidden_size=hidden,
-        heads=heads,
-        groups=groups,
-        head_dim=whole_field(config, "head_dim", default=hidden // heads),
+        num_attention_heads=heads,
+        ffn_hidden_size=whole_field(config, "intermediate_size"),
+        num_query_groups=groups,
+        kv_channels=None if head_dim * heads == hidden else head_dim,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=family == "qwen2",
+        position_embedding_type="rope",
         vocab_size=whole_field(config, "vocab_size"),
-        tied=_switch(config, "tie_word_embeddings", default=False),
-        qkv_bias=family == "qwen2",
     )
+    tied = _switch(config, "tie_word_embeddings", default=False)
+    return HFModel(family=family, shape=shape, tied=tied)
 
 
-def _gpt2_shape(config: dict) -> HFShape:
+def _gpt2_model(config: dict) -> HFModel:
     hidden, heads = whole_field(config, "n_embd"), whole_field(config, "n_head")
     if hidden % heads:
         raise UsageError(f"config.json's n_embd {hidden} is not a multiple of its n_head {heads}")
-    return HFShape(
-        family="gpt2",
+    shape = ModelShape(
         num_layers=whole_field(config, "n_layer"),
         hidden_size=hidden,
-        heads=heads,
-        groups=heads,
-        head_dim=hidden // heads,
+        num_attention_heads=heads,
+        ffn_hidden_size=whole_field(config, "n_inner", default=4 * hidden),
+        normalization="LayerNorm",
+        openai_gelu=True,
+        position_embedding_type="learned_absolute",
         vocab_size=whole_field(config, "vocab_size"),
-        tied=_switch(config, "tie_word_embeddings", default=True),
     )
+    tied = _switch(config, "tie_word_embeddings", default=True)
+    return HFModel(family="gpt2", shape=shape, tied=tied)
 
 
 _MISSING = object()
@@ -227,9 +230,10 @@ def trainer_flags(config: dict) -> list[str]:
     Raises:
         UsageError: a setting the trainer has no flag for (named).
     """
-    shape = hf_shape(config)
-    if shape.family == "gpt2":
-        return _gpt2_flags(config, shape)
+    model = hf_model(config)
+    if model.family == "gpt2":
+        return _gpt2_flags(config, model)
+    shape = model.shape
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise UsageError(f"hidden_act {act!r} is not converted; the llama family uses 'silu'")
@@ -244,13 +248,13 @@ def trainer_flags(config: dict) -> list[str]:
     flags = [
         "--num-layers", str(shape.num_layers),
         "--hidden-size", str(shape.hidden_size),
-        "--ffn-hidden-size", str(whole_field(config, "intermediate_size")),
-        "--num-attention-heads", str(shape.heads),
+        "--ffn-hidden-size", str(shape.ffn_size),
+        "--num-attention-heads", str(shape.num_attention_heads),
         "--group-query-attention",
-        "--num-query-groups", str(shape.groups),
+        "--num-query-groups", str(shape.query_groups),
     ]  # fmt: skip
-    if shape.head_dim * shape.heads != shape.hidden_size:
-        flags += ["--kv-channels", str(shape.head_dim)]
+    if shape.kv_channels is not None:
+        flags += ["--kv-channels", str(shape.kv_channels)]
     positions = whole_field(config, "max_position_embeddings", default=2048)
     flags += [
         "--normalization", "RMSNorm",
@@ -262,12 +266,12 @@ def trainer_flags(config: dict) -> list[str]:
         "--max-position-embeddings", str(positions),
         "--make-vocab-size-divisible-by", str(VOCAB_DIVISIBLE_BY),
     ]  # fmt: skip
-    if not shape.tied:
+    if not model.tied:
         flags.append("--untie-embeddings-and-output-weights")
     return flags
 
 
-def _gpt2_flags(config: dict, shape: HFShape) -> list[str]:
+def _gpt2_flags(config: dict, model: HFModel) -> list[str]:
     act = config.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise UsageError(f"activation_function {act!r} is not converted; GPT-2's is 'gelu_new'")
@@ -278,13 +282,14 @@ def _gpt2_flags(config: dict, shape: HFShape) -> list[str]:
             )
     if config.get("scale_attn_weights") is False:
         raise UsageError("scale_attn_weights false is not converted (attention is scaled here)")
-    if not shape.tied:
+    if not model.tied:
         raise UsageError("a GPT-2 without tied embeddings is not converted")
+    shape = model.shape
     flags = [
         "--num-layers", str(shape.num_layers),
         "--hidden-size", str(shape.hidden_size),
-        "--ffn-hidden-size", str(whole_field(config, "n_inner", default=4 * shape.hidden_size)),
-        "--num-attention-heads", str(shape.heads),
+        "--ffn-hidden-size", str(shape.ffn_size),
+        "--num-attention-heads", str(shape.num_attention_heads),
         "--normalization", "LayerNorm",
         "--norm-epsilon", repr(number_field(config, "layer_norm_epsilon", default=1e-5)),
         "--openai-gelu",
@@ -427,21 +432,22 @@ def _same(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0]
 
 
-def _vocab_rows(shape: HFShape) -> tuple[Callable, Callable]:
+def _vocab_rows(model: HFModel) -> tuple[Callable, Callable]:
     """Pad the vocabulary rows to the padded size with zeros / cut them back."""
 
     def pad(tensors):
         (table,) = tensors
-        extra = shape.padded_vocab - table.shape[0]
+        extra = model.padded_vocab - table.shape[0]
         return torch.cat([table, table.new_zeros(extra, *table.shape[1:])]) if extra else table
 
-    return pad, lambda table: [table[: shape.vocab_size].contiguous()]
+    return pad, lambda table: [table[: model.shape.vocab_size].contiguous()]
 
 
-def llama_links(shape: HFShape) -> list[Link]:
-    """Every tensor of a Llama / Mistral model, embedding first, output layer last."""
-    pad, cut = _vocab_rows(shape)
-    heads, groups = shape.heads, shape.groups
+def llama_links(model: HFModel) -> list[Link]:
+    """Every tensor of a Llama / Mistral / Qwen2 model, embedding first, output layer last."""
+    pad, cut = _vocab_rows(model)
+    shape = model.shape
+    heads, groups = shape.num_attention_heads, shape.query_groups
     fuse = lambda ts: fuse_qkv(*ts, groups=groups)
     split = lambda t: split_qkv(t, heads=heads, groups=groups)
     gate_up = lambda ts: torch.cat(ts)
@@ -482,16 +488,17 @@ def llama_links(shape: HFShape) -> list[Link]:
             biases = tuple(f"{attn}{p}_proj.bias" for p in "qkv")
             links.append(Link(ours + "self_attention.linear_qkv.bias", biases, fuse, split))
     links.append(Link("decoder.final_layernorm.weight", ("model.norm.weight",), _same, keep))
-    if not shape.tied:
+    if not model.tied:
         links.append(Link("output_layer.weight", ("lm_head.weight",), pad, cut))
     return links
 
 
-def gpt2_links(shape: HFShape, *, prefix: str = "transformer.") -> list[Link]:
+def gpt2_links(model: HFModel, *, prefix: str = "transformer.") -> list[Link]:
     """Every tensor of a GPT-2 model; ``prefix``: ``""`` for files that name ``h.0…`` without
     it (OpenAI's original upload)."""
-    pad, cut = _vocab_rows(shape)
-    heads = shape.heads
+    pad, cut = _vocab_rows(model)
+    shape = model.shape
+    heads = shape.num_attention_heads
     keep = lambda t: [t]
     # Conv1D stores [in, out]; megatron's linear layers [out, in]
     flip = lambda ts: ts[0].t()
@@ -525,10 +532,10 @@ def gpt2_links(shape: HFShape, *, prefix: str = "transformer.") -> list[Link]:
     return links
 
 
-def links_for(shape: HFShape, *, names: set[str] | None = None) -> list[Link]:
-    """The links of ``shape``'s family; ``names``: the tensors of the files to read (a GPT-2
+def links_for(model: HFModel, *, names: set[str] | None = None) -> list[Link]:
+    """The links of ``model``'s family; ``names``: the tensors of the files to read (a GPT-2
     upload may name them without the ``transformer.`` prefix)."""
-    if shape.family != "gpt2":
-        return llama_links(shape)
+    if model.family != "gpt2":
+        return llama_links(model)
     bare = names is not None and "wte.weight" in names and "transformer.wte.weight" not in names
-    return gpt2_links(shape, prefix="" if bare else "transformer.")
+    return gpt2_links(model, prefix="" if bare else "transformer.")

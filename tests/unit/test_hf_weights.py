@@ -97,3 +97,36 @@ def test_openai_gelu_is_the_gelu_mlps_activation_only():
         ModelShape(
             num_layers=1, hidden_size=48, num_attention_heads=6, openai_gelu=True, swiglu=True
         ).check()
+
+
+_GPT2 = {"model_type": "gpt2", "n_embd": 48, "n_layer": 2, "n_head": 6, "vocab_size": 123}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _config(),
+        _config(head_dim=16, num_key_value_heads=2),
+        _config(model_type="mistral", num_key_value_heads=3),
+        _config(model_type="qwen2", tie_word_embeddings=True),
+        _GPT2,
+        {**_GPT2, "n_inner": 40},
+    ],
+    ids=["llama", "llama-head-dim", "mistral", "qwen2", "gpt2", "gpt2-n-inner"],
+)
+def test_the_hf_model_is_the_shape_the_trainer_builds_from_its_flags(config):
+    # one description: the converter's shape of config.json (which its tensor links read) is the
+    # ModelShape the trainer parses from the flags the converter writes, field for field
+    import dataclasses
+
+    from memo_ext.arguments import parse_args
+    from memo_ext.hf.checkpoint import _RUN_STUB
+    from memo_ext.hf.weights import hf_model
+
+    model = hf_model(config)
+    run = parse_args(
+        [*trainer_flags(config), *_RUN_STUB, "--seq-length", "8"], world_size=1, notices=False
+    )
+    assert dataclasses.replace(run.shape, vocab_size=config["vocab_size"]) == model.shape
+    untied = run.model.untie_embeddings_and_output_weights
+    assert model.tied is not untied

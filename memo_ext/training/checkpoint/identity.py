@@ -1,5 +1,6 @@
-"""The model a checkpoint holds, as its identity (shape, vocabulary, positions) and the flags
-that would rebuild it: written with every save, compared before every load.
+"""The model a checkpoint holds, as its identity (its :class:`~memo_ext.shapes.ModelShape`,
+padded vocabulary and tied head) and the flags that would rebuild it: written with every save,
+compared before every load.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 
 from memo_ext.errors import UsageError
+from memo_ext.mcore.transformer_config import model_shape_of
+from memo_ext.shapes import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -25,32 +28,44 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 def model_identity(model: torch.nn.Module) -> dict:
     """What a checkpoint's weights are the weights of, beyond their shapes: written to its
     manifest and compared on load, so that weights that happen to fit another model (a padded
-    vocabulary, a norm without its bias) are not loaded into it. Facts of the model the weights
-    define, not how its flags were spelt: a QKV bias is there or not (``--add-qkv-bias`` with
-    the linear layers' biases on changes nothing)."""
+    vocabulary, a norm without its bias) are not loaded into it. It is the model's
+    :class:`~memo_ext.shapes.ModelShape` as megatron-core built it (:func:`identity_of`)."""
     gpt = model
     while not hasattr(gpt, "position_embedding_type") and hasattr(gpt, "module"):
         gpt = gpt.module
-    c = gpt.config
+    config = gpt.config
+    return identity_of(
+        model_shape_of(config, position_embedding_type=gpt.position_embedding_type),
+        zero_centred_norms=bool(config.layernorm_zero_centered_gamma),
+        embedding_rows=gpt.vocab_size,
+        tied=bool(gpt.share_embeddings_and_output_weights),
+    )
+
+
+def identity_of(
+    shape: ModelShape, *, zero_centred_norms: bool, embedding_rows: int, tied: bool
+) -> dict:
+    """The identity record of a model of ``shape``: facts of the weights, not how the flags
+    were spelt. Sizes are resolved (``ffn_hidden_size``, ``num_query_groups`` and ``kv_channels``
+    as megatron-core fills them in); a QKV bias is there or not (``--add-qkv-bias`` beside the
+    linear layers' biases changes nothing); YaRN rescales RoPE's table, not its weights, so a
+    RoPE checkpoint extends to YaRN. The keys are those every manifest has recorded."""
     return {
-        "num_layers": c.num_layers,
-        "hidden_size": c.hidden_size,
-        "ffn_hidden_size": c.ffn_hidden_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_query_groups": c.num_query_groups,
-        "kv_channels": c.kv_channels,
-        "normalization": c.normalization,
-        "layernorm_zero_centered_gamma": bool(c.layernorm_zero_centered_gamma),
-        "activation": getattr(c.activation_func, "__name__", str(c.activation_func)),
-        "gated_linear_unit": bool(c.gated_linear_unit),
-        "add_bias_linear": bool(c.add_bias_linear),
-        "qkv_bias": bool(c.add_bias_linear or c.add_qkv_bias),
-        # YaRN rescales RoPE's table, not its weights: a RoPE checkpoint extends to YaRN
-        "position_embedding_type": (
-            "rope" if gpt.position_embedding_type == "yarn" else gpt.position_embedding_type
-        ),
-        "padded_vocab_size": gpt.vocab_size,
-        "tied_embeddings": bool(gpt.share_embeddings_and_output_weights),
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "ffn_hidden_size": shape.ffn_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_query_groups": shape.query_groups,
+        "kv_channels": shape.head_dim,
+        "normalization": shape.normalization,
+        "layernorm_zero_centered_gamma": zero_centred_norms,
+        "activation": "silu" if shape.swiglu else "openai_gelu" if shape.openai_gelu else "gelu",
+        "gated_linear_unit": shape.swiglu,
+        "add_bias_linear": shape.add_bias_linear,
+        "qkv_bias": shape.qkv_bias,
+        "position_embedding_type": "rope" if shape.rotary else shape.position_embedding_type,
+        "padded_vocab_size": embedding_rows,
+        "tied_embeddings": tied,
     }
 
 

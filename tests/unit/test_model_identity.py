@@ -1,0 +1,64 @@
+"""A checkpoint's model identity is the run's ``ModelShape`` as megatron-core built it: the
+record read off a built model equals :func:`identity_of` of the shape the flags parse to, for
+every kind of model the trainer builds, and its keys and values stay those earlier manifests
+recorded (a checkpoint written before still loads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memo_ext.hf.checkpoint import build_model
+from memo_ext.training.checkpoint.identity import identity_of, model_identity
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"]
+MODELS = {
+    "gpt": [],
+    "openai-gelu": ["--openai-gelu"],
+    "llama-gqa-untied": [
+        *LLAMA,
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+    ],
+    "qwen2": [*LLAMA, "--add-qkv-bias", "--position-embedding-type", "rope"],
+    "head-dim-ffn-1p": ["--kv-channels", "32", "--ffn-hidden-size", "100", "--apply-layernorm-1p"],
+    "yarn": ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"],
+}
+
+
+@pytest.mark.parametrize("flags", MODELS.values(), ids=MODELS.keys())
+def test_the_identity_is_the_runs_shape(flags, megatron_cpu):
+    run, model = build_model([*BASE, *flags], vocab_size=1000)
+    expected = identity_of(
+        run.shape,
+        zero_centred_norms=run.model.apply_layernorm_1p,
+        embedding_rows=run.model.padded_vocab_size,
+        tied=not run.model.untie_embeddings_and_output_weights,
+    )
+    assert model_identity(model) == expected
+
+
+def test_the_record_keeps_the_manifests_format(megatron_cpu):
+    # a Llama-like model with GQA, as every earlier manifest spells it (key order included)
+    _, model = build_model([*BASE, *MODELS["llama-gqa-untied"]], vocab_size=1000)
+    assert list(model_identity(model).items()) == [
+        ("num_layers", 2),
+        ("hidden_size", 64),
+        ("ffn_hidden_size", 128),
+        ("num_attention_heads", 4),
+        ("num_query_groups", 2),
+        ("kv_channels", 16),
+        ("normalization", "RMSNorm"),
+        ("layernorm_zero_centered_gamma", False),
+        ("activation", "silu"),
+        ("gated_linear_unit", True),
+        ("add_bias_linear", False),
+        ("qkv_bias", False),
+        ("position_embedding_type", "rope"),
+        ("padded_vocab_size", 1024),
+        ("tied_embeddings", False),
+    ]
