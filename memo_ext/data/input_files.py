@@ -44,7 +44,13 @@ def check_inputs(
 def _check_data(data: DataConfig, *, evaluation: bool) -> DataConfig:
     """The data files of ``check_inputs``: argument files, tokenizer files, datasets."""
     # megatron-core's readers, imported here: --help and a wrong flag import no megatron-core
-    from memo_ext.data.datasets import SPLIT_PARTS, check_indexed_dataset, check_split_documents, fit_split, parse_blend
+    from memo_ext.data.datasets import (
+        SPLIT_PARTS,
+        check_indexed_dataset,
+        check_split_documents,
+        fit_split,
+        parse_blend,
+    )
     from memo_ext.data.tokenizers import tokenizer_for
 
     data = read_data_args(data)
@@ -63,9 +69,7 @@ def _check_data(data: DataConfig, *, evaluation: bool) -> DataConfig:
         documents = {prefix: check_indexed_dataset(prefix) for prefix in prefixes}
         split = data.split_or_default
         if data.split is None and documents and not data.variable_seq_lengths:
-            split = fit_split(
-                DEFAULT_SPLIT, list(documents.values()), keep_validation=evaluation
-            )
+            split = fit_split(DEFAULT_SPLIT, list(documents.values()), keep_validation=evaluation)
             if split != DEFAULT_SPLIT:
                 dropped = [
                     name
