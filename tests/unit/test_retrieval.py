@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memo_ext.data.retrieval import PromptParts, check_tokenizer, make_sample
-from memo_ext.data.tokenizers.local import ByteTokenizer, NullTokenizer
+from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer
 from memo_ext.errors import UsageError
 from memo_ext.mcore.gpt import greedy_hits
 from memo_ext.training.retrieval import accuracy

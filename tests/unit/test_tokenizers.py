@@ -1,6 +1,10 @@
-"""Tokenizers: exact round trips, special ids, Megatron-compatible NullTokenizer, vocab padding."""
+"""Tokenizers: exact round trips, special ids, Megatron-compatible NullTokenizer, which types are
+megatron-core's text tokenizer (and that the others do not load its library wrappers), vocab
+padding."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +12,13 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 from memo_ext.config import TokenizerSpec
 from memo_ext.config.data import TOKENIZER_TYPES
-from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer, build_tokenizer
+from memo_ext.data.tokenizers import (
+    MODULES,
+    ByteTokenizer,
+    NullTokenizer,
+    build_tokenizer,
+    tokenizer_class,
+)
 from memo_ext.megatron_lm.flag_table import megatron_flags
 from memo_ext.shapes import padded_vocab_size
 
@@ -60,6 +70,36 @@ def test_null_tokenizer_matches_megatron():
     vocab = ours.vocab
     assert len(vocab) == ours.vocab_size and vocab["999"] == 999 and vocab["1000"] == ours.eod
     assert [vocab[field] for field in text.split()] == ours.tokenize(text)
+
+
+def test_where_megatron_lms_ids_agree_the_tokenizer_is_megatron_cores():
+    from megatron.core.tokenizers.text import MegatronTokenizerText
+
+    theirs = {t for t in MODULES if issubclass(tokenizer_class(t), MegatronTokenizerText)}
+    assert theirs == {"NullTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"}
+    assert all(issubclass(tokenizer_class(t), MegatronTokenizerBase) for t in TOKENIZER_TYPES)
+    assert list(MODULES) == list(TOKENIZER_TYPES)
+    null = build_tokenizer(TokenizerSpec(tokenizer_type="NullTokenizer", vocab_size=10))
+    assert null.description == "--tokenizer-type NullTokenizer --vocab-size 10"
+
+
+_BYTE_RUN = """
+import sys
+from memo_ext.config import TokenizerSpec
+from memo_ext.data.tokenizers import build_tokenizer
+build_tokenizer(TokenizerSpec(tokenizer_type="ByteTokenizer")).tokenize("x")
+names = ("megatron.core.tokenizers.text.libraries", "transformers", "sentencepiece", "tiktoken")
+print(sorted(m for m in sys.modules if m.split(".")[0] in names or m.startswith(names[0])))
+"""
+
+
+def test_a_byte_tokenizer_run_loads_no_library_wrapper():
+    # megatron-core's wrappers (and transformers with them) load with the types that use them
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _BYTE_RUN], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.splitlines()[-1] == "[]"
 
 
 def test_null_tokenizer_rejects_bad_ids():

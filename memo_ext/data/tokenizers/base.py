@@ -1,5 +1,7 @@
-"""What every tokenizer here shares: megatron-core's ``MegatronTokenizerBase`` with nothing
-downloaded, and how an end-of-document id is found in a vocabulary.
+"""What every tokenizer here shares (:class:`TokenizerFace`: how messages name it, what
+identifies it in megatron-core's dataset cache, no chat template), the base of those without a
+megatron-core library behind them (:class:`LocalTokenizer`), and how an end-of-document id is found
+in a vocabulary.
 """
 
 from __future__ import annotations
@@ -9,18 +11,16 @@ from collections import OrderedDict
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 
-class LocalTokenizer(MegatronTokenizerBase):
-    """Shared plumbing for the tokenizers of this package."""
+class TokenizerFace:
+    """What this package adds to megatron-core's tokenizer classes; listed first among a
+    tokenizer's bases, so that its members win over megatron-core's."""
 
-    def __init__(self) -> None:
-        super().__init__(path="", config={})
+    _files = ""
+    """The flags naming the files it was read from (``--tokenizer-model PATH``), for messages."""
 
     def apply_chat_template(self, *args, **kwargs):
         """Chat templates are not supported by pretraining tokenizers."""
         raise NotImplementedError(f"{type(self).__name__} has no chat template.")
-
-    _files = ""
-    """The flags naming the files it was read from (``--tokenizer-model PATH``), for messages."""
 
     @property
     def description(self) -> str:
@@ -30,13 +30,22 @@ class LocalTokenizer(MegatronTokenizerBase):
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        """What identifies this tokenizer in megatron-core's dataset cache descriptions."""
+        """What identifies this tokenizer in megatron-core's dataset cache descriptions: its class
+        and vocabulary size."""
         return OrderedDict(
             [
                 ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
                 ("vocab_size", self.vocab_size),
             ]
         )
+
+
+class LocalTokenizer(TokenizerFace, MegatronTokenizerBase):
+    """A tokenizer of this package's own: megatron-core's ``MegatronTokenizerBase`` with nothing
+    downloaded."""
+
+    def __init__(self) -> None:
+        super().__init__(path="", config={})
 
 
 EOD_TOKEN_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")

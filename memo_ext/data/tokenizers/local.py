@@ -1,5 +1,5 @@
-"""Tokenizers without a file: bytes (``ByteTokenizer``) and Megatron-LM's synthetic ids
-(``NullTokenizer``).
+"""``ByteTokenizer``: the UTF-8 bytes of a text, with nothing to read (Megatron-LM's synthetic
+ids, ``NullTokenizer``, are megatron-core's: :mod:`memo_ext.data.tokenizers.megatron_text`).
 """
 
 from __future__ import annotations
@@ -70,70 +70,3 @@ class ByteTokenizer(LocalTokenizer):
     def pad(self) -> int:
         """``-1``: no padding token (megatron-core's convention)."""
         return self.PAD_ID
-
-
-class NullTokenizer(LocalTokenizer):
-    """Megatron-LM's NullTokenizer: text is a whitespace-separated list of integer ids.
-
-    Args:
-        vocab_size: The ``--vocab-size`` flag: ids ``0 .. vocab_size-1`` are regular tokens, the
-            end-of-document id is ``vocab_size`` and ``self.vocab_size`` is ``vocab_size + 1``.
-    """
-
-    def __init__(self, *, vocab_size: int) -> None:
-        super().__init__()
-        self._vocab_size_without_eod = int(vocab_size)
-
-    def tokenize(self, text: str) -> list[int]:
-        """Parse whitespace-separated integer ids.
-
-        Args:
-            text: For example ``"17 4 1022"``; empty or blank text gives no ids.
-
-        Returns:
-            The ids, each checked to lie in ``[0, vocab_size)``.
-
-        Raises:
-            ValueError: A field is not an integer or an id is outside the vocabulary.
-        """
-        ids = []
-        for field in text.split():
-            try:
-                ids.append(int(field))
-            except ValueError:
-                raise ValueError(
-                    f"NullTokenizer expects whitespace-separated integer ids, got {field[:40]!r}."
-                ) from None
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"NullTokenizer id {bad[0]} is outside [0, {self.vocab_size}); "
-                f"raise --vocab-size or fix the input."
-            )
-        return ids
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Join ids with single spaces (the inverse of ``tokenize``)."""
-        return " ".join(str(int(i)) for i in ids)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        """Each id's decimal text (what ``tokenize`` reads) → the id, end-of-document included."""
-        return {str(i): i for i in range(self.vocab_size)}
-
-    @property
-    def vocab_size(self) -> int:
-        """The flag's vocabulary size plus one for the end-of-document id."""
-        return self._vocab_size_without_eod + 1
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id: the flag's ``--vocab-size``."""
-        return self._vocab_size_without_eod
-
-    @property
-    def description(self) -> str:
-        return f"{super().description} --vocab-size {self._vocab_size_without_eod}"
-
-
-# End-of-text tokens of common tokenizers, tried in order when a tokenizer names none itself.

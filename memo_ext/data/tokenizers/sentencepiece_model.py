@@ -1,6 +1,9 @@
-"""Tokenizers of a local SentencePiece ``tokenizer.model``, with the ids, special tokens and sizes
-of Megatron-LM's classes of the same names (megatron-core's own wrapper builds all three alike:
-no added specials, no BOS; so the ``sentencepiece`` package is used directly).
+"""Megatron-LM's ``SentencePieceTokenizer`` (a local SentencePiece ``tokenizer.model`` plus
+Megatron's special tokens) through the ``sentencepiece`` package, and the check of a model file
+every SentencePiece type makes. ``GPTSentencePieceTokenizer`` and ``Llama2Tokenizer`` are
+megatron-core's wrapper (:mod:`memo_ext.data.tokenizers.megatron_text`); this one is not: the
+wrapper's mode that adds special tokens (``legacy``) drops the SentencePiece separator after a
+special token and strips the decoded text, and Megatron-LM's class does neither.
 """
 
 from __future__ import annotations
@@ -9,77 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from memo_ext.data.tokenizers.base import LocalTokenizer, first_line
-
-
-class GPTSentencePieceTokenizer(LocalTokenizer):
-    """Megatron-LM's GPTSentencePieceTokenizer: a local SentencePiece ``tokenizer.model`` as is.
-
-    Ids are the model's pieces, no special token added to the text; ``eod`` is the model's EOS,
-    ``bos`` its BOS and ``pad`` its pad id (``-1`` for a model trained without one);
-    ``vocab_size`` counts the model's pieces.
-
-    Args:
-        model_file: The ``--tokenizer-model`` file.
-    """
-
-    def __init__(self, model_file: str):
-        super().__init__()
-        self._sp = _load_sentencepiece(model_file, tokenizer_type=type(self).__name__)
-        self._files = f"--tokenizer-model {model_file}"
-        # an EOS of -1 would be written into the data as the end-of-document id
-        if self._sp.eos_id() < 0:
-            raise ValueError(
-                f"{type(self).__name__}: {model_file} has no end-of-sentence piece to end "
-                "documents with; use a model trained with one (eos_id >= 0)"
-            )
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._sp.encode_as_ids(text))
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._sp.decode_ids([int(i) for i in ids])
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._sp)
-
-    @property
-    def eod(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def bos(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def pad(self) -> int:
-        return self._sp.pad_id()
-
-
-class Llama2Tokenizer(GPTSentencePieceTokenizer):
-    """Megatron-LM's Llama2Tokenizer: ``GPTSentencePieceTokenizer`` that starts every text with
-    BOS (``tokenize("")`` is ``[bos]``). It has no pad id (``-1``): Megatron-LM's class has none,
-    so its ``GPTDataset`` pads with -1 as well.
-    """
-
-    def __init__(self, model_file: str):
-        super().__init__(model_file)
-        if self._sp.bos_id() < 0:
-            raise ValueError(
-                f"Llama2Tokenizer: {model_file} has no beginning-of-sentence piece to start texts "
-                "with; use GPTSentencePieceTokenizer for a model trained without one"
-            )
-
-    def tokenize(self, text: str) -> list[int]:
-        return [self._sp.bos_id(), *self._sp.encode_as_ids(text)]
-
-    @property
-    def pad(self) -> int:
-        return -1
 
 
 class SentencePieceTokenizer(LocalTokenizer):
@@ -164,8 +96,12 @@ class SentencePieceTokenizer(LocalTokenizer):
         return self._pad
 
 
-def _load_sentencepiece(model_file: str | None, *, tokenizer_type: str):
-    """The ``sentencepiece`` processor of a local model file, or one sentence saying why not."""
+def check_model_file(model_file: str | None, *, tokenizer_type: str) -> None:
+    """Refuse a ``--tokenizer-model`` that is not given or not a file, in one sentence.
+
+    Raises:
+        ValueError: naming the flag.
+    """
     if not model_file:
         raise ValueError(
             f"{tokenizer_type} needs --tokenizer-model PATH (a SentencePiece tokenizer.model)"
@@ -175,6 +111,11 @@ def _load_sentencepiece(model_file: str | None, *, tokenizer_type: str):
             f"--tokenizer-model {model_file} is not a file; give the local SentencePiece "
             f"tokenizer.model {tokenizer_type} reads (nothing is downloaded)"
         )
+
+
+def _load_sentencepiece(model_file: str | None, *, tokenizer_type: str):
+    """The ``sentencepiece`` processor of a local model file, or one sentence saying why not."""
+    check_model_file(model_file, tokenizer_type=tokenizer_type)
     import sentencepiece
 
     try:
@@ -183,13 +124,3 @@ def _load_sentencepiece(model_file: str | None, *, tokenizer_type: str):
         raise ValueError(
             f"{tokenizer_type}: {model_file} is not a SentencePiece model ({first_line(err)})"
         ) from None
-
-
-SENTENCEPIECE_TOKENIZERS = {
-    "SentencePieceTokenizer": SentencePieceTokenizer,
-    "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
-    "Llama2Tokenizer": Llama2Tokenizer,
-}
-"""--tokenizer-type names of the tokenizers read from a SentencePiece ``tokenizer.model``."""
-
-# Megatron-LM's PATTERN_TIKTOKEN and PATTERN_TIKTOKEN_V2, the splits --tiktoken-pattern names
