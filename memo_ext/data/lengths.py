@@ -2,7 +2,7 @@
 documents cut at a context length, for HotSPa's planning and benchmarks.
 
 Document lengths in tokens, drawn from mixtures written in a small spec
-language (``--distribution NAME=SPEC`` of ``benchmarks/hotspa_strategies.py``)::
+language (``--distribution NAME=SPEC`` of ``memo_ext/benchmarks/hotspa_strategies.py``)::
 
     SPEC      := TERM ("+" TERM)*
     TERM      := [WEIGHT "*"] COMPONENT "(" ARG ("," ARG)* ")"

@@ -31,7 +31,7 @@ in samples, as Megatron-LM steps it), ``rng_state`` (a sharded object per PP × 
 - ``--writer-also-ours DIR``: the same state saved by this trainer's ``save_checkpoint`` too.
 
 ``save_with_megatron_lm`` (a job entry: ``OUT CHECKOUT``) saves the model of
-``benchmarks/checkpoint_save.py``, moved away from its initial weights, at iteration 3 with
+``memo_ext/benchmarks/checkpoint_save.py``, moved away from its initial weights, at iteration 3 with
 Megatron-LM's own ``save_checkpoint`` from a Megatron-LM checkout.
 """
 
@@ -260,8 +260,8 @@ def _rng_state() -> ShardedObject:
 
 def write_megatron_lm(argv: list[str]) -> int:
     """Write a checkpoint in Megatron-LM's layout (see the module docstring)."""
-    from benchmarks.checkpoint_save import build_training_state
     from memo_ext.arguments import parse_args
+    from memo_ext.benchmarks.checkpoint_save import build_training_state
     from memo_ext.data.tokenizers import tokenizer_for
     from memo_ext.training.resolve import resolve_run
 
@@ -323,7 +323,7 @@ def _save_ours(state, run, out: Path, *, iteration: int) -> None:
 def save_with_megatron_lm(argv: list[str]) -> int:
     """Save the benchmark's model with Megatron-LM's ``save_checkpoint`` (see the module
     docstring)."""
-    from benchmarks.checkpoint_save import build_training_state, save_megatron_lm
+    from memo_ext.benchmarks.checkpoint_save import build_training_state, save_megatron_lm
 
     out, checkout = Path(argv[0]), Path(argv[1])
     world = int(os.environ["WORLD_SIZE"])

@@ -311,7 +311,7 @@ MEGATRON_LM = os.environ.get("MEGATRON_LM", "/tmp/megatron-lm")
     reason=f"no Megatron-LM checkout at {MEGATRON_LM} (set MEGATRON_LM)",
 )
 def test_a_checkpoint_written_by_megatron_lm_itself_loads(tmp_path):
-    from benchmarks.checkpoint_save import MODEL_FLAGS, RUN_FLAGS, check_megatron_lm
+    from memo_ext.benchmarks.checkpoint_save import MODEL_FLAGS, RUN_FLAGS, check_megatron_lm
 
     check_megatron_lm(Path(MEGATRON_LM))
     ckpt = tmp_path / "megatron_lm"

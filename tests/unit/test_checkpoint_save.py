@@ -1,7 +1,8 @@
 """Saving a checkpoint (``memo_ext.training.checkpoint``) in one gloo process: checksums taken
 while the files are written are the files' own, and the checkpoint loads; a write that fails in
-one of the writer's threads fails the save and publishes nothing; ``benchmarks/checkpoint_save.py``
-runs end to end, writes its JSON, and refuses a Megatron-LM checkout it cannot compare with."""
+one of the writer's threads fails the save and publishes nothing;
+``memo_ext.benchmarks.checkpoint_save`` runs end to end, writes its JSON, and refuses a Megatron-LM
+checkout it cannot compare with."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.checkpoint_save import build_training_state, check_megatron_lm, main
+from memo_ext.benchmarks.checkpoint_save import build_training_state, check_megatron_lm, main
 from memo_ext.training.checkpoint import (
     MANIFEST,
     TRACKER,

@@ -31,13 +31,13 @@ TOOLS = [
     "memo_ext.commands.demo_corpus",
     "tools.flag_reference",
     "tools.megatron_flags",
-    "benchmarks.hotspa_strategies",
-    "benchmarks.memo_chunking",
-    "benchmarks.planner_quality",
-    "benchmarks.planner_suite",
-    "benchmarks.planner_fragmentation",
-    "benchmarks.planned_allocator",
-    "benchmarks.paper_table",
+    "memo_ext.benchmarks.hotspa_strategies",
+    "memo_ext.benchmarks.memo_chunking",
+    "memo_ext.benchmarks.planner_quality",
+    "memo_ext.benchmarks.planner_suite",
+    "memo_ext.benchmarks.planner_fragmentation",
+    "memo_ext.benchmarks.planned_allocator",
+    "memo_ext.benchmarks.paper_table",
 ]
 
 

@@ -283,7 +283,7 @@ def test_memo_ranks_start_their_bandwidth_probe_together(monkeypatch):
 
 @pytest.mark.slow
 def test_fig_1b_crossover_within_a_quarter_of_the_papers():
-    from benchmarks.paper_table import PAPER_CROSSOVER_TOKENS, crossover_tokens
+    from memo_ext.benchmarks.paper_table import PAPER_CROSSOVER_TOKENS, crossover_tokens
 
     tokens = crossover_tokens(Efficiency())
     assert 0.75 * PAPER_CROSSOVER_TOKENS <= tokens <= 1.25 * PAPER_CROSSOVER_TOKENS
@@ -296,7 +296,7 @@ def test_fig_1b_crossover_within_a_quarter_of_the_papers():
 def test_the_fitted_attention_efficiency_still_gives_the_papers_7b_1m_mfu():
     """A guard on the fitted constant (it was fitted to this figure, so this is not a
     validation): a change elsewhere in the time model that moves the row shows here."""
-    from benchmarks.paper_table import PAPER_MFU_7B_1M, memo_mfu_at_1m
+    from memo_ext.benchmarks.paper_table import PAPER_MFU_7B_1M, memo_mfu_at_1m
 
     mfu, _ = memo_mfu_at_1m(Efficiency())
     assert abs(mfu - PAPER_MFU_7B_1M) <= 0.03
@@ -304,7 +304,7 @@ def test_the_fitted_attention_efficiency_still_gives_the_papers_7b_1m_mfu():
 
 @pytest.mark.slow
 def test_fig_1a_reserved_over_allocated_within_five_percent():
-    from benchmarks.paper_table import (
+    from memo_ext.benchmarks.paper_table import (
         PAPER_ALLOCATED_GB,
         PAPER_RESERVED_GB,
         reserved_over_allocated,
@@ -317,7 +317,7 @@ def test_fig_1a_reserved_over_allocated_within_five_percent():
 
 
 def test_attention_share_at_576k_above_ninety_percent():
-    from benchmarks.paper_table import attention_share
+    from memo_ext.benchmarks.paper_table import attention_share
 
     assert attention_share(Efficiency()) > 0.90
 

@@ -1,5 +1,5 @@
-"""``benchmarks/hotspa_strategies.py``: the length spec language, the CommonCrawl fit, cutting at
-the context, the HotSPa artifact's layouts, and a ``--quick --check`` run end to end."""
+"""``memo_ext.benchmarks.hotspa_strategies``: the length spec language, the CommonCrawl fit,
+cutting at the context, the HotSPa artifact's layouts, and a ``--quick --check`` run end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.hotspa_strategies import (
+from memo_ext.benchmarks.hotspa_strategies import (
     ARTIFACT_MODELS,
     HOTSPA_ARTIFACT_LAYOUTS,
     STRATEGIES,

@@ -36,7 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"features"}),
     frozenset({"compare", "arguments", "training", "launch"}),
     frozenset({"hf"}),
-    frozenset({"commands"}),
+    frozenset({"commands", "benchmarks"}),
 )
 """Components of ``memo_ext``, lowest first. A component may import components of lower layers
 only: not of its own layer (across), not of a higher one (up). The libraries (``memo``,
@@ -306,6 +306,8 @@ NAMED_OUTSIDE_FEATURES: dict[tuple[str, str], str] = {
     ("memo_ext/estimate/fits.py", "memo-"): "the tracer's name of a MEMO trace (memo-A@C:RULE)",
     ("memo_ext/compare/memory.py", "memo-"): "the activation report's MEMO rows",
     ("memo_ext/compare/report.py", "none"): "the comparison table's baseline column",
+    ("memo_ext/benchmarks/memo_chunking.py", "none"): "--chunks none: a layer without chunks",
+    ("memo_ext/benchmarks/paper_table.py", "memo"): "the paper table's MEMO rows",
 }
 """The comparisons with a feature's name still made outside ``memo_ext/features``, each with why.
 A ratchet (as torchtitan's ``test_no_new_cli_options``): a new one fails the test, and so does

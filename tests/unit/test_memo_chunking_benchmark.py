@@ -1,11 +1,11 @@
-"""``benchmarks/memo_chunking.py``: on a small layer, chunking lowers one MEMO layer's peak and
-its growth with the sequence length, and the fit and tables describe the measured rows."""
+"""``memo_ext.benchmarks.memo_chunking``: on a small layer, chunking lowers one MEMO layer's peak
+and its growth with the sequence length, and the fit and tables describe the measured rows."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.memo_chunking import fit, fit_table, measure, table
+from memo_ext.benchmarks.memo_chunking import fit, fit_table, measure, table
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 

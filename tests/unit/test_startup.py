@@ -175,6 +175,30 @@ def test_the_trainer_runs_as_an_installed_module_from_any_folder(tmp_path):
     assert out.returncode == 0 and "--memo-alpha" in out.stdout
 
 
+def test_every_benchmark_runs_from_any_folder(tmp_path):
+    """``python -m memo_ext.benchmarks.NAME`` outside the repository (the installed package alone
+    on the path), and ``benchmarks/NAME.py`` is the same module's shim."""
+    names = sorted(p.stem for p in (ROOT / "memo_ext" / "benchmarks").glob("[!_]*.py"))
+    assert names == sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = "import importlib, sys; [importlib.import_module(m).main for m in sys.argv[1:]]"
+    modules = [f"memo_ext.benchmarks.{name}" for name in names]
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *modules],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name in names:
+        assert (
+            f"from memo_ext.benchmarks.{name} import main"
+            in (ROOT / "benchmarks" / f"{name}.py").read_text()
+        )
+
+
 def test_ctrl_c_inside_a_checkpoint_save_is_an_interrupt():
     """torch.distributed.checkpoint catches whatever a save's writes raise, Ctrl-C included,
     and raises a CheckpointException holding it: that is still the user's Ctrl-C (exit 130),
