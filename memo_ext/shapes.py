@@ -71,11 +71,7 @@ class ModelShape:
         """MLP width: ``ffn_hidden_size``, else Megatron-LM's default (``validate_args``): 4h,
         and with SwiGLU two thirds of it (the same parameters in three matrices as the GeLU
         MLP's in two) rounded down to a multiple of 64."""
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        if self.swiglu:
-            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
-        return 4 * self.hidden_size
+        return self.ffn_hidden_size or default_ffn_size(self.hidden_size, swiglu=self.swiglu)
 
     @property
     def qkv_bias(self) -> bool:
@@ -127,6 +123,14 @@ class ModelShape:
             raise UsageError(
                 f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}"
             )
+
+
+def default_ffn_size(hidden_size: int, *, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given (``validate_args``): 4h, and
+    with SwiGLU two thirds of it rounded down to a multiple of 64."""
+    if swiglu:
+        return int(4 * hidden_size * 2 / 3 / 64) * 64
+    return 4 * hidden_size
 
 
 def _flag(name: str) -> str:

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.validation import verify_checkpoint_and_load_strategy
 
 from memo_ext.errors import UsageError
-from memo_ext.shapes import padded_vocab_size
+from memo_ext.shapes import default_ffn_size, padded_vocab_size
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -157,7 +157,7 @@ def model_identity(args, *, embedding_rows: int | None) -> dict:
     heads, hidden = _arg(args, "num_attention_heads"), _arg(args, "hidden_size")
     ffn = _arg(args, "ffn_hidden_size")
     if ffn is None and hidden is not None:
-        ffn = int(4 * hidden * 2 / 3 / 64) * 64 if _arg(args, "swiglu") else 4 * hidden
+        ffn = default_ffn_size(hidden, swiglu=bool(_arg(args, "swiglu")))
     groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else heads
     activation, gated = _activation(args)
     position = _arg(args, "position_embedding_type")
