@@ -69,3 +69,14 @@ def test_emptying_the_cache_reaches_the_gpu(cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     device.empty_cache()
     assert emptied == [True]
+
+
+def test_megatron_lms_save_reads_the_real_cuda_rng_state_on_a_gpu(cuda):
+    # the checkpoint benchmark stands in an empty CUDA RNG state for Megatron-LM's save on a CPU
+    # only; on a GPU the save reads the device's own
+    from memo_ext.benchmarks.checkpoint_save import _cuda_rng_state_on_cpu
+
+    original = torch.cuda.get_rng_state
+    with _cuda_rng_state_on_cpu():
+        assert torch.cuda.get_rng_state is original
+    assert torch.cuda.get_rng_state is original
