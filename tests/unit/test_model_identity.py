@@ -62,3 +62,24 @@ def test_the_record_keeps_the_manifests_format(megatron_cpu):
         ("padded_vocab_size", 1024),
         ("tied_embeddings", False),
     ]
+
+
+# what earlier manifests recorded for the facts the Llama record above does not show
+SPELT = {
+    "gpt": {"activation": "gelu", "add_bias_linear": True, "qkv_bias": True},
+    "openai-gelu": {"activation": "openai_gelu", "position_embedding_type": "learned_absolute"},
+    "qwen2": {"add_bias_linear": False, "qkv_bias": True, "tied_embeddings": True},
+    "head-dim-ffn-1p": {
+        "kv_channels": 32,
+        "ffn_hidden_size": 100,
+        "layernorm_zero_centered_gamma": True,
+    },
+    "yarn": {"position_embedding_type": "rope"},
+}
+
+
+@pytest.mark.parametrize("name", SPELT)
+def test_each_fact_is_spelt_as_the_manifests_spell_it(name, megatron_cpu):
+    _, model = build_model([*BASE, *MODELS[name]], vocab_size=1000)
+    record = model_identity(model)
+    assert {key: record[key] for key in SPELT[name]} == SPELT[name]

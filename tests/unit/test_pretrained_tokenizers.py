@@ -252,6 +252,14 @@ def test_sentencepiece_types_by_hand(sp_model):
     ]
 
 
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+def test_a_gpt_sentencepiece_tokenizer_has_no_bert_tokens(sp_model, tokenizer_type):
+    tokenizer = build_tokenizer(
+        TokenizerSpec(tokenizer_type=tokenizer_type, tokenizer_model=str(sp_model))
+    )
+    assert not any(hasattr(tokenizer, name) for name in ("cls", "sep", "mask", "cls_id"))
+
+
 @pytest.mark.parametrize("tokenizer_type", list(SENTENCEPIECE_TOKENIZERS))
 def test_sentencepiece_round_trip(sp_model, tokenizer_type):
     tokenizer = build_tokenizer(

@@ -119,6 +119,12 @@ class GPTSentencePieceTokenizer(LibraryTokenizer):
         """Piece → id (megatron-core's wrapper lists the pieces in id order)."""
         return {piece: i for i, piece in enumerate(super().vocab)}
 
+    def _no_bert_token(self):
+        raise AttributeError(f"{type(self).__name__} has no CLS, SEP or MASK token")
+
+    # megatron-core's wrapper raises NameError for these, which hasattr() does not catch
+    cls = cls_id = sep = sep_id = mask = mask_id = property(_no_bert_token)
+
 
 class Llama2Tokenizer(GPTSentencePieceTokenizer):
     """Megatron-LM's Llama2Tokenizer: ``GPTSentencePieceTokenizer`` that starts every text with
