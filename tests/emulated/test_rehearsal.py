@@ -16,8 +16,8 @@ from tests.emulated import runtime
 
 pytestmark = pytest.mark.launch
 STAGES = [
-    "install", "gpu_tests", "step_full", "step_memo", "step_memo_chunked", "step_memo_plan",
-    "compare", "launch_tests",
+    "install", "gpu_tests", "launch_tests", "step_full", "step_memo", "step_memo_chunked",
+    "step_memo_plan", "compare",
 ]  # fmt: skip
 FILES = {
     "stages.txt", "10_install.log", "20_gpu_tests.log", "30_steps.txt", "30_steps.jsonl",
@@ -64,6 +64,18 @@ def test_gpu_check_reaches_the_end_of_every_stage(tmp_path):
     assert calibration["format"] == "memo-calibration/1" and calibration["device"] == "h100-80g"
     logs = "".join(p.read_text() for p in work.glob("*.log"))
     assert "Traceback" not in logs
+
+
+def test_gpu_check_runs_the_stages_it_is_given_alone(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    on_the_device(
+        tmp_path, "bash", "scripts/gpu_check.sh", OUT=str(out), WORK=str(work), REHEARSAL="1",
+        STAGES="install",
+    )  # fmt: skip
+    lines = [line for line in (out / "stages.txt").read_text().splitlines() if ": " in line]
+    ran = [line.split(":")[0] for line in lines if ": ran " in line]
+    skipped = [line.split(":")[0] for line in lines if line.endswith(": skipped: not in STAGES")]
+    assert ran == ["install"] and skipped == STAGES[1:]
 
 
 def test_the_7b_comparison_runs_on_two_gpus(tmp_path):
