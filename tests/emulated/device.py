@@ -905,6 +905,8 @@ class EmulatedCuda:
             (dist, "init_process_group", _init_process_group),
             (dist, "new_group", _new_group),
             (dist, "all_gather_object", _all_gather_object),
+            (dist, "gather_object", _gather_object),
+            (dist, "scatter_object_list", _scatter_object_list),
             (dist, "broadcast_object_list", _broadcast_object_list),
         ]
 
@@ -1017,6 +1019,19 @@ def _all_gather_object(object_list: list, obj: object, group=None) -> None:
 
     for i in range(len(object_list)):
         object_list[i] = copy.deepcopy(obj)
+
+
+def _gather_object(obj: object, object_gather_list: list | None = None, dst=None, group=None, **_):
+    """The destination's list, where there is one: every emulated rank holds what this one does
+    (torch.distributed.checkpoint gathers its save plans so)."""
+    _all_gather_object(object_gather_list or [], obj)
+
+
+def _scatter_object_list(
+    scatter_object_output_list: list, scatter_object_input_list=None, src=None, group=None, **_
+):
+    """This rank's entry of the source's list (the source is this process, rank 0)."""
+    scatter_object_output_list[0] = scatter_object_input_list[dist.get_rank(group)]
 
 
 def _broadcast_object_list(object_list: list, src: int | None = None, group=None, **_) -> None:

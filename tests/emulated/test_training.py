@@ -147,3 +147,24 @@ def test_memo_offload_rules_of_a_test_file_on_the_device(cuda, tmp_path):
             unregister(rule)
     assert host[WideWhole.name] > host["tokenwise"] > host[WideKept.name] > 0
     assert losses[WideWhole.name] == losses["tokenwise"] == losses[WideKept.name]
+
+
+def test_a_checkpoint_is_saved_from_the_device(cuda, tmp_path, monkeypatch):
+    """The save half of tests/gpu's checkpoint test on the emulated device: device tensors copied
+    to the host and written, torch's save plan gathered and scattered on the collective device,
+    the checksums reduced there, the manifest committed; every file then verifies.
+
+    One writer thread: the emulated device's tensors belong to one FakeTensorMode, which the
+    writer's other threads cannot share (a GPU's tensors can). The load half is left to the
+    GPU: the emulated device holds no values to load into (megatron-core's optimizer gets a meta
+    tensor for its common step)."""
+    from memo_ext.training.checkpoint import verify_checkpoint, writer
+
+    monkeypatch.setattr(writer, "WRITER_THREADS", 1)
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "2", "--train-iters", "4"]
+    _, records = train_on(cuda, tmp_path, *save, "--exit-interval", "2")
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    manifest = verify_checkpoint(ckpt / "iter_0000002")
+    assert manifest["model"]["num_layers"] == 4
