@@ -48,9 +48,10 @@ def identity_of(
     """The identity record of a model of ``shape``: facts of the weights, not how the flags
     were spelt. Sizes are resolved: ``ffn_hidden_size`` by Megatron-LM's default where no flag
     gave it (``ModelShape.ffn_size``, the width megatron-core is given), ``num_query_groups`` and
-    ``kv_channels`` as megatron-core fills them in; a QKV bias is there or not (``--add-qkv-bias`` beside the
-    linear layers' biases changes nothing); YaRN rescales RoPE's table, not its weights, so a
-    RoPE checkpoint extends to YaRN. The keys are those every manifest has recorded."""
+    ``kv_channels`` as megatron-core fills them in; a QKV bias is there or not
+    (``--add-qkv-bias`` beside the linear layers' biases changes nothing); YaRN rescales RoPE's
+    table, not its weights, so a RoPE checkpoint extends to YaRN. The keys are those every
+    manifest has recorded."""
     return {
         "num_layers": shape.num_layers,
         "hidden_size": shape.hidden_size,
