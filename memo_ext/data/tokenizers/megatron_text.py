@@ -25,6 +25,10 @@ class LibraryTokenizer(TokenizerFace, MegatronTokenizerText):
     def __init__(self, path: str, *, library: str, **kwargs) -> None:
         super().__init__(path, {"library": library}, **kwargs)
 
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The wrapper's text of ``ids``, given as Python ints (a tensor's or an array's too)."""
+        return super().detokenize([int(i) for i in ids])
+
 
 class NullTokenizer(LibraryTokenizer):
     """Megatron-LM's NullTokenizer, megatron-core's ``null`` library: text is a
@@ -71,10 +75,6 @@ class NullTokenizer(LibraryTokenizer):
             )
         return ids
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Join ids with single spaces (the inverse of ``tokenize``)."""
-        return super().detokenize([int(i) for i in ids])
-
     @property
     def vocab(self) -> dict[str, int]:
         """Each id's decimal text (what ``tokenize`` reads) → the id, end-of-document included
@@ -110,9 +110,6 @@ class GPTSentencePieceTokenizer(LibraryTokenizer):
                 f"{name}: {model_file} has no end-of-sentence piece to end documents with; use a "
                 "model trained with one (eos_id >= 0)"
             )
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return super().detokenize([int(i) for i in ids])
 
     @property
     def vocab(self) -> dict[str, int]:
