@@ -491,9 +491,13 @@ class PlannedMemory:
         path = self._path(digest)
         if path is None:
             return
+        text = json.dumps(plan.to_json())
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(plan.to_json()))
+            # a kind planned again after a late free may get the plan it had: the file stays
+            if path.is_file() and path.read_bytes() == text.encode():
+                return
+            tmp.write_text(text)
             tmp.replace(path)
         except OSError as err:  # a cache: the run goes on, the next one plans again
             logger.warning("cannot keep the pass plan in %s (%s)", path, err.strerror or err)
