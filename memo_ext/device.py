@@ -17,10 +17,14 @@ entry point are checked before torch loads (seconds, more on a loaded machine).
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+_clock: Callable[[], float] | None = None
 
 
 def on_gpu() -> bool:
@@ -60,6 +64,19 @@ def synchronize() -> None:
 
     if on_gpu():
         torch.cuda.synchronize()
+
+
+def clock() -> float:
+    """Seconds on the clock that times device work (read after :func:`synchronize`): the host's
+    ``time.perf_counter``, or the modeled host clock of a simulated GPU (``memo_ext.simulate``),
+    on which launches, copies and waits take the time the device model gives them."""
+    return (_clock or time.perf_counter)()
+
+
+def use_clock(read: Callable[[], float] | None) -> None:
+    """Time device work with ``read`` from now on (``None``: the host's clock again)."""
+    global _clock
+    _clock = read
 
 
 def empty_cache() -> None:

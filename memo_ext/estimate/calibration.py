@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from memo_ext.device import clock
 from memo_ext.estimate.cost_model import CAUSAL_FRACTION, Efficiency
 from memo_ext.hardware import Calibration, DeviceSpec
 from memo_ext.shapes import ModelShape
@@ -49,11 +49,11 @@ def _timed(fn: Callable[[], object], *, device: torch.device, repeats: int) -> f
     for _ in range(2):
         fn()
     sync()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(repeats):
         fn()
     sync()
-    return (time.perf_counter() - start) / repeats
+    return (clock() - start) / repeats
 
 
 def matmul_tflops(*, rows: int, inner: int, cols: int, device, dtype, repeats: int) -> float:
@@ -147,11 +147,11 @@ def concurrent_copy_gbps(
                     copy()
                 torch.cuda.synchronize(dev)
                 together.wait()
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(repeats):
                     copy()
                 torch.cuda.synchronize(dev)
-                seconds.append((time.perf_counter() - start) / repeats)
+                seconds.append((clock() - start) / repeats)
             results[dev.index] = nbytes / max(seconds) / 1e9
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(err)

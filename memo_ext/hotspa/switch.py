@@ -20,7 +20,6 @@ re-allocated, uninitialised, right before it.
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
+from memo_ext.device import clock
 from memo_ext.mcore.init import global_parameter_names, tp_segments
 
 
@@ -204,14 +204,14 @@ class SwitchTimer:
     @classmethod
     def start(cls, device: torch.device) -> SwitchTimer:
         if device.type != "cuda":
-            return cls(started_s=time.perf_counter())
+            return cls(started_s=clock())
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         return cls(events=(start, end))
 
     def stop(self) -> SwitchTimer:
         if self.events is None:
-            self.host_s = time.perf_counter() - self.started_s
+            self.host_s = clock() - self.started_s
         else:
             self.events[1].record()
         return self

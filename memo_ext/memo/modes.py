@@ -11,10 +11,10 @@ here; :func:`layer_mode` picks the mode of a chunk size.
 from __future__ import annotations
 
 import abc
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from memo_ext.device import clock
 from memo_ext.memo.alpha import LayerCost, skeleton_layers, slots_after_forward
 
 if TYPE_CHECKING:
@@ -261,10 +261,10 @@ def _timed(device: torch.device, run) -> float:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     run()
     sync(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 __all__ = [

@@ -48,7 +48,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import torch
 
 from memo_ext import device
 from memo_ext.allocator.core import MISS_NAMES, UNPLANNED, AllocatorCore
+from memo_ext.device import clock
 from memo_ext.errors import UsageError
 from memo_ext.files import writable_folder
 from memo_ext.planner.plan import validate
@@ -433,11 +433,11 @@ class PlannedMemory:
         queued work first: planning then adds to the step's time instead of overlapping it, so
         leaving it out leaves the training's own time intact."""
         device.synchronize()
-        start = time.perf_counter()
+        start = clock()
         try:
             yield
         finally:
-            self.planning_s += time.perf_counter() - start
+            self.planning_s += clock() - start
 
     def _learn_kinds(self) -> None:
         by_digest: dict[str, int] = {}

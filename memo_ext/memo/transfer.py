@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch
 from torch import Tensor
 
 from memo_ext.config import DEFAULT_HOST_SHARE, MemoConfig
+from memo_ext.device import clock
 from memo_ext.hardware import GIB, available_host_memory_bytes
 from memo_ext.memo.alpha import HostMemoryError
 
@@ -329,11 +329,11 @@ def measure_copy_gbps(
     _synchronize(device)
     if align is not None:
         align()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(repeats):
         engine.to_host([(dst, src)], reuse=[])
     _synchronize(device)
-    return repeats * nbytes / max(time.perf_counter() - start, 1e-9) / 1e9
+    return repeats * nbytes / max(clock() - start, 1e-9) / 1e9
 
 
 def _synchronize(device: torch.device) -> None:
