@@ -34,5 +34,8 @@ ALLOCATOR_CORE = Extension(
 
 setup(
     ext_modules=[ALLOCATOR_CORE],
-    package_data={"memo_ext.allocator": ["core.c", "torch_shim.cpp"]},
+    package_data={
+        "memo_ext.allocator": ["core.c", "torch_shim.cpp"],
+        "memo_ext.simulate": ["cuda_shim.cpp", "site/sitecustomize.py", "bin/nvidia-smi"],
+    },
 )

@@ -4,7 +4,7 @@ A process computes on its GPU when torch sees one (``cuda:LOCAL_RANK``), else on
 question the package asks about that goes through this module, and only this module asks torch
 (:func:`on_gpu`): the device's placement, its collective backend, waiting for its queued work,
 its cache and its random states. Code elsewhere calls these functions rather than branching on
-CUDA itself, so a GPU-only line lives here once, and the emulated-device tier (``tests/emulated``,
+CUDA itself, so a GPU-only line lives here once, and the emulated device (``memo_ext.simulate``,
 where the device is a GPU the code recognises) runs it.
 
 The answer is read from torch at each call, never cached: the emulated device comes and goes

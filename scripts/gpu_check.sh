@@ -23,7 +23,7 @@
 #   bash scripts/gpu_check.sh                         # results in runs/gpu_check
 #   OUT=/tmp/check HOST_GB=64 bash scripts/gpu_check.sh
 # REHEARSAL=1 runs the same stages on a tiny model (make test does, on the emulated GPU of
-# tests/emulated: python -m tests.emulated.run -- bash scripts/gpu_check.sh).
+# tests/emulated: python -m memo_ext.simulate.run -- bash scripts/gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}

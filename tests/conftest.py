@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.emulated import runtime as emulated_runtime
+from memo_ext.simulate import runtime as emulated_runtime
 from tests.workers import close_pool, free_port
 
 # the emulated-device tier runs in a process of its own (python -m tests.emulated; make test)

@@ -5,7 +5,7 @@ memory plan at run time. Its ``memo_alloc`` / ``memo_free`` pair is called by th
 (``memo_ext.allocator.shim``): on a GPU behind ``torch.cuda.memory.CUDAPluggableAllocator``
 (``memo_ext.allocator.cuda``, which turns a NULL into ``torch.OutOfMemoryError``), on CPU behind
 c10's CPU allocator (``memo_ext.allocator.cpu``), so the rules below are tested on CPU (the CUDA
-backend there against a stand-in runtime, and on the emulated device of ``tests/emulated``).
+backend there against a stand-in runtime, and on the emulated device of ``memo_ext.simulate``).
 
 Design
 ------

@@ -1,5 +1,5 @@
 """The emulated-device tier: the program's CUDA branch on a CPU machine.
 
-Run with ``python -m tests.emulated`` (``make test`` does); :mod:`tests.emulated.device` says
+Run with ``python -m tests.emulated`` (``make test`` does); :mod:`memo_ext.simulate.device` says
 what is emulated and what is not.
 """

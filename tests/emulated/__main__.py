@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.emulated import runtime
+from memo_ext.simulate import runtime
 
 PLUGIN = "tests.emulated.plugin"
 
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     import pytest
 
     given = [a for a in argv if Path(a.split("::")[0]).exists()]
-    here = [] if given else [str(runtime.ROOT / "tests" / "emulated")]
+    here = [] if given else [str(Path(__file__).resolve().parent)]
     return int(pytest.main([*argv, *here]))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.emulated import runtime
+from memo_ext.simulate import runtime
 
 if runtime.loaded() is None:
     raise pytest.UsageError(
@@ -16,7 +16,7 @@ if runtime.loaded() is None:
 @pytest.fixture
 def cuda():
     """The emulated CUDA device, as rank 0 of a one-process world."""
-    from tests.emulated.device import emulated_cuda
+    from memo_ext.simulate.device import emulated_cuda
 
     with emulated_cuda() as device:
         yield device

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+from pathlib import Path
 
-from tests.emulated.runtime import ROOT
-
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("memo_ext", "tools")
 
 

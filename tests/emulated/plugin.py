@@ -7,7 +7,7 @@ the environment): each process of the tier then has the device before torch.
 
 import os
 
-from tests.emulated import runtime
+from memo_ext.simulate import runtime
 
 runtime.load()
 

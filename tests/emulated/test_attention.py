@@ -27,7 +27,7 @@ def packed_args(data: str, layers: int) -> list[str]:
 def test_packed_rows_read_no_boundary_from_the_device(tmp_path, corpus, precision):  # noqa: F811
     """A device → host read is a synchronisation: the count per step must not grow with the
     layers (learned positions: megatron's unfused RoPE for packed rows reads lengths itself)."""
-    from tests.emulated.device import emulated_cuda
+    from memo_ext.simulate.device import emulated_cuda
 
     reads = []
     for layers in (2, 4):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.emulated.device import OrderError, emulated_cuda
+from memo_ext.simulate.device import OrderError, emulated_cuda
 
 
 def test_host_pool_pins_what_it_counts_within_its_budget(cuda):

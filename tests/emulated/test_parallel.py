@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.emulated.device import emulated_cuda
+from memo_ext.simulate.device import emulated_cuda
 from tests.emulated.test_training import train_on
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.emulated.device import GPUS, emulated_cuda
+from memo_ext.simulate.device import GPUS, emulated_cuda
 from tests.emulated.test_training import TINY
 
 ROPE_TP2_SP = [

@@ -1,5 +1,5 @@
 """Dress rehearsal: the GPU scripts run whole, as a user starts them, on the emulated device
-(``python -m tests.emulated.run``): every Python process they start has the GPU, ``nvidia-smi``
+(``python -m memo_ext.simulate.run``): every Python process they start has the GPU, ``nvidia-smi``
 answers for it. Values are fake; what is checked is that every stage reaches its end and writes
 its files, with nothing crashing, hanging, misplacing a tensor or breaking an ordering rule."""
 
@@ -9,12 +9,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.emulated import runtime
-
 pytestmark = pytest.mark.launch
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = [
     "install", "gpu_tests", "launch_tests", "step_full", "step_memo", "step_memo_chunked",
     "step_memo_plan", "compare",
@@ -26,12 +26,12 @@ FILES = {
 
 
 def on_the_device(tmp_path, *command: str, gpus: int = 1, **env: str) -> str:
-    """Runs ``command`` under ``python -m tests.emulated.run``; its output (it must exit 0)."""
+    """Runs ``command`` under ``python -m memo_ext.simulate.run``; its output (it must exit 0)."""
     base = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     base.update(PYTHON=sys.executable, PYTHONWARNINGS="ignore", **env)
     done = subprocess.run(
-        [sys.executable, "-m", "tests.emulated.run", "--gpus", str(gpus), "--", *command],
-        cwd=runtime.ROOT, env=base, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "memo_ext.simulate.run", "--gpus", str(gpus), "--", *command],
+        cwd=ROOT, env=base, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]

@@ -94,7 +94,7 @@ def test_memo_auto_times_the_layer_after_a_warm_up(tmp_path, caplog):
     import logging
     import re
 
-    from tests.emulated.device import emulated_cuda
+    from memo_ext.simulate.device import emulated_cuda
 
     with emulated_cuda(first_gemm_s=0.5) as cuda, caplog.at_level(logging.INFO):
         train_on(cuda, tmp_path, "--memo", "--memo-keep-last-layers", "1", "--memo-alpha", "auto",

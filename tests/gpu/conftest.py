@@ -1,6 +1,6 @@
-"""The GPU tier needs a GPU that computes: on the emulated device (``python -m tests.emulated.run``,
-which makes ``torch.cuda.is_available()`` true) its tests are skipped, since they check values,
-timings and memory that only real kernels give."""
+"""The GPU tier needs a GPU that computes: on the emulated device
+(``python -m memo_ext.simulate.run``, which makes ``torch.cuda.is_available()`` true) its tests
+are skipped, since they check values, timings and memory that only real kernels give."""
 
 from __future__ import annotations
 

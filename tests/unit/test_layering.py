@@ -32,7 +32,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"planner", "allocator"}),
     frozenset({"memo"}),
     frozenset({"estimate"}),
-    frozenset({"hotspa", "megatron_lm"}),
+    frozenset({"hotspa", "megatron_lm", "simulate"}),
     frozenset({"features"}),
     frozenset({"compare", "arguments", "training", "launch"}),
     frozenset({"hf"}),

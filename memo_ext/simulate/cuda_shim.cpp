@@ -1,6 +1,6 @@
 // An emulated CUDA device for torch's CPU build: the C++ half of tests/emulated.
 //
-// Loaded (RTLD_GLOBAL) before `import torch` by tests/emulated/runtime.py, so that torch's C++
+// Loaded (RTLD_GLOBAL) before `import torch` by memo_ext/simulate/runtime.py, so that torch's C++
 // side finds, when it first asks:
 //   * CUDA hooks that say a device exists (`at::hasCUDA()`, the accelerator autograd's engine
 //     asks for), with CUDA generators, and torch's pinned-memory allocator as far as the bytes

@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from tests.emulated import runtime
+from memo_ext.simulate import runtime
 
 aten = torch.ops.aten
 HOST = 0

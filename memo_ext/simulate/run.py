@@ -1,12 +1,12 @@
-"""Run any command on the emulated device: ``python -m tests.emulated.run [--gpu h200]
+"""Run any command on the emulated device: ``python -m memo_ext.simulate.run [--gpu h200]
 [--gpus N] -- CMD [ARG ...]``.
 
 Every Python process the command starts — torchrun's agent and workers, a tool's subprocesses,
-a comparison's jobs — has the emulated CUDA device (:mod:`tests.emulated.process`), and
+a comparison's jobs — has the emulated CUDA device (:mod:`memo_ext.simulate.process`), and
 ``nvidia-smi`` answers for it, so whole shell scripts run as they would on that machine::
 
-    python -m tests.emulated.run -- bash scripts/gpu_check.sh
-    python -m tests.emulated.run --gpus 2 -- python -m memo_ext.launch --nproc-per-node 2 ...
+    python -m memo_ext.simulate.run -- bash scripts/gpu_check.sh
+    python -m memo_ext.simulate.run --gpus 2 -- python -m memo_ext.launch --nproc-per-node 2 ...
 
 Values are fake (the device computes nothing); what a run shows is that nothing crashes, hangs,
 puts a tensor on the wrong device or breaks a stream-ordering rule. The command's exit status is
@@ -19,11 +19,12 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.emulated import runtime
-from tests.emulated.process import GPU_VARIABLE, GPUS_VARIABLE
+from memo_ext.simulate import runtime
+from memo_ext.simulate.process import GPU_VARIABLE, GPUS_VARIABLE
 
-HERE = runtime.ROOT / "tests" / "emulated"
+HERE = Path(__file__).resolve().parent
 PARTS = ("h100", "h200")
 
 
@@ -31,7 +32,7 @@ def environment(*, gpu: str, gpus: int, base: dict[str, str] | None = None) -> d
     """``base`` (default: this process's environment) with the device put into every Python
     process started with it."""
     env = dict(os.environ if base is None else base)
-    paths = [str(HERE / "site"), str(runtime.ROOT)]
+    paths = [str(HERE / "site")]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -42,7 +43,7 @@ def environment(*, gpu: str, gpus: int, base: dict[str, str] | None = None) -> d
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.emulated.run", description=__doc__.split("\n\n")[0]
+        prog="python -m memo_ext.simulate.run", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--gpu", choices=PARTS, default="h100", help="The part (default h100).")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs of the machine (1 to 8).")

@@ -4,10 +4,10 @@ The shim must be in the process before ``import torch``: torch asks for its CUDA
 the first use, and keeps the answer. :func:`load` therefore finds torch's libraries from the
 installed package without importing it, loads ``libc10`` and ``libtorch_cpu`` with
 ``RTLD_GLOBAL``, then the shim. It is compiled with the system's C++ compiler against the
-installed torch's headers on first use and cached under ``build/emulated/``, keyed by the
-shim's source and torch's version.
+installed torch's headers on first use and cached under ``~/.cache/memo_ext/simulate/``
+(``$XDG_CACHE_HOME``), keyed by the shim's source and torch's version.
 
-This module imports neither torch nor the package.
+This module imports neither torch nor the package (but ``memo_ext.files``, which needs neither).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from memo_ext.files import cache_root, writable_folder
+
 SOURCE = Path(__file__).resolve().with_name("cuda_shim.cpp")
-BUILD_DIR = ROOT / "build" / "emulated"
 
 _loaded: dict[str, ctypes.CDLL] = {}
 
@@ -40,14 +40,14 @@ def build() -> Path:
     """Compile the shim (once per source and torch version); returns the library's path."""
     version = importlib.metadata.version("torch")
     digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
-    library = BUILD_DIR / f"cuda_shim_{digest}.so"
+    build_dir = writable_folder(cache_root() / "memo_ext" / "simulate", what="the shim's cache")
+    library = build_dir / f"cuda_shim_{digest}.so"
     if library.exists():
         return library
     compiler = os.environ.get("CXX", "c++")
     if not shutil.which(compiler):
         raise RuntimeError(f"the emulated CUDA tier needs a C++ compiler; {compiler!r} is absent")
     torch = torch_dir()
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
     partial = library.with_suffix(f".{os.getpid()}.tmp")
     command = [
         compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-w",

@@ -1,17 +1,17 @@
-"""The emulated device in a whole process: what ``python -m tests.emulated.run`` puts into every
+"""The emulated device in a whole process: what ``python -m memo_ext.simulate.run`` puts into every
 Python process the command starts.
 
-The launcher sets ``MEMO_EMULATED_GPU`` and puts ``tests/emulated/site`` first on
+The launcher sets ``MEMO_EMULATED_GPU`` and puts ``memo_ext/simulate/site`` first on
 ``PYTHONPATH``; that folder's ``sitecustomize`` calls :func:`install` when Python starts. It loads
 the C++ half before torch (which must come first) and, once ``import torch`` has finished, enters
-:func:`tests.emulated.device.emulated_cuda` for the rest of the process: rank and world from the
+:func:`memo_ext.simulate.device.emulated_cuda` for the rest of the process: rank and world from the
 launcher's environment (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``), the part from
 ``MEMO_EMULATED_GPU`` and the GPU count from ``MEMO_EMULATED_GPUS``. A process that never imports
 torch (a shell tool, ``pip``) pays nothing but the shim's load.
 
-At exit the device checks what the process left on it (a block freed under a copy still running
-is an :class:`~tests.emulated.device.OrderError`); an error there ends the process with status 70,
-so a script that ran on the device fails where a GPU run could have gone wrong.
+At exit the device checks what the process left on it (a block freed under a copy still
+running is an :class:`~memo_ext.simulate.device.OrderError`); an error there ends the process
+with status 70, so a script that ran on the device fails where a GPU run could have gone wrong.
 
 This module imports neither torch nor the package at import time.
 """
@@ -36,7 +36,7 @@ def install() -> None:
     ``MEMO_EMULATED_GPU``)."""
     if not os.environ.get(GPU_VARIABLE) or any(isinstance(f, _AfterTorch) for f in sys.meta_path):
         return
-    from tests.emulated import runtime
+    from memo_ext.simulate import runtime
 
     runtime.load()
     sys.meta_path.insert(0, _AfterTorch())
@@ -82,7 +82,7 @@ _held: list = []
 
 
 def _activate() -> None:
-    from tests.emulated.device import emulated_cuda
+    from memo_ext.simulate.device import emulated_cuda
 
     context = emulated_cuda(
         rank=None,
