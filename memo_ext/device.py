@@ -16,9 +16,10 @@ entry point are checked before torch loads (seconds, more on a loaded machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -77,6 +78,22 @@ def use_clock(read: Callable[[], float] | None) -> None:
     """Time device work with ``read`` from now on (``None``: the host's clock again)."""
     global _clock
     _clock = read
+
+
+@contextlib.contextmanager
+def annotate(name: str) -> Iterator[None]:
+    """A named range of the program's device work: an NVTX range on a GPU (Nsight Systems shows
+    it; a simulated GPU reports its time), nothing on the CPU."""
+    if not on_gpu():
+        yield
+        return
+    import torch
+
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
 
 
 def empty_cache() -> None:

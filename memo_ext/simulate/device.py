@@ -34,7 +34,6 @@ import gc
 import itertools
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,7 +44,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from memo_ext.simulate import runtime
+from memo_ext import device as package_device
+from memo_ext.hardware import device_spec
+from memo_ext.simulate import runtime, timing
+from memo_ext.simulate.parts import GPUS, EmulatedGpu, part
 
 aten = torch.ops.aten
 HOST = 0
@@ -172,7 +174,9 @@ class Stream:
         """The ``cudaStream_t`` a pluggable allocator sees."""
 
     def wait_stream(self, other: Stream) -> None:
-        _device().timeline.join(self.id, dict(_device().timeline.clock(other.id)))
+        device = _device()
+        device.timeline.join(self.id, dict(device.timeline.clock(other.id)))
+        device.clock.wait(self.id, device.clock.now(other.id), on=other.id)
 
     def wait_event(self, event: Event) -> None:
         event.wait(self)
@@ -187,7 +191,9 @@ class Stream:
         return timeline.clock(HOST).get(self.id, 0) >= timeline.clock(self.id).get(self.id, 0)
 
     def synchronize(self) -> None:
-        _device().timeline.join(HOST, dict(_device().timeline.clock(self.id)))
+        device = _device()
+        device.timeline.join(HOST, dict(device.timeline.clock(self.id)))
+        device.clock.sync(device.clock.now(self.id), _site())
 
     def __enter__(self) -> Stream:
         self._previous = getattr(_local, "stream", None)
@@ -214,18 +220,21 @@ class Event:
         self.enable_timing = enable_timing
         self.clock: dict[int, int] | None = None
         self.stream: int | None = None
-        self.host_time_s: float | None = None
+        self.time_s: float | None = None
+        """When the work before it ends on the device's clock."""
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or current_stream()
-        timeline = _device().timeline
-        timeline.tick(stream.id)
-        self.clock, self.stream = dict(timeline.clock(stream.id)), stream.id
-        self.host_time_s = time.perf_counter()
+        device = _device()
+        device.timeline.tick(stream.id)
+        self.clock, self.stream = dict(device.timeline.clock(stream.id)), stream.id
+        self.time_s = device.clock.now(stream.id)
 
     def wait(self, stream: Stream | None = None) -> None:
         if self.clock is not None:
-            _device().timeline.join((stream or current_stream()).id, self.clock)
+            device, waiting = _device(), (stream or current_stream()).id
+            device.timeline.join(waiting, self.clock)
+            device.clock.wait(waiting, self.time_s, on=self.stream)
 
     def query(self) -> bool:
         if self.clock is None:
@@ -235,15 +244,16 @@ class Event:
     def synchronize(self) -> None:
         if self.clock is not None:
             _device().timeline.join(HOST, self.clock)
+            _device().clock.sync(self.time_s, _site())
 
     def elapsed_time(self, end: Event) -> float:
-        """Milliseconds between the two records (host time); both must be complete, as CUDA
-        refuses ``cudaEventElapsedTime`` on an event that is not."""
+        """Milliseconds between the two records on the device's clock; both must be complete,
+        as CUDA refuses ``cudaEventElapsedTime`` on an event that is not."""
         if not self.enable_timing or not end.enable_timing:
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if not (self.query() and end.query()):
             raise RuntimeError("CUDA error: device not ready (the events are not complete)")
-        return (end.host_time_s - self.host_time_s) * 1e3
+        return (end.time_s - self.time_s) * 1e3
 
 
 _local = threading.local()
@@ -282,9 +292,11 @@ def _index(device) -> int:
 
 
 def synchronize(device=None) -> None:
-    timeline = _device().timeline
+    emulated = _device()
+    timeline = emulated.timeline
     for key in list(timeline.clocks):
         timeline.join(HOST, dict(timeline.clock(key)))
+    emulated.clock.sync(max(emulated.clock.streams.values(), default=0.0), _site())
 
 
 # ---- the pluggable allocator and the CUDA runtime's host registration --------------------------
@@ -331,29 +343,6 @@ class CudaRuntime:
     @staticmethod
     def cudaHostUnregister(ptr: int) -> int:  # noqa: N802
         return runtime.loaded().memo_emulated_host_unregister(ptr)
-
-
-@dataclass(frozen=True)
-class EmulatedGpu:
-    """What ``torch.cuda.get_device_properties`` reports for one GPU model."""
-
-    name: str
-    """The device name, as ``nvidia-smi`` and ``torch.cuda.get_device_name`` give it."""
-    total_memory: int
-    """Bytes, as torch reports them (nvidia-smi's MiB)."""
-    major: int = 9
-    minor: int = 0
-    multi_processor_count: int = 132
-    gcnArchName: str = ""  # noqa: N815 (torch's name)
-
-
-GPUS = {
-    "h100": EmulatedGpu("NVIDIA H100 80GB HBM3", 81559 * 2**20),
-    "h200": EmulatedGpu("NVIDIA H200", 143771 * 2**20),
-}
-"""The parts the device can be (``emulated_cuda(gpu=...)``; ``h100`` by default): real names, so
-every path that recognises its GPU (device presets, the preflight's traces, calibration, ``auto``
-choices) runs as it does on that GPU."""
 
 
 # ---- the dispatch mode -----------------------------------------------------------------------
@@ -426,11 +415,12 @@ class EmulatedCudaMode(FakeTensorMode):
         )  # fmt: skip
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self.values.propagate(func, inputs, out)
-        device.device_op(func, args, kwargs, outputs=tree_leaves(out))
+        device.device_op(func, args, kwargs, outputs=tree_leaves(out), inputs=inputs)
         if _blocking_copy_to_host(func, kwargs):
             device.host_waits_for_current_stream()
         if _blocking_copy_from_host(func, *inputs):
             device.blocking_host_copies += 1
+            device.clock.sync(device.clock.now(current_stream().id), _site())
         if func is aten._scaled_dot_product_efficient_attention.default:
             # the kernel keeps its philox seed and offset as host scalars (outside CUDA graph
             # capture), and its backward reads them there
@@ -621,22 +611,36 @@ def _blocking_copy_from_host(func, args, kwargs) -> bool:
 class EmulatedCuda:
     """The state of the emulated device while :func:`emulated_cuda` is active."""
 
-    def __init__(self, *, first_gemm_s: float = 0.0, gpu: str = "h100", gpus: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        first_gemm_s: float = 0.0,
+        gpu: str = "h100",
+        gpus: int = 1,
+        rates: timing.Rates | None = None,
+        keep_intervals: bool = False,
+    ) -> None:
         self.shim = runtime.loaded()
         if self.shim is None:
             raise RuntimeError(
                 "the emulated CUDA shim is not loaded: run `python -m tests.emulated`"
             )
-        if gpu not in GPUS:
-            raise ValueError(f"the emulated GPU is one of {', '.join(GPUS)}, got {gpu!r}")
+        gpu = part(gpu)
         if not 1 <= gpus <= 8:
             raise ValueError(f"an emulated machine has 1 to 8 GPUs, got {gpus}")
-        self.gpu, self.gpus = GPUS[gpu], gpus
+        self.gpu, self.gpus, self.preset = GPUS[gpu], gpus, gpu
         self.shim.memo_emulated_set_device_count(gpus)
         self.shim.memo_emulated_init()  # as CUDA's first use does
         self.shim.memo_emulated_registered_peak(1)
         self.timeline = Timeline()
         self.default = Stream()
+        timing.load()
+        self.clock = timing.Clock(
+            rates or timing.Rates.of(device_spec(gpu), gpus=gpus),
+            compute_stream=self.default.id,
+            keep_intervals=keep_intervals,
+        )
+        """The device's time (:mod:`memo_ext.simulate.timing`)."""
         self.storages: dict[int, _Storage] = {}
         """Live device storages, by token."""
         self.host_storages: dict[int, _Storage] = {}
@@ -652,6 +656,8 @@ class EmulatedCuda:
         lazily, cuBLAS makes its handle and workspace at first use)."""
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
+        self.lifetime_peak_bytes = 0
+        """The most device bytes allocated at once since the device started (never reset)."""
         self.history: list[list[dict]] | None = None
         """The allocator history per GPU while it is recorded (``_record_memory_history``)."""
         self.allocations_by_stream: dict[int, int] = {}
@@ -664,9 +670,11 @@ class EmulatedCuda:
 
     # -- accesses -------------------------------------------------------------------------
 
-    def device_op(self, func, args, kwargs, *, outputs=(), touches_data=None) -> None:
-        """Record a device op's accesses on the current stream, then register new storages.
-        An op touches data unless it aliases (a view) or answers metadata (a device, a size)."""
+    def device_op(self, func, args, kwargs, *, outputs=(), touches_data=None, inputs=None) -> None:
+        """Record a device op's accesses on the current stream, then register new storages,
+        and give it its time on the clock (``inputs``: the op's arguments before host tensors
+        became fake ones, which say whether a host buffer is pinned). An op touches data unless
+        it aliases (a view) or answers metadata (a device, a size)."""
         written = _written_arguments(func, args, kwargs)
         if touches_data is None:
             tensors_out = any(isinstance(t, torch.Tensor) for t in outputs)
@@ -677,10 +685,12 @@ class EmulatedCuda:
             shapes = (func, *(tuple(t.shape) for t in args if isinstance(t, torch.Tensor)))
             if shapes not in self._gemm_shapes:  # a kernel loaded (and tuned) on first use
                 self._gemm_shapes.add(shapes)
-                time.sleep(self.first_gemm_s)
+                self.clock.host += self.first_gemm_s
         with self.lock:
             stream = current_stream().id
             tick = self.timeline.tick(stream)
+            if func not in _NO_KERNEL:
+                self._time(func, args, kwargs, outputs, stream, inputs)
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
                     self._touch(t, stream, tick, write=id(t) in written, what=str(func))
@@ -688,6 +698,35 @@ class EmulatedCuda:
                 if _on_device(t):
                     self._register(t, stream)
                     self._touch(t, stream, tick, write=True, what=str(func))
+
+    def _time(self, func, args, kwargs, outputs, stream: int, inputs) -> None:
+        """The op's place on the clock: a collective, a host ↔ device copy, or a kernel."""
+        rates, name = self.clock.rates, str(func)
+        if func.namespace == "c10d":
+            group = next(
+                (dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)),
+                None,
+            )
+            ranks = _group_ranks(group)
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            nbytes = max((timing.tensor_bytes(t) for t in tensors), default=0)
+            seconds = timing.collective_seconds(rates, func._opname, nbytes, ranks)
+            self.clock.launch(stream, seconds, timing.COLLECTIVE, name)
+            return
+        copy = _host_copy(func, inputs if inputs is not None else (args, kwargs), outputs)
+        if copy is not None:
+            kind, nbytes, pinned = copy
+            seconds = timing.copy_seconds(rates, nbytes, pinned=pinned)
+            end = self.clock.launch(stream, seconds, kind, name)
+            if not pinned:  # staged through a pinned buffer: the host waits for it
+                self.clock.sync(end, _site())
+            return
+        tensors = [
+            t for t in tree_leaves((args, kwargs, list(outputs))) if isinstance(t, torch.Tensor)
+        ]
+        out = outputs[0] if len(outputs) == 1 else outputs
+        seconds = timing.kernel_seconds(rates, func, args, kwargs, out, tensors)
+        self.clock.launch(stream, seconds, timing.COMPUTE, name)
 
     def host_op(self, func, args, kwargs) -> None:
         """A host op touching a pinned buffer a device op touched must be ordered after it."""
@@ -742,6 +781,7 @@ class EmulatedCuda:
         self.allocations_by_stream[stream] = self.allocations_by_stream.get(stream, 0) + 1
         self.allocated_bytes += storage.nbytes
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        self.lifetime_peak_bytes = max(self.lifetime_peak_bytes, self.allocated_bytes)
 
     def collect_released(self) -> None:
         """Check the device storages dropped since the last op (the shim's meta allocator
@@ -785,7 +825,9 @@ class EmulatedCuda:
             storage.recorded.add(getattr(s, "id", None) or current_stream().id)
 
     def host_waits_for_current_stream(self) -> None:
-        self.timeline.join(HOST, dict(self.timeline.clock(current_stream().id)))
+        stream = current_stream().id
+        self.timeline.join(HOST, dict(self.timeline.clock(stream)))
+        self.clock.sync(self.clock.now(stream), _site())
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -865,6 +907,9 @@ class EmulatedCuda:
             (c, "current_device", _current_index),
             (c, "set_device", self.set_device),
             (c, "synchronize", synchronize),
+            (c.nvtx, "range_push", lambda msg: self.clock.push(msg) or 0),
+            (c.nvtx, "range_pop", lambda: self.clock.pop() or 0),
+            (c.nvtx, "mark", lambda msg: None),
             (c, "Stream", Stream),
             (c, "Event", Event),
             (c, "current_stream", current_stream),
@@ -925,6 +970,67 @@ def _host_key(t: torch.Tensor) -> int:
 
 
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_NO_KERNEL = {
+    aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+    aten.new_empty_strided.default, aten.empty_like.default, aten.lift_fresh.default,
+}  # fmt: skip
+"""Device ops that allocate and launch nothing."""
+
+
+def _group_ranks(group) -> list[int]:
+    """The world ranks of a process group (its size alone where they cannot be read)."""
+    if group is None:
+        return [0]
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, KeyError):
+        return list(range(group.size()))
+
+
+def _host_copy(func, inputs, outputs) -> tuple[str, int, bool] | None:
+    """(direction, bytes, pinned) of an op copying between the host and the device."""
+    args, kwargs = inputs
+    if func is aten.copy_.default:
+        dst, src = args[0], args[1]
+    elif func is aten._to_copy.default and outputs:
+        dst, src = outputs[0], args[0]
+    else:
+        return None
+    if not isinstance(src, torch.Tensor) or _on_device(dst) == _on_device(src):
+        return None
+    host = src if _on_device(dst) else dst
+    pinned = not isinstance(host, FakeTensor) and host.is_pinned()
+    kind = timing.TO_DEVICE if _on_device(dst) else timing.TO_HOST
+    return kind, timing.tensor_bytes(src), pinned
+
+
+_OWN_FILES = (
+    os.path.dirname(__file__), os.path.dirname(torch.__file__), contextlib.__file__,
+    package_device.__file__,
+)  # fmt: skip
+
+
+def _site() -> str:
+    """Where the program asked for what is happening now: the innermost frame outside torch,
+    this device and the standard library's plumbing (``file:line (function)``)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_OWN_FILES) and "/threading.py" not in path:
+            return f"{_short(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+def _short(path: str) -> str:
+    """``memo_ext/...``, ``megatron/...`` and the like: the path from its package on."""
+    for root in ("/memo_ext/", "/megatron/", "/tests/", "/tools/"):
+        at = path.rfind(root)
+        if at >= 0:
+            return path[at + 1 :]
+    return os.path.basename(path)
 
 
 def _written_arguments(func, args, kwargs) -> set[int]:
@@ -1046,6 +1152,8 @@ def emulated_cuda(
     first_gemm_s: float = 0.0,
     gpu: str = "h100",
     gpus: int = 1,
+    rates: timing.Rates | None = None,
+    keep_intervals: bool = False,
 ) -> Iterator[EmulatedCuda]:
     """Run the block on the emulated CUDA device as rank ``rank`` of ``world_size``; each first
     matrix product of new shapes takes ``first_gemm_s`` host seconds (a kernel's first use).
@@ -1054,13 +1162,20 @@ def emulated_cuda(
         rank: this process's rank; ``None`` (with ``world_size=None``): the launcher's, from the
             environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), left as it is.
         world_size: ranks of the job (the others are emulated: collectives move nothing).
-        gpu: the part the device is (:data:`GPUS`).
+        gpu: the part the device is (:data:`GPUS`, or a short name of :data:`ALIASES`).
         gpus: GPUs of the emulated machine (``torch.cuda.device_count()``).
+        rates: the clock's rates (default: the part's preset, the estimator's efficiencies).
+        keep_intervals: keep every op's interval for a trace (``device.clock.intervals``).
+
+    Inside the block the package times device work on the device's clock
+    (``memo_ext.device.clock``).
 
     Raises:
         RuntimeError: when the shim was not loaded before torch (``python -m tests.emulated``).
     """
-    device = EmulatedCuda(first_gemm_s=first_gemm_s, gpu=gpu, gpus=gpus)
+    device = EmulatedCuda(
+        first_gemm_s=first_gemm_s, gpu=gpu, gpus=gpus, rates=rates, keep_intervals=keep_intervals
+    )
     _local.stream = None
     patches = device.patches()
     saved = [(owner, name, getattr(owner, name, None)) for owner, name, _ in patches]
@@ -1071,6 +1186,7 @@ def emulated_cuda(
     for owner, name, value in patches:
         setattr(owner, name, value)
     _active.append(device)
+    package_device.use_clock(lambda: device.clock.host)
     try:
         with device.mode:
             yield device
@@ -1078,6 +1194,7 @@ def emulated_cuda(
         device.collect_released()
     finally:
         _active.pop()
+        package_device.use_clock(None)
         device.shim.memo_emulated_set_current_device(0)
         for owner, name, value in saved:
             setattr(owner, name, value)

@@ -27,6 +27,14 @@ import traceback
 
 GPU_VARIABLE = "MEMO_EMULATED_GPU"
 GPUS_VARIABLE = "MEMO_EMULATED_GPUS"
+OUT_VARIABLE = "MEMO_SIMULATE_OUT"
+"""A folder: the process writes its timeline there at exit (``memo_ext.simulate.trace``)."""
+TRACE_VARIABLE = "MEMO_SIMULATE_TRACE"
+"""``1``: keep every op for the Chrome trace too."""
+WORLD_VARIABLE = "MEMO_SIMULATE_WORLD"
+"""GPUs of the modeled job (their copies share uplinks; default: the machine's)."""
+CALIBRATION_VARIABLE = "MEMO_SIMULATE_CALIBRATION"
+"""A calibration file (``memo-calibration/1``) whose rates replace the preset's."""
 ORDER_ERROR_STATUS = 70
 """A process whose device work broke an ordering rule ends with this status (EX_SOFTWARE)."""
 
@@ -84,16 +92,54 @@ _held: list = []
 def _activate() -> None:
     from memo_ext.simulate.device import emulated_cuda
 
+    out = os.environ.get(OUT_VARIABLE)
     context = emulated_cuda(
         rank=None,
         world_size=None,
         gpu=os.environ[GPU_VARIABLE],
         gpus=int(os.environ.get(GPUS_VARIABLE, "1")),
+        rates=_rates(),
+        keep_intervals=bool(out) and os.environ.get(TRACE_VARIABLE) == "1",
     )
     device = context.__enter__()
     _held.append(context)  # a generator context closed by the collector would leave the device
     _threads_on_the_device(device)
     atexit.register(_check_at_exit, device)
+    if out:  # registered last: runs first, before the exit check can end the process
+        atexit.register(_write_timeline, device, out)
+
+
+def _rates():
+    """The clock's rates: the part's preset for the world's GPUs, with the calibration file of
+    ``MEMO_SIMULATE_CALIBRATION`` when set (``None``: the device's defaults)."""
+    world = os.environ.get(WORLD_VARIABLE)
+    path = os.environ.get(CALIBRATION_VARIABLE)
+    if not world and not path:
+        return None
+    from memo_ext.hardware import device_spec, read_calibration
+    from memo_ext.simulate.parts import part
+    from memo_ext.simulate.timing import Rates
+
+    gpus = int(world or os.environ.get(GPUS_VARIABLE, "1"))
+    calibration = read_calibration(path) if path else None
+    spec = device_spec(part(os.environ[GPU_VARIABLE]))
+    return Rates.of(spec, gpus=gpus, calibration=calibration, source=path or "preset")
+
+
+def _write_timeline(device, out: str) -> None:
+    from pathlib import Path
+
+    from memo_ext.simulate import trace
+
+    pinned = max(device.registered_peak_bytes(), device.pinned_bytes())
+    rank = int(os.environ.get("RANK", "0"))
+    trace.write(
+        Path(out),
+        device.clock,
+        rank=rank,
+        peak_device_bytes=device.lifetime_peak_bytes,
+        peak_pinned=pinned,
+    )
 
 
 def _threads_on_the_device(device) -> None:

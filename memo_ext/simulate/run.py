@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 from memo_ext.simulate import runtime
+from memo_ext.simulate.parts import ALIASES, GPUS, part
 from memo_ext.simulate.process import GPU_VARIABLE, GPUS_VARIABLE
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("h100", "h200")
+PARTS = (*GPUS, *ALIASES)
 
 
 def environment(*, gpu: str, gpus: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -38,6 +39,9 @@ def environment(*, gpu: str, gpus: int, base: dict[str, str] | None = None) -> d
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PATH"] = os.pathsep.join([str(HERE / "bin"), env.get("PATH", "")])
     env[GPU_VARIABLE], env[GPUS_VARIABLE] = gpu, str(gpus)
+    spec = GPUS[part(gpu)]  # what nvidia-smi answers
+    env["MEMO_EMULATED_GPU_NAME"] = spec.name
+    env["MEMO_EMULATED_GPU_MIB"] = str(spec.total_memory // 2**20)
     return env
 
 

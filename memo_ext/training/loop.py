@@ -513,12 +513,13 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
             housekeeping.before_step(iteration)
             for extension in s.extensions:
                 extension.begin_step(iteration)
-            start = device.clock()
-            step = _train_one_step(s, global_batch=global_batch)
-            figures = [(source, source.collect()) for source in s.metric_sources]
-            usable = check_finite(run, iteration, step.loss, step.grad_norm)
-            skipped += not (usable and step.updated)
-            step_time = device.clock() - start
+            with device.annotate(f"step {iteration}"):
+                start = device.clock()
+                step = _train_one_step(s, global_batch=global_batch)
+                figures = [(source, source.collect()) for source in s.metric_sources]
+                usable = check_finite(run, iteration, step.loss, step.grad_norm)
+                skipped += not (usable and step.updated)
+                step_time = device.clock() - start
             # one-off work inside the step (planning memory, say) is no part of its time
             step_time -= sum(extension.excluded_time_s() for extension in s.extensions)
             step_tokens = global_batch * run.data.seq_length
