@@ -63,7 +63,7 @@ def trainer_flags(flags: list[str], *, steps: int, out: Path) -> tuple[list[str]
             continue
         kept.append(flags[i])
         i += 1
-    own = ["--train-iters", str(steps), "--log-interval", "1"]
+    own = ["--train-iters", str(steps), "--log-interval", "1", "--log-throughput"]
     return [*kept, *own, "--metrics-file", str(out / "metrics.jsonl")], dropped
 
 

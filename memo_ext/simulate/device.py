@@ -28,6 +28,7 @@ wrong-stream and wrong-allocator classes of defects on a CPU machine.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import gc
@@ -564,11 +565,28 @@ def _collective(func, args, kwargs):
             return func(*args, **kwargs)
     group = next(dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject))
     group._get_backend(torch.device("cuda"))  # raises without one
-    future = torch.futures.Future()
-    future.set_result(None)
-    work = torch._C._distributed_c10d._create_work_from_future(future).boxed()
+    work = _TimedWork(_device(), *_device().last_collective)
+    _device().works.append(work)  # C++ holds the handle; its Python half must live on too
+    work = work.boxed()
     returns = func._schema.returns
     return (args[0], work) if len(returns) == 2 else work if returns else None
+
+
+class _TimedWork(dist.Work):
+    """A collective's handle: done on arrival (the other ranks are emulated), and ``wait()``
+    makes the current stream wait for the end of the collective on its group's stream, as
+    NCCL's ``Work.wait`` does."""
+
+    def __init__(self, device: EmulatedCuda, end_s: float, stream: int) -> None:
+        super().__init__()
+        self.device, self.end_s, self.stream = device, end_s, stream
+
+    def wait(self, timeout=None) -> bool:
+        self.device.clock.wait(current_stream().id, self.end_s, on=self.stream)
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def _host_op(leaves: list) -> bool:
@@ -657,6 +675,13 @@ class EmulatedCuda:
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
         self.lifetime_peak_bytes = 0
+        self.comm_streams: dict[int, int] = {}
+        """The stream of each process group's collectives (NCCL's), by the group's id."""
+        self.last_collective: tuple[float, int] = (0.0, 0)
+        """When the latest collective ends, and its stream."""
+        self.works: collections.deque = collections.deque(maxlen=1 << 16)
+        """The latest collectives' handles: a handle whose Python object died would wait as
+        c10d's base ``Work`` does, forever (pybind keeps no Python subclass alive)."""
         """The most device bytes allocated at once since the device started (never reset)."""
         self.history: list[list[dict]] | None = None
         """The allocator history per GPU while it is recorded (``_record_memory_history``)."""
@@ -709,9 +734,16 @@ class EmulatedCuda:
             )
             ranks = _group_ranks(group)
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if not all(_on_device(t) for t in tensors):
+                return  # a host collective (gloo): the host's work, not the device's
             nbytes = max((timing.tensor_bytes(t) for t in tensors), default=0)
             seconds = timing.collective_seconds(rates, func._opname, nbytes, ranks)
-            self.clock.launch(stream, seconds, timing.COLLECTIVE, name)
+            # NCCL runs a group's collectives on a stream of its own, after the work the
+            # issuing stream has queued; its Work.wait() makes a stream wait for it
+            comm = self.comm_streams.setdefault(id(group), Stream().id)
+            self.clock.wait(comm, self.clock.now(stream), on=stream)
+            end = self.clock.launch(comm, seconds, timing.COLLECTIVE, name)
+            self.last_collective = (end, comm)
             return
         copy = _host_copy(func, inputs if inputs is not None else (args, kwargs), outputs)
         if copy is not None:
@@ -973,8 +1005,9 @@ _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.de
 _NO_KERNEL = {
     aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
     aten.new_empty_strided.default, aten.empty_like.default, aten.lift_fresh.default,
+    aten._unsafe_view.default, aten.set_.source_Storage_storage_offset, aten.resize_.default,
 }  # fmt: skip
-"""Device ops that allocate and launch nothing."""
+"""Device ops that allocate, or alias without the schema saying so, and launch nothing."""
 
 
 def _group_ranks(group) -> list[int]:

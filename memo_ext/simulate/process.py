@@ -156,12 +156,37 @@ def _threads_on_the_device(device) -> None:
     threading.Thread._bootstrap_inner = bootstrap_on_device
 
 
+EXIT_WAIT_S = 10.0
+"""How long the check at exit waits for another thread's device op to end."""
+
+
 def _check_at_exit(device) -> None:
     """What the process dropped dies on the device, checked as :func:`emulated_cuda`'s end of
     block checks it. The device stays in place: finalizers that run after this one (pinned
-    pages unregistered, process groups destroyed) still find it."""
-    import gc
+    pages unregistered, process groups destroyed) still find it.
 
+    Daemon threads still run here. One inside a device op holds the device's lock, which the
+    check and every finalizer doing a tensor op need; if it does not come out within
+    :data:`EXIT_WAIT_S` (an op that blocks, a finalizer gc ran inside an op that waits for this
+    thread, a lock inherited held through ``fork``), the check is skipped with a note and the
+    device gets a new lock, so the process exits as a GPU process would, not waiting forever."""
+    import gc
+    import re
+    import threading
+
+    if not device.lock.acquire(timeout=EXIT_WAIT_S):
+        owner = re.search(r"owner=(\d+)", repr(device.lock))
+        thread = threading._active.get(int(owner.group(1))) if owner else None
+        print(
+            f"emulated CUDA device: the check at exit is skipped; thread "
+            f"{thread.name if thread else '?'!r} has been inside a device op for "
+            f"{EXIT_WAIT_S:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        device.lock = threading.RLock()  # the op that holds the old one still releases it
+        return
+    device.lock.release()  # not held across gc: a finalizer may join a thread that needs it
     try:
         gc.collect()
         device.collect_released()

@@ -2,8 +2,8 @@
 
 The shim must be in the process before ``import torch``: torch asks for its CUDA hooks once, at
 the first use, and keeps the answer. :func:`load` therefore finds torch's libraries from the
-installed package without importing it, loads ``libc10`` and ``libtorch_cpu`` with
-``RTLD_GLOBAL``, then the shim. It is compiled with the system's C++ compiler against the
+installed package without importing it, loads ``libc10``, ``libtorch_cpu`` and the shim
+``RTLD_LOCAL`` (see :func:`load`). It is compiled with the system's C++ compiler against the
 installed torch's headers on first use and cached under ``~/.cache/memo_ext/simulate/``
 (``$XDG_CACHE_HOME``), keyed by the shim's source and torch's version.
 
@@ -62,8 +62,45 @@ def build() -> Path:
     return library
 
 
+STUB = """#include <stddef.h>
+static int (*malloc_)(void**, size_t), (*free_)(void*), (*get_device)(int*), (*last_error)(void);
+int cudaMalloc(void** ptr, size_t size) { return malloc_(ptr, size); }
+int cudaFree(void* ptr) { return free_(ptr); }
+int cudaGetDevice(int* device) { return get_device(device); }
+int cudaGetLastError(void) { return last_error(); }
+void memo_emulated_forward(void* m, void* f, void* g, void* e) {
+  malloc_ = m; free_ = f; get_device = g; last_error = e;
+}
+"""
+"""The device's only global symbols (C, no dependencies): the shim's CUDA runtime under the
+names the allocator core finds with ``dlsym(RTLD_DEFAULT, ...)``."""
+FORWARDED = ("cudaMalloc", "cudaFree", "cudaGetDevice", "cudaGetLastError")
+
+
+def build_stub(folder: Path) -> Path:
+    """Compile :data:`STUB` into ``folder`` (once per source); returns the library's path."""
+    library = folder / f"cuda_stub_{hashlib.sha256(STUB.encode()).hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    compiler = os.environ.get("CXX", "c++")  # as C: the shim's compiler, no other needed
+    command = [compiler, "-x", "c", "-O1", "-shared", "-fPIC", "-w", "-", "-o", str(partial)]
+    done = subprocess.run(command, input=STUB, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {library.name} failed:\n{done.stderr[-4000:]}")
+    partial.replace(library)  # atomic, as the shim's
+    return library
+
+
 def load() -> ctypes.CDLL:
     """The shim, loaded into this process before torch (idempotent).
+
+    Torch's libraries and the shim are loaded ``RTLD_LOCAL``, as ``import torch`` loads them.
+    In the global scope their exports would bind every library loaded after them: ``libc10``'s
+    gflags ``FLAGS_v`` / ``FLAGS_minloglevel`` took the place of abseil's flags of those names
+    in OR-Tools' ``libabsl_log_flags``, whose static initialiser then crashed (importing
+    CP-SAT: a segfault). A library loaded ``RTLD_GLOBAL`` puts its dependencies there too, so
+    the shim cannot be global either; :data:`STUB` is, and forwards to the shim.
 
     Raises:
         RuntimeError: when torch was imported first (its CUDA hooks are already chosen), or the
@@ -78,9 +115,12 @@ def load() -> ctypes.CDLL:
     library = build()
     lib_dir = torch_dir() / "lib"
     for name in ("libc10.so", "libtorch_cpu.so"):
-        ctypes.CDLL(str(lib_dir / name), mode=ctypes.RTLD_GLOBAL)
-    shim = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(lib_dir / name))
+    shim = ctypes.CDLL(str(library))
+    stub = ctypes.CDLL(str(build_stub(library.parent)), mode=ctypes.RTLD_GLOBAL)
+    stub.memo_emulated_forward(*(ctypes.cast(getattr(shim, n), ctypes.c_void_p) for n in FORWARDED))
     _declare(shim)
+    _loaded["stub"] = stub
     _loaded["shim"] = shim
     return shim
 

@@ -51,6 +51,13 @@ PAGEABLE_FRACTION = 0.5
 """Copies of pageable host memory reach this share of the pinned bandwidth (assumption: CUDA
 stages them through a pinned buffer, one more host memory pass)."""
 
+BACKWARD_AS_COUNTED = 0.8
+"""torch's formulas count a flash attention backward as 2.5 forwards (it recomputes the scores:
+five products to the forward's two); the attention efficiency, the estimator's and a
+calibration's (``memo_ext.estimate.calibration.attention_tflops``), is a rate of FLOPs counted
+as twice the forward's. The backward's FLOPs are scaled to that count, so that the efficiency
+means the same here."""
+
 COMPUTE, TO_HOST, TO_DEVICE, COLLECTIVE = "compute", "to_host", "to_device", "collective"
 """What a stream's work is: the kinds a wait is charged to."""
 
@@ -257,6 +264,8 @@ def kernel_seconds(rates: Rates, func, args, kwargs, out, tensors) -> float:
             query_tokens = args[0].shape[-2] if args[0].dim() >= 2 else 1
             if _causal(func, args, kwargs):
                 flops *= CAUSAL_FRACTION
+            if packet in _ATTENTION_BACKWARD:  # counted as the efficiencies are: see below
+                flops *= BACKWARD_AS_COUNTED
             rate = (
                 rates.attention_efficiency * query_tokens / (query_tokens + ATTENTION_HALF_TOKENS)
             )
@@ -320,10 +329,12 @@ def _attention_ops() -> frozenset:
 
 
 _ATTENTION: frozenset = frozenset()
+_ATTENTION_BACKWARD: frozenset = frozenset()
 
 
 def load() -> None:
     """Resolve the op sets (torch is imported by then)."""
-    global _ATTENTION
+    global _ATTENTION, _ATTENTION_BACKWARD
     if not _ATTENTION:
         _ATTENTION = _attention_ops()
+        _ATTENTION_BACKWARD = frozenset(op for op in _ATTENTION if "backward" in str(op))
