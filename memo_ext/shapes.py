@@ -6,7 +6,7 @@ take it, ``memo_ext.mcore.transformer_config`` converts it to and from megatron-
 ``TransformerConfig``, a checkpoint's identity record is written from it
 (``memo_ext.training.checkpoint.identity``) and the Hugging Face converter reads a
 ``config.json`` into it (``memo_ext.hf.weights.HFModel``). The presets are the MEMO paper's GPT
-models and Llama 1 / 2 shapes.
+models and Llama 1 / 2 / 3 shapes.
 
 This module imports nothing else from the package (but ``memo_ext.errors``), so every subsystem
 can build on it.
@@ -60,6 +60,9 @@ class ModelShape:
     --yarn-*)."""
     vocab_size: int = field(default=0, metadata={"cli": False})
     """Tokenizer vocabulary before padding (0 while no tokenizer has set it)."""
+    untie_embeddings_and_output_weights: bool = field(default=False, metadata={"cli": False})
+    """An output layer of its own (Llama's) rather than the input embedding reused: set by a
+    preset, or by --untie-embeddings-and-output-weights when a run is resolved."""
     name: str = field(default="custom", metadata={"cli": False})
     """Preset name, or ``custom``."""
 
@@ -151,8 +154,19 @@ def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelShape:
     )
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, groups=None) -> ModelShape:
-    # Llama 1 / 2 shapes (Touvron et al. 2023, table 1 / 2 of the Llama 2 paper): 32k vocabulary
+def _llama(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    groups=None,
+    *,
+    vocab: int = 32000,
+    untied: bool = False,
+) -> ModelShape:
+    # Llama 1 / 2 shapes (Touvron et al. 2023, table 1 / 2 of the Llama 2 paper): 32k vocabulary;
+    # Llama 3's (Meta's config.json files): 128,256 tokens and an output layer of its own
     return ModelShape(
         name=name,
         num_layers=layers,
@@ -160,12 +174,16 @@ def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, groups=Non
         num_attention_heads=heads,
         ffn_hidden_size=ffn,
         num_query_groups=groups,
-        vocab_size=32000,
+        vocab_size=vocab,
         swiglu=True,
         normalization="RMSNorm",
         add_bias_linear=False,
         position_embedding_type="rope",
+        untie_embeddings_and_output_weights=untied,
     )
+
+
+LLAMA3_VOCAB = 128256
 
 
 MODELS: dict[str, ModelShape] = {
@@ -177,6 +195,12 @@ MODELS: dict[str, ModelShape] = {
     "llama-13b": _llama("llama-13b", 40, 5120, 40, 13824),
     "llama-30b": _llama("llama-30b", 60, 6656, 52, 17920),  # Llama 1's "33B"
     "llama-70b": _llama("llama-70b", 80, 8192, 64, 28672, groups=8),
+    "llama3-8b": _llama(
+        "llama3-8b", 32, 4096, 32, 14336, groups=8, vocab=LLAMA3_VOCAB, untied=True
+    ),
+    "llama3-70b": _llama(
+        "llama3-70b", 80, 8192, 64, 28672, groups=8, vocab=LLAMA3_VOCAB, untied=True
+    ),
 }
 """Presets by name."""
 

@@ -73,14 +73,18 @@ SECTIONS = (
 )
 
 
+PROG = "memo-estimate"
+"""The installed command: its usage line and error prefix."""
+
+
 class _Parser(SpellCheckedParser):
     def error(self, message: str) -> None:  # one sentence, exit 2
-        print(f"estimate: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument(
         "--model",
         default="gpt-7b",
@@ -205,7 +209,8 @@ def format_estimate(est: Estimate) -> str:
     memo = ""
     if est.alpha is not None:  # MEMO's settings, as it priced them
         chunk = f", chunks of {est.memo_chunk_tokens:,} tokens" if est.memo_chunk_tokens else ""
-        memo = f" (α = {est.alpha:.3f}, keep last {est.keep_last_layers}{chunk})"
+        layers = memo_layers(keep=est.keep_last_layers or 0, skeletons=est.memo_device_skeletons)
+        memo = f" (α = {est.alpha:.3f}, {layers}{chunk})"
     device_fit = "fits" if est.fits_device else "does NOT fit"
     host_fit = "fits" if est.fits_host else "does NOT fit"
     rows = [
@@ -266,6 +271,27 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def memo_layers(*, keep: int, skeletons: int) -> str:
+    """Which layers MEMO leaves on the device, in one phrase: the last ``keep`` it does not
+    offload (--memo-keep-last-layers), and the ``skeletons`` before them that it offloads in name
+    only, their whole storages kept for want of host memory (chunked MEMO)."""
+    kept = f"the last {keep} layers not offloaded" if keep else ""
+    if skeletons:
+        where = f"the {skeletons} before them" if keep else f"the last {skeletons} layers"
+        held = f"{where} kept whole on the device for want of host memory"
+        kept = f"{kept}, {held}" if keep else held
+    return kept or "every layer offloaded"
+
+
+def headline(est: Estimate) -> str:
+    """The longest length found, with what a step of it costs."""
+    return (
+        f"longest sequence that fits: {est.seq_length:,} tokens, at a predicted "
+        f"{est.step_time_s:.2f} s per step ({est.tokens_per_s:,.0f} tokens/s, MFU "
+        f"{100 * est.mfu:.1f}%)"
+    )
+
+
 def json_record(est: Estimate, *, searched: bool) -> dict:
     record = est.to_json()
     record.update(record.pop("layout"))
@@ -277,7 +303,7 @@ def json_record(est: Estimate, *, searched: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:
-        args = parse_tool_args(build_parser(), argv, tool="estimate")
+        args = parse_tool_args(build_parser(), argv)
         seq_length = getattr(args, "data.seq_length")
         model, device, batch, space, efficiency = _inputs(args)
         common = dict(
@@ -295,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             est = find_max_seq_length(granularity=args.granularity, progress=True, **common)
     except UsageError as err:
-        print(f"estimate: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     searched = seq_length is None
     # with --json, stdout holds the JSON alone (for jq and the like); the table goes to stderr
@@ -310,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"method": args.method, "max_seq_length": None, "fits": False}))
         return 0
     if searched:
-        print(f"longest sequence that fits: {est.seq_length:,} tokens", file=text)
+        print(headline(est), file=text)
     print(format_estimate(est), file=text)
     if args.json:
         print(json.dumps(json_record(est, searched=searched)))

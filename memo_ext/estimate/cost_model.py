@@ -148,6 +148,9 @@ class Estimate:
     layout: dict
     alpha: float | None
     keep_last_layers: int | None
+    memo_device_skeletons: int
+    """Offloaded layers before the kept ones whose whole storages stay on the device for want of
+    host memory (chunked MEMO; the trainer's ``memo_device_skeletons``)."""
     memo_chunk_tokens: int | None
     """MEMO's sub-sequence chunk, local tokens (``None``: whole)."""
     params_per_gpu: int
@@ -215,9 +218,11 @@ def params_per_gpu(
     model: ModelShape, layout: ParallelLayout, layer: LayerFigures, seq_length: int
 ) -> int:
     """Parameters on the busiest stage: its layers plus one end (embedding or output layer,
-    TP-sharded as the trainer pads it; tied when PP is 1) and the final norm."""
+    TP-sharded as the trainer pads it; both at PP 1 when they are not tied) and the final norm."""
     padded = embedding_rows(model.vocab_size, tp_sizes=(layout.tp,))
-    ends = padded // layout.tp * model.hidden_size + 2 * model.hidden_size
+    both_ends = model.untie_embeddings_and_output_weights and layout.pp == 1
+    ends = (2 if both_ends else 1) * padded // layout.tp * model.hidden_size
+    ends += 2 * model.hidden_size
     if model.position_embedding_type == "learned_absolute":
         ends += seq_length * model.hidden_size
     return model.num_layers // layout.pp * layer.param_count + ends
@@ -582,6 +587,7 @@ def _finish(stage: Stage, ctx: StageContext, *, seq_length, states, params, meth
         layout={**asdict(layout), **asdict(batch)},
         alpha=stage.alpha,
         keep_last_layers=stage.keep,
+        memo_device_skeletons=stage.device_skeletons,
         memo_chunk_tokens=stage.chunk_tokens,
         params_per_gpu=params,
         model_state_bytes=states,

@@ -87,6 +87,9 @@ class Stage:
     """Per micro-batch."""
     alpha: float | None = None
     keep: int | None = None
+    device_skeletons: int = 0
+    """Offloaded layers before the kept ones whose whole storages stay on the device for want of
+    host memory (chunked MEMO)."""
     chunk_tokens: int | None = None
     host_bytes: int = 0
     fits_host: bool = True

@@ -37,9 +37,12 @@ def resolve_run(
 ) -> RunConfig:
     """``run`` with its vocabulary and every feature's choices settled (see the module
     docstring); ``extensions`` default to the run's own, ``target`` to its planning target."""
-    run = dataclasses.replace(
-        run, shape=dataclasses.replace(run.shape, vocab_size=tokenizer.vocab_size)
+    shape = dataclasses.replace(
+        run.shape,
+        vocab_size=tokenizer.vocab_size,
+        untie_embeddings_and_output_weights=run.model.untie_embeddings_and_output_weights,
     )
+    run = dataclasses.replace(run, shape=shape)
     parsed = run
     context = ResolveContext(
         tokenizer=tokenizer,

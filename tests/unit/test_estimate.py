@@ -268,3 +268,84 @@ def test_the_search_for_the_longest_length_shows_its_progress_on_stderr_only():
     assert "layouts searched: 100%" in done.stderr.replace("\r", "\n")
     record = json.loads(done.stdout)  # stdout is the JSON alone
     assert record["seq_length"] > 0
+    found = f"longest sequence that fits: {record['seq_length']:,} tokens, at a predicted "
+    assert f"{found}{record['step_time_s']:.2f} s per step" in done.stderr
+
+
+def test_llama3_presets_are_meta_s_shapes_with_an_output_layer_of_their_own():
+    from memo_ext.estimate.cost_model import params_per_gpu
+
+    sizes = lambda m: (  # noqa: E731
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
+        m.vocab_size,
+    )  # fmt: skip
+    assert sizes(MODELS["llama3-8b"]) == (32, 4096, 32, 8, 14336, 128256)
+    assert sizes(MODELS["llama3-70b"]) == (80, 8192, 64, 8, 28672, 128256)
+    for name in ("llama3-8b", "llama3-70b"):
+        shape = MODELS[name]
+        assert shape.swiglu and shape.normalization == "RMSNorm" and shape.rotary
+        assert not shape.add_bias_linear and shape.untie_embeddings_and_output_weights
+    # Meta's count for Llama 3 8B, 8,030,261,248, by hand: 32 layers of q / o (h²), k / v
+    # (h × 8 groups × 128), the SwiGLU MLP (3 × h × 14336) and two norms, then the embedding
+    # and the output layer (128256 × h each) and the final norm
+    h = 4096
+    layer = 2 * h * h + 2 * h * 8 * 128 + 3 * h * 14336 + 2 * h
+    assert 32 * layer + 2 * 128256 * h + h == 8_030_261_248
+    model = MODELS["llama3-8b"]
+    figures = layer_fit(model, tp=1, sp=False, micro_batch_size=1, method="none").at(4096)
+    one = ParallelLayout()
+    params = params_per_gpu(model, one, figures, 4096)
+    # the estimator counts a LayerNorm's bias in the final norm: h more than RMSNorm has
+    assert params == 8_030_261_248 + h
+    tied = replace(model, untie_embeddings_and_output_weights=False)
+    assert params - params_per_gpu(tied, one, figures, 4096) == 128256 * h
+    # under PP each stage holds one end either way
+    pp2 = ParallelLayout(pp=2)
+    assert params_per_gpu(model, pp2, figures, 4096) == params_per_gpu(tied, pp2, figures, 4096)
+
+
+def test_the_docs_list_the_presets_help_offers():
+    import re
+    from pathlib import Path
+
+    from memo_ext.commands.estimate import build_parser
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "estimate.md").read_text()
+    start = docs.index("- Models (`--model`)")
+    bullet = docs[start : docs.index("\n- ", start)]
+    assert re.findall(r"`((?:gpt|llama)[\w-]*)`", bullet) == list(MODELS)
+    text = " ".join(build_parser().format_help().split())
+    assert f"model flags below: {', '.join(MODELS)} (default: gpt-7b)" in text
+
+
+def test_memo_s_line_says_which_layers_stay_on_the_device_in_one_way():
+    """--memo-keep-last-layers (layers MEMO leaves alone) and chunked MEMO's device skeletons
+    (offloaded layers that keep their storages for want of host memory) read as one phrase:
+    never "keep last 0" beside "the last 2 offloaded layers kept"."""
+    from memo_ext.commands.estimate import format_estimate, memo_layers
+
+    assert memo_layers(keep=0, skeletons=0) == "every layer offloaded"
+    assert memo_layers(keep=2, skeletons=0) == "the last 2 layers not offloaded"
+    held = "kept whole on the device for want of host memory"
+    assert memo_layers(keep=0, skeletons=3) == f"the last 3 layers {held}"
+    assert memo_layers(keep=1, skeletons=3) == (
+        f"the last 1 layers not offloaded, the 3 before them {held}"
+    )
+    # 16 GiB of host memory holds a few of the 32 layers' whole storages at 128K tokens
+    chunk = MemoConfig(enabled=True, chunk_tokens=4096)
+    chunked = _est(seq=1 << 17, host=16 * GIB, settings=chunk)
+    assert chunked.keep_last_layers == 0 and chunked.memo_device_skeletons > 0
+    text = format_estimate(chunked)
+    (method,) = [line for line in text.splitlines() if line.startswith("method")]
+    assert f"the last {chunked.memo_device_skeletons} layers {held}" in method
+    assert "keep last" not in text and "offloaded layers kept" not in text
+
+
+def test_the_longest_length_is_quoted_with_its_step_time():
+    from memo_ext.commands.estimate import headline
+
+    est = _est(seq=1 << 14)
+    assert headline(est) == (
+        f"longest sequence that fits: 16,384 tokens, at a predicted {est.step_time_s:.2f} s per "
+        f"step ({est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%)"
+    )

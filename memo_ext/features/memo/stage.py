@@ -184,7 +184,7 @@ def memo_stage(ctx: StageContext) -> Stage:
     alpha, fits_host, notes = memo.alpha, True, []
     # the last layers may keep their whole storages on the device when the host budget cannot
     # hold every layer's (the runtime's mode decides, chunked only)
-    skeleton_bytes, budget = 0, host_budget
+    skeletons, skeleton_bytes, budget = 0, 0, host_budget
     if offloaded:
         full = zero.host_bytes
         try:
@@ -197,10 +197,6 @@ def memo_stage(ctx: StageContext) -> Stage:
         except HostMemoryError as err:
             skeletons, fits_host = 0, False
             notes.append(str(err))
-        if skeletons:
-            notes.append(
-                f"whole storages of the last {skeletons} offloaded layers kept on the device"
-            )
         skeleton_bytes = skeletons * in_flight * full
         budget = host_budget + skeleton_bytes
     if alpha is None:
@@ -248,6 +244,7 @@ def memo_stage(ctx: StageContext) -> Stage:
         recompute_flops=offloaded * (backward_flops(m.backward) - backward_flops(none)),
         alpha=alpha,
         keep=keep,
+        device_skeletons=skeletons,
         chunk_tokens=chunk,
         host_bytes=host,
         fits_host=fits_host and host <= host_budget,
