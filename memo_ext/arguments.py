@@ -146,12 +146,12 @@ def _with_derived_defaults(sections: dict) -> dict:
 
 
 def parse_tool_args(
-    parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, tool: str
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
 ) -> argparse.Namespace:
     """``parser``'s arguments from a command line that may also carry the trainer's flags: a
-    tool that reads the model from flags takes the training command as it is, and says which
-    of the trainer's flags it ignores. Flags that are neither the tool's nor the trainer's are
-    an error (argparse's, through ``parser``).
+    tool that reads the model from flags takes the training command as it is, and says (under
+    its ``prog``) which of the trainer's flags it ignores. Flags that are neither the tool's nor
+    the trainer's are an error (argparse's, through ``parser``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     trainer = build_parser()._option_string_actions
@@ -182,7 +182,8 @@ def parse_tool_args(
     ignored += megatron_lm
     if ignored:
         print(
-            f"{tool}: ignoring the trainer's {', '.join(dict.fromkeys(ignored))}", file=sys.stderr
+            f"{parser.prog}: ignoring the trainer's {', '.join(dict.fromkeys(ignored))}",
+            file=sys.stderr,
         )
     return args
 

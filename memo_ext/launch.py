@@ -16,6 +16,7 @@ one line instead of torchrun's traceback: a requeue script can tell a clean stop
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -35,6 +36,9 @@ from torch.distributed.run import main as torchrun_main
 
 from memo_ext.errors import REPORTS_ERRORS
 
+PROG = "memo-launch"
+"""The installed command: its usage line and error prefix."""
+
 
 def exit_status(exitcode: int) -> int:
     """The shell's status for a worker's exit code (negative: killed by that signal)."""
@@ -49,10 +53,17 @@ def _reported(failure) -> str | None:
     return message.get("message") if isinstance(message, dict) else message
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser (its flags, --help and errors), named as the installed command."""
+    parser = get_args_parser()
+    parser.prog = PROG
+    return parser
+
+
 def check_arguments(argv: list[str] | None) -> str | None:
     """What torchrun would trip over with an assertion or a traceback (a process count below
     one), as one sentence; None when there is nothing to say."""
-    args = get_args_parser().parse_args(argv)  # torchrun's own parser: its --help and errors
+    args = build_parser().parse_args(argv)
     nproc = str(args.nproc_per_node)
     if re.fullmatch(r"-?[0-9]+", nproc) and int(nproc) < 1:
         return f"--nproc-per-node {nproc}: a node runs at least one process"
@@ -73,7 +84,7 @@ def check_arguments(argv: list[str] | None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     problem = check_arguments(argv)
     if problem is not None:
-        print(f"memo_ext.launch: error: {problem}", file=sys.stderr)
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     with _environment_restored():  # a caller's later processes must not inherit it
         return _launch(argv)
@@ -110,7 +121,7 @@ def _launch(argv: list[str] | None) -> int:
         except SignalException as err:
             return _stopped_by(signal.Signals(err.sigval), stopped)
         except (DistNetworkError, DistStoreError) as err:  # the launcher's own rendezvous
-            print(f"memo_ext.launch: error: {_store_failure(err)}", file=sys.stderr)
+            print(f"{PROG}: error: {_store_failure(err)}", file=sys.stderr)
             return 1
     return 0
 

@@ -94,14 +94,19 @@ from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
 MODEL_FIELDS = tuple(f.name for f in cli_fields(ModelShape)) + ("vocab_size",)
 
 
+PROG = "memo-compare"
+"""The installed command: its usage line and error prefix."""
+
+
 class _Parser(SpellCheckedParser):
     def error(self, message: str) -> None:  # one sentence, exit 2
-        print(f"compare_methods: error: {message}", file=sys.stderr)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
+        prog=PROG,
         description=__doc__.split("\n")[0],
         epilog="Flags after -- are passed to every training job unchanged.",
         allow_abbrev=False,
@@ -518,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         comp = resolve(args, extra)
         results = compare(comp)
     except UsageError as err:
-        print(f"compare_methods: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     report(comp, results, plot=not args.no_plot)
     return 0

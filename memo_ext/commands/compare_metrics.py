@@ -16,11 +16,12 @@ from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 from memo_ext.training.metrics import CURVE_KEYS, curve_differences, read_metrics
 
+PROG = "memo-compare-metrics"
+"""The installed command: its usage line and error prefix."""
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneSentenceParser(
-        prog="compare_metrics", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("reference", help="Metrics file of the reference run.")
     parser.add_argument("other", help="Metrics file of the run to check.")
     parser.add_argument(
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'it' if len(unknown) == 1 else 'them'}"
             )
     except UsageError as err:
-        print(f"compare_metrics: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     differences = curve_differences(reference, other, rtol=args.rtol, keys=tuple(args.keys))
     for line in differences:

@@ -40,10 +40,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 they agree)."""
 
 
+PROG = "memo-convert-hf"
+"""The installed command: its usage line and error prefix."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     summary, _, examples = __doc__.partition(" Examples::\n")
     parser = OneSentenceParser(
-        prog="python -m tools.convert_hf",
+        prog=PROG,
         description=summary,
         epilog="examples:\n" + examples.lstrip("\n").split("\n\n")[0].replace("\\\\", "\\"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -91,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(list(sys.argv[1:] if argv is None else argv))
     except (UsageError, OSError) as err:
-        print(f"convert_hf: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except ReportedError as err:  # a checkpoint that cannot be used (named), ...
-        print(f"convert_hf: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return err.exit_status
     return 0
 

@@ -14,10 +14,13 @@ import logging
 import sys
 from pathlib import Path
 
+PROG = "memo-demo-corpus"
+"""The installed command: its usage line and error prefix."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="demo_corpus", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("--out-dir", default="data/demo", help="Where the corpus is written.")
     parser.add_argument("--max-files", type=int, default=None, help="Use only the first N files.")

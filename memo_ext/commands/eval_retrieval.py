@@ -15,30 +15,64 @@ processes), so every layout and memory method of the trainer applies: trainer fl
 tool's pass through (later flags win). Without ``--data-path`` the trainer runs on mock data and
 the needle hides in the built-in filler sentences; with it, in the validation split's documents.
 
-Writes ``OUT/metrics.jsonl`` (the trainer's record), ``OUT/retrieval.json`` (the grid: per task,
-accuracy per length × depth, and its mean) and ``OUT/retrieval.png`` (one heatmap per task; needs
-matplotlib). ``--plot`` draws several ``retrieval.json`` side by side (one column each) and prints
-their grids. Exits 2 on bad input, as the trainer does.
+Writes ``OUT/metrics.jsonl`` (the trainer's record, at the checkpoint's iteration),
+``OUT/retrieval.json`` (the grid: per task, exact-match accuracy per length × depth, its mean and
+the token accuracy) and ``OUT/retrieval.png`` (one heatmap per task; needs matplotlib: without
+it the grid is still evaluated, printed and written, and the tool says how to draw it later).
+``--plot`` draws several ``retrieval.json`` side by side (one column each) and prints their
+grids. A task whose mean is no better than guessing the number gets a note. Exits 2 on bad
+input, as the trainer does.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
 from pathlib import Path
 
 from memo_ext.arguments import OneSentenceParser
+from memo_ext.arguments import build_parser as build_trainer_parser
+from memo_ext.config import EvaluationConfig, installed
 from memo_ext.errors import UsageError
 from memo_ext.files import read_json
+from memo_ext.flags import FlagHelpFormatter
 
+PROG = "memo-eval-retrieval"
+"""The installed command: its usage line and error prefix."""
 RESULT_FILE = "retrieval.json"
 TASKS = ("passkey", "needle")
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib, or the plots extra)"
+PASSED_THROUGH = (
+    "--eval-retrieval-lengths",
+    "--eval-retrieval-depths",
+    "--eval-retrieval-samples",
+    "--eval-retrieval-tasks",
+    "--eval-retrieval-digits",
+    "--data-path",
+    "--tensor-model-parallel-size",
+    "--sequence-parallel",
+    "--context-parallel-size",
+    "--bf16",
+    "--memo",
+)
+"""The trainer flags --help lists: the grid's, the haystack's, the common layout ones."""
+TOOL_HELP = {
+    "--eval-retrieval-lengths": "Required: the context lengths to test, in tokens.",
+    "--data-path": "The needle's haystack: the validation split's documents (without it: mock "
+    "data, and the built-in filler sentences).",
+}
+"""Where the trainer's help for a passed-through flag says less than the tool needs."""
 
 
 def build_parser() -> OneSentenceParser:
     parser = OneSentenceParser(
-        prog="eval_retrieval", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog=PROG,
+        description=__doc__.split("\n")[0],
+        epilog=_passed_through_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", type=Path, help="A checkpoint folder of this trainer.")
@@ -64,6 +98,30 @@ def build_parser() -> OneSentenceParser:
     return parser
 
 
+def _passed_through_help() -> str:
+    """The trainer's own --help of the flags in :data:`PASSED_THROUGH`, as the tool's epilog."""
+    trainer = build_trainer_parser()._option_string_actions
+    listing = argparse.ArgumentParser(
+        add_help=False, usage=argparse.SUPPRESS, formatter_class=FlagHelpFormatter
+    )
+    group = listing.add_argument_group(
+        "trainer flags (after the tool's, passed through to the trainer; later flags win)"
+    )
+    for flag in PASSED_THROUGH:
+        action = trainer[flag]
+        text = TOOL_HELP.get(flag, action.help)
+        if action.nargs == 0:
+            group.add_argument(flag, action="store_true", help=text)
+        else:
+            default = argparse.SUPPRESS if flag in TOOL_HELP else action.default
+            group.add_argument(
+                flag, metavar=action.metavar, nargs=action.nargs, default=default, help=text
+            )
+    return listing.format_help() + (
+        "  and every other flag of the trainer (python pretrain_gpt_memo.py --help lists them)\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -73,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             if trainer:
                 raise UsageError(f"--plot takes no trainer flags, got {' '.join(trainer)}")
+            if not installed("matplotlib"):
+                raise UsageError(f"--plot draws with matplotlib, and {NO_MATPLOTLIB}")
             grids = [load_grid(path) for path in args.plot]
             names = args.names or [str(path) for path in args.plot]
             if len(names) != len(grids):
@@ -83,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return evaluate(args, trainer)
     except UsageError as err:
-        print(f"eval_retrieval: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 
 
@@ -106,6 +166,9 @@ def evaluate(args, trainer: list[str]) -> int:
             "write it)"
         )
     _clear_outputs(out)
+    can_draw = installed("matplotlib")  # said now, not after minutes of evaluation
+    if not can_draw:
+        print(f"note: {NO_MATPLOTLIB}: the grid goes to {out / RESULT_FILE}, without a picture")
     if args.hf_dir is not None:
         load = _imported(args.hf_dir, out / "import")
         tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer"]
@@ -129,12 +192,17 @@ def evaluate(args, trainer: list[str]) -> int:
     status = launch([*argv, *trainer])
     if status:
         return status
-    grid = grid_of(_record(out / "metrics.jsonl"), checkpoint=str(load))
-    # the trainer loads the weights only (--finetune: its record is at iteration 0)
-    tracker = load / "latest_checkpointed_iteration.txt"
-    grid["iteration"] = int(tracker.read_text()) if tracker.is_file() else None
+    # the record is at the checkpoint's iteration (--skip-train's, under --finetune too)
+    grid = grid_of(_record(out / "metrics.jsonl"), checkpoint=str(load), digits=_digits(trainer))
     (out / RESULT_FILE).write_text(json.dumps(grid, indent=1) + "\n")
     print(side_by_side([(str(load), grid)]))
+    if not can_draw:
+        print(
+            f"wrote {out / RESULT_FILE}; for the picture, pip install matplotlib (or the plots "
+            f"extra), then: {PROG} --plot {out / RESULT_FILE} --out "
+            f"{out / 'retrieval.png'}"
+        )
+        return 0
     draw([(str(load), grid)], out / "retrieval.png")
     print(f"wrote {out / RESULT_FILE} and {out / 'retrieval.png'}")
     return 0
@@ -190,6 +258,17 @@ def _lengths(trainer: list[str]) -> list[int]:
         ) from None
 
 
+def _digits(trainer: list[str]) -> int:
+    """The answer's digits: the last --eval-retrieval-digits given, else the trainer's default
+    (its parser reports a value that is no number)."""
+    given = [
+        value for flag, value in zip(trainer, trainer[1:]) if flag == "--eval-retrieval-digits"
+    ]
+    if given and given[-1].isdigit():
+        return int(given[-1])
+    return EvaluationConfig.eval_retrieval_digits
+
+
 def _seq_length(model: list[str], lengths: list[int]) -> int:
     """The evaluation run's --seq-length (its validation batches' length; retrieval prompts
     have their own): the shortest prompt, within the model's position table when it names one
@@ -210,8 +289,10 @@ def _record(path: Path) -> dict:
     return records[-1]
 
 
-def grid_of(record: dict, *, checkpoint: str) -> dict:
-    """The trainer's record as a grid: per task, accuracy ``[length][depth]`` and the mean."""
+def grid_of(record: dict, *, checkpoint: str, digits: int) -> dict:
+    """The trainer's record as a grid: per task, exact-match accuracy ``[length][depth]``, its
+    mean, and the share of answer tokens predicted right (partial credit); ``digits``: the
+    answer's, which set the accuracy of a guess."""
     tasks = {}
     lengths, depths = set(), set()
     for task in TASKS:
@@ -227,11 +308,13 @@ def grid_of(record: dict, *, checkpoint: str) -> dict:
     return {
         "checkpoint": checkpoint,
         "iteration": record["iteration"],
+        "digits": digits,
         "lengths": lengths,
         "depths": depths,
         "tasks": {
             task: {
                 "accuracy": record[f"val_{task}_acc"],
+                "token_accuracy": record.get(f"val_{task}_token_acc"),
                 "grid": [[cells[f"{n}@{d:g}"] for d in depths] for n in lengths],
             }
             for task, cells in tasks.items()
@@ -247,19 +330,22 @@ def load_grid(path: Path) -> dict:
     """
     grid = read_json(path)
     if not {"lengths", "depths", "tasks"} <= set(grid):
-        raise UsageError(f"{path} is no {RESULT_FILE} of eval_retrieval (no lengths/depths/tasks)")
+        raise UsageError(f"{path} is no {RESULT_FILE} of this tool (no lengths/depths/tasks)")
     return grid
 
 
 def side_by_side(grids: list[tuple[str, dict]]) -> str:
-    """Each task's grid as text, the files' accuracies side by side per cell (``a / b``)."""
+    """Each task's grid as text, the files' accuracies side by side per cell (``a / b``), under
+    the means and token accuracies; a note under a grid at chance."""
     lines = []
     for task in TASKS:
         present = [(name, g) for name, g in grids if task in g["tasks"]]
         if not present:
             continue
         means = " / ".join(f"{g['tasks'][task]['accuracy']:.2f}" for _, g in present)
-        lines.append(f"{task}: accuracy {means}  ({' / '.join(name for name, _ in present)})")
+        tokens = " / ".join(_token_accuracy(g["tasks"][task]) for _, g in present)
+        names = " / ".join(name for name, _ in present)
+        lines.append(f"{task}: accuracy {means}, token accuracy {tokens}  ({names})")
         depths = present[0][1]["depths"]
         lines.append("length \\ depth " + "".join(f"{d:>14g}" for d in depths))
         for length in present[0][1]["lengths"]:
@@ -268,7 +354,30 @@ def side_by_side(grids: list[tuple[str, dict]]) -> str:
                 values = [_cell(g, task, length, depth) for _, g in present]
                 cells.append(f"{' / '.join(values):>14}")
             lines.append(f"{length:>14} " + "".join(cells))
+        lines += [note for name, g in present if (note := chance_note(task, name, g))]
     return "\n".join(lines)
+
+
+def _token_accuracy(result: dict) -> str:
+    value = result.get("token_accuracy")  # absent from a retrieval.json of an older version
+    return "-" if value is None else f"{value:.2f}"
+
+
+def chance_note(task: str, name: str, grid: dict) -> str | None:
+    """A line saying that ``task``'s mean in ``grid`` is no better than guessing the number
+    (1 in 10**digits; a grid of zeros when the digits are not recorded), else None."""
+    mean = grid["tasks"][task]["accuracy"]
+    digits = grid.get("digits")
+    chance = 10.0**-digits if digits else 0.0
+    if mean > chance:
+        return None
+    guess = "no prompt is answered exactly"
+    if digits:
+        guess = f"a guess of the {digits}-digit number is right {chance:g} of the time"
+    return (
+        f"note: {task} of {name} is at chance ({guess}): no retrieval at these lengths; the "
+        "token accuracy shows any partial progress"
+    )
 
 
 def _cell(grid: dict, task: str, length: int, depth: float) -> str:

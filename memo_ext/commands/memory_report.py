@@ -40,9 +40,13 @@ from memo_ext.compare.memory import SECTIONS, Setup, format_table, method_figure
 from memo_ext.errors import UsageError
 from memo_ext.flags import FlagHelpFormatter, add_flags
 
+PROG = "memo-memory-report"
+"""The installed command: its usage line and error prefix."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneSentenceParser(
+        prog=PROG,
         description="Activation memory and recompute FLOPs per method (fake tensors).",
         formatter_class=FlagHelpFormatter,
         allow_abbrev=False,
@@ -57,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parse_tool_args(parser, argv, tool="memory_report")
+        args = parse_tool_args(parser, argv)
         setup = Setup.from_args(args)
         setup.check()
         if setup.layout.cp > 1:
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             # cannot wrap; trace the same tokens per rank with TP / SP instead
             raise UsageError("--context-parallel-size > 1 cannot be traced on fake tensors yet")
     except UsageError as err:
-        print(f"memory_report: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")

@@ -39,11 +39,13 @@ GIB = float(1 << 30)
 LAYOUT_FIELDS = ("tp", "sp", "cp")
 
 
+PROG = "memo-plan-memory"
+"""The installed command: its usage line and error prefix."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names for the model)."""
-    parser = OneSentenceParser(
-        prog="plan_memory", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     source = parser.add_argument_group("input (one of)")
     source.add_argument(
         "--trace",
@@ -244,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        args = parse_tool_args(build_parser(), argv, tool="plan_memory")
+        args = parse_tool_args(build_parser(), argv)
         run(args)
     except (UsageError, OSError) as err:
-        print(f"plan_memory: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

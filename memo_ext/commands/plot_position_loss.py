@@ -23,6 +23,10 @@ METRICS_KEY = "val_loss_by_position"
 imported from there, which loads torch)."""
 
 
+PROG = "memo-plot-position-loss"
+"""The installed command: its usage line and error prefix."""
+
+
 def position_curve(records: list[dict], *, iteration: int | None = None) -> tuple[int, dict]:
     """(iteration, ``{"first-last": loss}``) of the evaluation at ``iteration`` (the last one
     when None).
@@ -76,9 +80,7 @@ def draw(curves: list[tuple[str, int, dict]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneSentenceParser(
-        prog="plot_position_loss", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("metrics", nargs="+", help="Metrics files (--metrics-file) of the runs.")
     parser.add_argument("--out", required=True, help="PNG file to write.")
     parser.add_argument(
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 "drawing needs matplotlib: pip install matplotlib (or the plots extra)"
             ) from None
     except UsageError as err:
-        print(f"plot_position_loss: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

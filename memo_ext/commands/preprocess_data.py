@@ -38,11 +38,13 @@ if TYPE_CHECKING:
     from memo_ext.data.preprocess import PreprocessSummary
 
 
+PROG = "memo-preprocess-data"
+"""The installed command: its usage line and error prefix."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's names)."""
-    parser = OneSentenceParser(
-        prog="preprocess_data", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--input", required=True, help="JSON Lines file, one document per line.")
     parser.add_argument(
         "--output-prefix", required=True, help="Outputs are {prefix}_{key}_document.bin/.idx."
@@ -107,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(args.input):  # before seconds of imports
             raise UsageError(f"--input {args.input} does not exist; give an existing .jsonl file")
     except UsageError as err:
-        print(f"preprocess_data: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if args.workers < 1 or args.chunk_size < 1:
-        print("preprocess_data: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
+        print(f"{PROG}: error: --workers and --chunk-size must be >= 1.", file=sys.stderr)
         return 2
     # megatron-core's dataset writer, imported once the flags are good (--help answers at once)
     from memo_ext.data.preprocess import preprocess_jsonl
@@ -138,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
     except (UsageError, FileNotFoundError, ValueError) as err:
-        print(f"preprocess_data: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the output folder vanished or filled up while writing
-        print(f"preprocess_data: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        print(f"{PROG}: error: {err.filename}: {err.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the workers ignore it, this process stops them
         print(
-            "preprocess_data: interrupted; nothing written (the unfinished files are removed, "
+            f"{PROG}: interrupted; nothing written (the unfinished files are removed, "
             f"any earlier {args.output_prefix}_* output is as it was)",
             file=sys.stderr,
         )

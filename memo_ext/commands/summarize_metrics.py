@@ -17,6 +17,9 @@ from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
 from memo_ext.training.metrics import read_metrics
 
+PROG = "memo-summarize-metrics"
+"""The installed command: its usage line and error prefix."""
+
 
 def summarize(records: list[dict]) -> dict:
     """First / last loss, their drop, and median step time and throughput."""
@@ -34,9 +37,7 @@ def summarize(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneSentenceParser(
-        prog="summarize_metrics", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+    parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("metrics_file", type=Path)
     parser.add_argument("--require-loss-drop", type=finite_float, default=None, metavar="NATS")
     try:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"{args.metrics_file} records lack {', '.join(sorted(missing))}")
         s = summarize(records)
     except UsageError as err:
-        print(f"summarize_metrics: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     print(
         f"{s['iterations']} iterations | loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+from collections.abc import Sequence
 
 from memo_ext.config import DEFAULT_SPLIT, DataConfig, check_regular_file
 from memo_ext.errors import UsageError
@@ -43,7 +45,15 @@ def check_inputs(
 
 def _check_data(data: DataConfig, *, evaluation: bool) -> DataConfig:
     """The data files of ``check_inputs``: argument files, tokenizer files, datasets."""
-    # megatron-core's readers, imported here: --help and a wrong flag import no megatron-core
+    data = read_data_args(data)
+    for flag, blend in (
+        ("--data-path", data.data_path),
+        ("--train-data-path", data.train_data_path),
+        ("--valid-data-path", data.valid_data_path),
+        ("--test-data-path", data.test_data_path),
+    ):
+        check_dataset_prefixes(blend, flag=flag)
+    # megatron-core's readers, imported here: --help, a wrong flag and a wrong path import none
     from memo_ext.data.datasets import (
         SPLIT_PARTS,
         check_indexed_dataset,
@@ -53,7 +63,6 @@ def _check_data(data: DataConfig, *, evaluation: bool) -> DataConfig:
     )
     from memo_ext.data.tokenizers import tokenizer_for
 
-    data = read_data_args(data)
     if data.tokenizer_type not in ("ByteTokenizer", "NullTokenizer"):  # read from files
         tokenizer = tokenizer_for(data)
         if data.vocab_size is not None and data.vocab_size != tokenizer.vocab_size:
@@ -92,6 +101,43 @@ def _check_data(data: DataConfig, *, evaluation: bool) -> DataConfig:
     except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
     return dataclasses.replace(data, split=split)
+
+
+DATASET_SUFFIXES = (".bin", ".idx")
+"""The files of one dataset prefix: its tokens and its index."""
+
+
+def check_dataset_prefixes(blend: Sequence[str], *, flag: str) -> None:
+    """Each dataset prefix of ``blend`` (Megatron-LM's syntax: prefixes, or weights and prefixes)
+    names its ``.bin`` / ``.idx`` pair: checked before megatron-core is imported (tens of
+    seconds on a loaded machine), which reads the pairs afterwards (``check_indexed_dataset``).
+
+    Raises:
+        UsageError: a dataset's file given where its prefix belongs, or a missing file.
+    """
+    for item in (text.strip() for text in blend):  # as megatron-core reads them
+        if _is_number(item) and not os.path.isfile(item + ".bin"):
+            continue  # a weight
+        stem, suffix = os.path.splitext(item)
+        if suffix in DATASET_SUFFIXES and not os.path.isfile(item + ".bin"):
+            raise UsageError(
+                f"{flag} takes dataset prefixes, not files: give {stem} (drop {suffix}), which "
+                f"names {stem}.bin and {stem}.idx"
+            )
+        for suffix in DATASET_SUFFIXES:
+            if not os.path.isfile(item + suffix):
+                raise UsageError(
+                    f"Dataset file {item}{suffix} does not exist; create it with "
+                    f"memo-preprocess-data or fix {flag}"
+                )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_data_args(data: DataConfig) -> DataConfig:

@@ -9,6 +9,8 @@ reads a shape back from a config.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -20,6 +22,10 @@ from memo_ext.mcore.rotary import YarnTransformerConfig, yarn_fields
 from memo_ext.mcore.specs import LOCAL_KERNEL_SETTINGS
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
+
+TE_RECOMPUTE_ADVICE = r"If you are using transformer_engine as the transformer implementation"
+"""The start of megatron-core's warning on a config that recomputes ``core_attn`` (selective
+recomputation): advice for transformer-engine's fused attention, which a CPU run never builds."""
 
 
 def transformer_config(
@@ -51,7 +57,10 @@ def transformer_config(
     )
     yarn = any(name.startswith("yarn_") for name in fields)
     config_class = YarnTransformerConfig if yarn else TransformerConfig
-    return config_class(**{**sizes, **LOCAL_KERNEL_SETTINGS, **fields})
+    with warnings.catch_warnings():
+        if not on_gpu():
+            warnings.filterwarnings("ignore", message=TE_RECOMPUTE_ADVICE)
+        return config_class(**{**sizes, **LOCAL_KERNEL_SETTINGS, **fields})
 
 
 def _activation(shape: ModelShape):

@@ -7,7 +7,8 @@ the trainer's parser has it), or it has a :class:`Handling` here:
   (``--use-mcore-models``, ``--ckpt-format torch_dist``); ``values`` limits it to the values
   that are (another value is refused with ``otherwise``);
 - ``mapped``: rewritten onto our flags (``--recompute-activations`` →
-  ``--recompute-granularity selective``);
+  ``--recompute-granularity selective``); a CUDA-only switch (``--use-flash-attn``) has no
+  effect on a machine without CUDA, as our own CUDA-only switches: noticed, and the run goes on;
 - ``no effect``: accepted and logged as doing nothing here (Megatron's timer and console
   cosmetics that have no counterpart in this trainer and change no result);
 - ``refused``: named, with the reason, in the one message that lists every refused flag of the
@@ -62,6 +63,11 @@ class Refuse(Exception):
     """Raised by a mapping that cannot run on this machine; its message is the reason."""
 
 
+class NoEffectHere(Exception):
+    """Raised by the mapping of a CUDA-only switch on a machine without CUDA (a GPU launch
+    script smoke-tested on CPU): the run goes on without it; its message is the reason."""
+
+
 def same(
     note: str, *, values: tuple[str, ...] | None = None, otherwise: str = "not implemented here"
 ) -> Handling:
@@ -92,6 +98,8 @@ def _attention_backend(values: list[str], given: Given) -> list[str]:
 
 
 def _use_flash_attn(values: list[str], given: Given) -> list[str]:
+    if not on_gpu():  # as --cross-entropy-loss-fusion and the other CUDA-only switches here
+        raise NoEffectHere("flash attention needs CUDA; the run goes on without it")
     try:
         resolve_attention_backend("flash")
     except ValueError:
@@ -277,7 +285,8 @@ HANDLING: dict[str, Handling] = {
         otherwise="transformer-engine's cross entropy is not wired here",
     ),
     "--use-flash-attn": mapped(
-        "Megatron-LM's older spelling of --attention-backend flash", _use_flash_attn
+        "Megatron-LM's older spelling of --attention-backend flash (without CUDA: no effect)",
+        _use_flash_attn,
     ),
     "--optimizer": same(
         "AdamW", values=("adam",), otherwise="only Adam(W) is wired here (megatron-core's)"

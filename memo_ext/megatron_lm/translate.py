@@ -22,6 +22,7 @@ from memo_ext.megatron_lm.handling import (
     VALUE_MAPS,
     VALUE_REASONS,
     Handling,
+    NoEffectHere,
     Refuse,
     handling_of,
 )
@@ -183,9 +184,12 @@ def _megatron(
         except Refuse as err:
             out.refusals.append(Refusal(name, str(err)))
             return
-        out.argv += rewritten
-        target = f" → {' '.join(rewritten)}" if rewritten else ""
-        out.notices.append(f"{name}{target}: {handling.note}")
+        except NoEffectHere as err:
+            out.notices.append(f"{name} has no effect on this machine: {err}")
+        else:
+            out.argv += rewritten
+            target = f" → {' '.join(rewritten)}" if rewritten else ""
+            out.notices.append(f"{name}{target}: {handling.note}")
     else:  # no effect
         out.notices.append(f"{name} has no effect here: {handling.note}")
     out.argv += stray

@@ -50,6 +50,7 @@ from memo_ext.training.checkpoint import (
     check_save_target,
     checkpoint_source,
     hold_save_dir,
+    latest_iteration,
     load_checkpoint,
     save_checkpoint,
     schedule_policy,
@@ -311,7 +312,8 @@ def _train(
             + [source for extension in extensions for source in extension.metric_sources()],
         )
         if run.evaluation.skip_train:
-            return _evaluate_only(session, progress)
+            weights_at = latest_iteration(source.root) if source is not None else None
+            return _evaluate_only(session, progress, iteration=weights_at or 0)
         with StopConditions(run.checkpoint) as stop:
             return _run_steps(session, progress, stop)
     finally:  # a failed run's iterators live on in its traceback: stop their loaders now
@@ -456,19 +458,21 @@ def _retrieval_samples(run: RunConfig, tokenizer, haystack: list[int] | None) ->
     return samples
 
 
-def _evaluate_only(s: _Session, progress: TrainProgress) -> TrainSummary:
-    """--skip-train: one evaluation of the loaded weights, recorded at their iteration."""
+def _evaluate_only(s: _Session, progress: TrainProgress, *, iteration: int) -> TrainSummary:
+    """--skip-train: one evaluation of the loaded weights, recorded at ``iteration``, that of
+    the checkpoint they came from (0 without one), also under --finetune or
+    --pretrained-checkpoint, whose run would count its own steps from 0."""
     figures = evaluate(s)
-    record = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples}
+    record = {"iteration": iteration, "consumed_samples": progress.consumed_samples}
     record.update(figures)
     if s.ctx.is_logging_rank:
-        writer = MetricsWriter(s.run.logging.metrics_file, resume_from=progress.iteration)
+        writer = MetricsWriter(s.run.logging.metrics_file, resume_from=iteration)
         writer.write(record)
         board = TensorBoardWriter(s.run.logging.tensorboard_dir)
         board.write(record)
         board.close()
-    logger.info("evaluation at iteration %d | %s", progress.iteration, evaluation_line(figures))
-    return TrainSummary(iterations=progress.iteration, resumed_at=progress.iteration)
+    logger.info("evaluation at iteration %d | %s", iteration, evaluation_line(figures))
+    return TrainSummary(iterations=iteration, resumed_at=iteration)
 
 
 def _maybe_position_loss(s: _Session) -> PositionLoss | None:

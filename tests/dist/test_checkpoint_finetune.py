@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memo_ext.training.metrics import read_metrics
 from tests.dist.checkpoint_probe import read_checkpoint_tensors, read_records
 from tests.dist.test_checkpoint import MODEL
 from tests.launch import cli, reference_run, run_job, run_pretrain, train_fails
@@ -184,6 +185,28 @@ def test_pretrained_checkpoint_starts_a_run_that_then_resumes_from_load(tp2_chec
     second, (resumed,) = probed(args, nproc=1, workdir=tmp_path, name="b")
     assert resumed["progress"] == (2, 8) and resumed["optimizer_states"] > 0
     assert [r["iteration"] for r in second] == [3, 4, 5, 6]
+
+
+def test_skip_train_records_and_prints_the_iteration_of_the_weights_it_loaded(tmp_path):
+    """--skip-train with --finetune or --pretrained-checkpoint (the weights alone, as
+    memo-eval-retrieval loads them) evaluates the checkpoint at its own iteration, not at the
+    0 a fine-tuning run would count its steps from."""
+    save = tmp_path / "ckpt"
+    args = [*MODEL, "--train-iters", "3", "--eval-iters", "1"]
+    run_pretrain(
+        [*args, "--exit-interval", "2", "--save", str(save)], nproc=1, workdir=tmp_path, name="save"
+    )
+    for name, source in [
+        ("finetune", ["--load", str(save), "--finetune"]),
+        ("pretrained", ["--pretrained-checkpoint", str(save)]),
+        ("resumed", ["--load", str(save)]),
+    ]:
+        metrics = tmp_path / f"{name}.jsonl"
+        result = run_job([*args, *source, "--skip-train", "--metrics-file", str(metrics)])
+        assert result.status == 0, result.describe()
+        (record,) = read_metrics(metrics)
+        assert record["iteration"] == 2, name
+        assert "evaluation at iteration 2 |" in result.stdout + result.stderr, name
 
 
 def test_finetune_and_pretrained_checkpoint_need_a_checkpoint(tmp_path):

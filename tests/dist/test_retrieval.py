@@ -154,7 +154,10 @@ def test_the_tool_scores_a_checkpoint_under_tp_and_draws_two_grids_side_by_side(
                 "after", "--out", str(picture))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert picture.stat().st_size > 10_000
-    mean = records[-1]["val_passkey_acc"]
-    assert f"passkey: accuracy 0.00 / {mean:.2f}  (before / after)" in done.stdout
+    mean, tokens = records[-1]["val_passkey_acc"], records[-1]["val_passkey_token_acc"]
+    assert grid["tasks"]["passkey"]["token_accuracy"] == tokens
+    heading = f"passkey: accuracy 0.00 / {mean:.2f}, token accuracy - / {tokens:.2f}"
+    assert f"{heading}  (before / after)" in done.stdout
+    assert "note: passkey of before is at chance" in done.stdout
     first_row = done.stdout.splitlines()[2].split()
     assert first_row[:4] == ["64", "0.00", "/", f"{after['64@0']:.2f}"]

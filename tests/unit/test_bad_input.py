@@ -190,6 +190,19 @@ def test_the_default_split_is_kept_where_every_part_gets_documents():
     assert fit_split("98,2,0", [20], keep_validation=False) == "98,0,0"
 
 
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_a_data_file_given_for_its_prefix_is_told_to_drop_the_suffix(small_corpus, suffix):
+    with pytest.raises(UsageError) as err:
+        parse_args(_data_args(small_corpus + suffix), world_size=1)
+    assert str(err.value) == (
+        f"--data-path takes dataset prefixes, not files: give {small_corpus} (drop {suffix}), "
+        f"which names {small_corpus}.bin and {small_corpus}.idx"
+    )
+    weighted = ["--train-data-path", "0.5", small_corpus, "0.5", small_corpus + suffix]
+    with pytest.raises(UsageError, match=f"--train-data-path takes .* \\(drop \\{suffix}\\)"):
+        parse_args([a for a in BASE if a != "--mock-data"] + weighted, world_size=1)
+
+
 def test_truncated_bin_and_garbage_idx_are_named(small_corpus, tmp_path):
     for suffix in (".bin", ".idx"):
         (tmp_path / f"c{suffix}").write_bytes(Path(small_corpus + suffix).read_bytes())

@@ -228,6 +228,31 @@ def test_no_effect_and_mapped_flags_are_logged(caplog):
     assert "--recompute-activations → --recompute-granularity selective" in text
 
 
+def test_flash_attention_of_a_gpu_script_has_no_effect_without_cuda(monkeypatch, caplog):
+    """A GPU launch script smoke-tested on CPU: --use-flash-attn is noticed in one line and the
+    run goes on, as the other CUDA-only switches; on CUDA without flash_attn it stays refused."""
+    from memo_ext.megatron_lm import handling
+
+    monkeypatch.setattr(handling, "on_gpu", lambda: False)
+    caplog.set_level("INFO")
+    run = parse_args([*SMALL_GPT, "--use-flash-attn"], world_size=1)
+    plain = parse_args(SMALL_GPT, world_size=1)
+    assert run.model.attention_backend == plain.model.attention_backend
+    (notice,) = [r.getMessage() for r in caplog.records if "--use-flash-attn" in r.getMessage()]
+    assert notice == (
+        "Megatron-LM flag --use-flash-attn has no effect on this machine: flash attention needs "
+        "CUDA; the run goes on without it"
+    )
+
+    def no_flash_attn(backend: str) -> str:
+        raise ValueError(backend)
+
+    monkeypatch.setattr(handling, "on_gpu", lambda: True)
+    monkeypatch.setattr(handling, "resolve_attention_backend", no_flash_attn)
+    with pytest.raises(UsageError, match="--use-flash-attn: flash attention needs CUDA and the"):
+        parse_args([*SMALL_GPT, "--use-flash-attn"], world_size=1)
+
+
 def test_same_flags_refuse_values_that_are_not_ours():
     for argv, shown in (
         (["--rotary-percent", "0.5"], "--rotary-percent 0.5"),

@@ -169,6 +169,27 @@ def test_cuda_only_flags_give_one_notice_each_on_cpu_and_never_fail():
     assert sum("with --hotspa" in n for n in notices_for_this_machine(hot, cuda=True)) == 3
 
 
+def test_selective_recomputation_on_cpu_leaves_out_transformer_engine_s_advice(monkeypatch):
+    """megatron-core warns that recomputing core_attn may be needless with transformer-engine's
+    fused attention: advice a CPU run, which builds no transformer-engine layer, cannot use."""
+    import warnings
+
+    from memo_ext.mcore import transformer_config
+
+    run = parse("--recompute-activations")
+
+    def warned() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_transformer_config(run)
+        return [str(w.message) for w in caught if "transformer_engine" in str(w.message)]
+
+    assert warned() == []
+    monkeypatch.setattr(transformer_config, "on_gpu", lambda: True)  # there it may apply
+    (advice,) = warned()
+    assert advice.startswith("If you are using transformer_engine as the transformer")
+
+
 def test_overlap_applies_on_every_machine_and_the_fused_loss_on_cuda(monkeypatch):
     run = parse("--overlap-grad-reduce", "--cross-entropy-loss-fusion")
     assert data_parallel_overlap(run) and not run.fused_cross_entropy

@@ -238,7 +238,7 @@ def test_ctrl_c_on_two_workers_is_one_line_and_leaves_no_partial_output(tmp_path
         raise AssertionError(f"no exit within 60 s of Ctrl-C:\n{err[-6000:]}") from None
     assert job.returncode == 130, err
     assert err.strip().splitlines() == [
-        "preprocess_data: interrupted; nothing written (the unfinished files are removed, any "
+        "memo-preprocess-data: interrupted; nothing written (the unfinished files are removed, any "
         f"earlier {out / 'c'}_* output is as it was)"
     ]
     assert list(out.iterdir()) == []

@@ -291,3 +291,82 @@ def test_the_tool_refuses_bad_input_in_one_sentence_and_touches_nothing(tmp_path
         err = capsys.readouterr().err.strip()
         assert expected in err and len(err.splitlines()) == 1, err
     assert (out / "retrieval.json").read_text() == "{}"
+
+
+def fake_record(*, iteration: int, acc: float, token_acc: float) -> dict:
+    """The trainer's --skip-train record of a 2 × 2 passkey grid, every cell at ``acc``."""
+    cells = {f"{n}@{d:g}": acc for n in (64, 128) for d in (0.0, 1.0)}
+    return {
+        "iteration": iteration,
+        "consumed_samples": 0,
+        "val_passkey_acc": acc,
+        "val_passkey_acc_by_cell": cells,
+        "val_passkey_token_acc": token_acc,
+    }
+
+
+def test_the_tool_s_help_lists_the_trainer_flags_that_pass_through():
+    from memo_ext.commands.eval_retrieval import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--eval-retrieval-lengths N1,N2,... Required: the context lengths to test" in text
+    for flag in ("--eval-retrieval-depths", "--eval-retrieval-digits", "--data-path", "--memo"):
+        assert f" {flag} " in text
+    assert "--tensor-model-parallel-size" in text
+
+
+def test_the_grid_shows_token_accuracy_and_notes_a_score_at_chance():
+    from memo_ext.commands.eval_retrieval import grid_of, side_by_side
+
+    untrained = grid_of(fake_record(iteration=0, acc=0.0, token_acc=0.11), checkpoint="a", digits=2)
+    # one cell in 100: what guessing a 2-digit number scores
+    guessing = grid_of(fake_record(iteration=0, acc=0.01, token_acc=0.1), checkpoint="g", digits=2)
+    trained = grid_of(fake_record(iteration=9, acc=0.75, token_acc=0.9), checkpoint="b", digits=2)
+    assert trained["tasks"]["passkey"]["token_accuracy"] == 0.9
+    lines = side_by_side([("a", untrained), ("b", trained)]).splitlines()
+    assert lines[0] == "passkey: accuracy 0.00 / 0.75, token accuracy 0.11 / 0.90  (a / b)"
+    assert lines[2].split() == ["64", "0.00", "/", "0.75", "0.00", "/", "0.75"]
+    (note,) = [line for line in lines if line.startswith("note:")]
+    assert note.startswith("note: passkey of a is at chance (a guess of the 2-digit number")
+    assert "note:" in side_by_side([("g", guessing)])
+    assert "note:" not in side_by_side([("b", trained)])
+    older = dict(untrained, tasks={"passkey": {"accuracy": 0.0, "grid": [[0.0] * 2] * 2}})
+    del older["digits"]  # a retrieval.json of an earlier version
+    assert "token accuracy -  (o)" in side_by_side([("o", older)])
+    assert "no prompt is answered exactly" in side_by_side([("o", older)])
+
+
+def test_without_matplotlib_the_tool_says_so_first_and_still_writes_the_grid(
+    tmp_path, monkeypatch, capsys
+):
+    import json
+    import sys
+
+    import memo_ext.launch
+    from memo_ext.commands.eval_retrieval import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed, as far as Python knows
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt.mkdir()
+    (ckpt / "model_flags.txt").write_text("--num-layers 2 --hidden-size 64")
+
+    def trainer(argv: list[str]) -> int:  # the evaluation the tool launches, as a record
+        print("evaluating")
+        record = fake_record(iteration=200, acc=0.5, token_acc=0.8)
+        (out / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+        return 0
+
+    monkeypatch.setattr(memo_ext.launch, "main", trainer)
+    assert main(["--load", str(ckpt), "--out", str(out), "--eval-retrieval-lengths", "64,128"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("note: matplotlib is not installed (pip install matplotlib")
+    assert printed[1] == "evaluating"
+    grid = json.loads((out / "retrieval.json").read_text())
+    assert grid["iteration"] == 200 and grid["tasks"]["passkey"]["token_accuracy"] == 0.8
+    assert not (out / "retrieval.png").exists()
+    assert f"--plot {out / 'retrieval.json'} --out {out / 'retrieval.png'}" in printed[-1]
+    assert "pip install matplotlib" in printed[-1]
+    # asked for a picture alone: refused before any reading
+    assert main(["--plot", str(out / "retrieval.json"), "--out", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memo-eval-retrieval: error: --plot draws with matplotlib")

@@ -71,6 +71,22 @@ def test_the_trainer_answers_help_and_wrong_flags_without_megatron_core(argv):
     assert _megatron_imported_by([("pretrain_gpt_memo.py", argv)]) == []
 
 
+def test_the_trainer_answers_a_wrong_data_path_without_megatron_core(tmp_path):
+    """A missing dataset, and a dataset's file given for its prefix, are told before the
+    imports that take tens of seconds on a loaded machine."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus{suffix}").write_bytes(b"")
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    model += ["--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1"]
+    calls = [
+        ("pretrain_gpt_memo.py", [*model, "--data-path", str(tmp_path / "missing")]),
+        ("pretrain_gpt_memo.py", [*model, "--data-path", str(tmp_path / "corpus.bin")]),
+        ("pretrain_gpt_memo.py", [*model, "--data-path", "0.3", str(tmp_path / "corpus"), "0.7",
+                                  str(tmp_path / "other")]),
+    ]  # fmt: skip
+    assert _megatron_imported_by(calls) == []
+
+
 @pytest.mark.parametrize("library", ["torch", "numpy"])
 def test_the_trainer_answers_a_wrong_flag_before_torch_loads(library):
     # torch alone takes a second to import on a quiet machine, several on a loaded one
@@ -162,6 +178,28 @@ def test_every_installed_command_answers_from_any_folder(tmp_path):
             timeout=120,
         )
         assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("name", sorted(_installed_commands()))
+def test_every_installed_command_calls_itself_by_its_installed_name(name, capsys):
+    """Its --help's usage line and its error prefix say ``memo-NAME``, whether it runs as that
+    command, as ``python -m tools.NAME`` or from a test (argparse's default is the script's
+    file name)."""
+    import importlib
+
+    module, function = _installed_commands()[name].split(":")
+    main = getattr(importlib.import_module(module), function)
+
+    def run(*argv: str) -> int:
+        try:
+            return main(list(argv))
+        except SystemExit as stop:  # argparse's --help, and the tools whose parser exits itself
+            return stop.code
+
+    assert run("--help") == 0
+    assert capsys.readouterr().out.startswith(f"usage: {name} ")
+    assert run("--no-such-flag") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"{name}: error: ")
 
 
 def test_the_trainer_runs_as_an_installed_module_from_any_folder(tmp_path):

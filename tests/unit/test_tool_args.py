@@ -15,10 +15,10 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 def test_the_trainer_s_flags_are_ignored_by_name(capsys):
     trainer_only = ["--max-position-embeddings", "4096", "--lr", "1e-3", "--log-throughput"]
     argv = [*MODEL, "--seq-length", "128", *trainer_only, "--lr-decay-style=cosine"]
-    args = parse_tool_args(memory_report.build_parser(), argv, tool="memory_report")
+    args = parse_tool_args(memory_report.build_parser(), argv)
     assert getattr(args, "data.seq_length") == 128
     assert capsys.readouterr().err == (
-        "memory_report: ignoring the trainer's --max-position-embeddings, --lr, "
+        "memo-memory-report: ignoring the trainer's --max-position-embeddings, --lr, "
         "--log-throughput, --lr-decay-style\n"
     )
 
@@ -26,10 +26,13 @@ def test_the_trainer_s_flags_are_ignored_by_name(capsys):
 def test_megatron_lm_s_flags_that_the_trainer_takes_are_ignored_too(capsys):
     # scripts/gpt7b_*.sh run as written: a Megatron-LM flag the trainer accepts by translation
     argv = [*MODEL, "--no-create-attention-mask-in-dataloader", "--seq-length", "128"]
-    args = parse_tool_args(memory_report.build_parser(), argv, tool="memory_report")
+    args = parse_tool_args(memory_report.build_parser(), argv)
     assert getattr(args, "data.seq_length") == 128
     err = capsys.readouterr().err
-    assert err == "memory_report: ignoring the trainer's --no-create-attention-mask-in-dataloader\n"
+    assert (
+        err
+        == "memo-memory-report: ignoring the trainer's --no-create-attention-mask-in-dataloader\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,7 +49,7 @@ def test_megatron_lm_s_flags_that_the_trainer_takes_are_ignored_too(capsys):
 )
 def test_other_flags_are_one_sentence(argv, message):
     with pytest.raises(UsageError, match=message):
-        parse_tool_args(memory_report.build_parser(), argv, tool="memory_report")
+        parse_tool_args(memory_report.build_parser(), argv)
 
 
 def test_the_tools_report_it_as_exit_2_without_a_usage_dump(tmp_path, capsys):
