@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from memo_ext.arguments import OneSentenceParser
+from memo_ext.errors import EXIT_OOM as OUT_OF_MEMORY
 from memo_ext.errors import UsageError
 from memo_ext.hardware import DEVICES, GIB
 
@@ -116,7 +117,9 @@ def summary(out: Path) -> dict:
         "exposed_copy_s": median["exposed_copy_s"],
         "idle_by_cause_s": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
         "host_syncs_per_step": dict(sorted(syncs.items(), key=lambda kv: -kv[1])),
-        "peak_device_bytes": timeline["peak_device_bytes"],
+        "peak_device_bytes": max(s["peak_device_bytes"] for s in measured),
+        "peak_device_bytes_first_step": steps[0]["peak_device_bytes"],
+        "device_capacity_bytes": timeline["device_capacity_bytes"],
         "peak_pinned_host_bytes": timeline["peak_pinned_host_bytes"],
         "rates": timeline["rates"],
     }
@@ -131,7 +134,9 @@ def report(s: dict, *, gpu: str, gpus: int, out: Path, trace: bool) -> str:
         f"  step                 {step:.4f} s",
         f"  MFU                  {100 * s['mfu']:.1f}%" if s["mfu"] is not None else "  MFU  —",
         f"  tokens/s             {s['tokens_per_s']:,.0f} (the job)",
-        f"  peak device memory   {s['peak_device_bytes'] / GIB:.2f} GiB",
+        f"  peak device memory   {s['peak_device_bytes'] / GIB:.2f} GiB of "
+        f"{s['device_capacity_bytes'] / GIB:.2f} (first step: "
+        f"{s['peak_device_bytes_first_step'] / GIB:.2f})",
         f"  peak pinned host     {s['peak_pinned_host_bytes'] / GIB:.2f} GiB",
         f"  compute stream idle  {idle:.4f} s ({100 * idle / step:.1f}% of the step)",
         f"  exposed copies       {exposed:.4f} s ({100 * exposed / step:.1f}% of the step)",
@@ -221,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     status = subprocess.call(
         [sys.executable, "-m", "memo_ext.commands.pretrain_gpt_memo", *command], env=env
     )
+    if status == OUT_OF_MEMORY:
+        print(f"{PROG}: the run does not fit the modeled {args.gpu}: out of device memory (the "
+              "trainer's sentence above says where)", file=sys.stderr)  # fmt: skip
+        return status
     if status != 0 or not (out / "timeline.json").exists():
         print(f"{PROG}: the simulated run ended with status {status}", file=sys.stderr)
         return status or 1

@@ -82,7 +82,9 @@ class MemoTransformerLayer(TransformerLayer):
         if not self.memo_offloads:
             # a kept layer's activations take the place of the ping-pong slots
             self.memo_runtime.before_kept_layer(self.memo_index)
-            return self.memo_runtime.mode.kept_forward(self, kwargs)
+            output = self.memo_runtime.mode.kept_forward(self, kwargs)
+            self.memo_runtime.after_kept_layer(self.memo_index, output)
+            return output
         return self.memo_runtime.forward_layer(self, kwargs)
 
     def _training_forward(self, kwargs: dict[str, Any]) -> bool:

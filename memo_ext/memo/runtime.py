@@ -256,6 +256,26 @@ class MemoRuntime:
             self.engine.wait(slot.completion)
             self._copies.remove(slot)
 
+    def after_kept_layer(self, index: int, output) -> None:
+        """A kept layer's forward is done: when it follows the last offloaded layer, that
+        layer's host data is fetched as soon as this layer's backward starts (its output's
+        gradient arrives), so the copy runs under this layer's backward as every other
+        layer's runs under its successor's. Offloaded layers prefetch their predecessor when
+        their own backward starts (:meth:`begin_backward`); a kept layer has no such start."""
+        last = self._last() if self._last is not None else None
+        hidden = output[0] if isinstance(output, tuple) else output
+        if last is None or last.layer_index != index - 1 or not hidden.requires_grad:
+            return
+        previous = weakref.ref(last)
+
+        def prefetch(grad):
+            acts = previous()
+            if acts is not None:
+                acts.prefetch()
+            return grad
+
+        hidden.register_hook(prefetch)
+
     def _drop_finished_slots(self) -> None:
         for i, slot in enumerate(self._slots):
             if slot is not None and self.engine.done(slot.completion):

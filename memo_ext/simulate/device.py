@@ -675,6 +675,8 @@ class EmulatedCuda:
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
         self.lifetime_peak_bytes = 0
+        self.memory_fraction = 1.0
+        """``torch.cuda.set_per_process_memory_fraction``'s (``--memory-limit-gb``)."""
         self.comm_streams: dict[int, int] = {}
         """The stream of each process group's collectives (NCCL's), by the group's id."""
         self.last_collective: tuple[float, int] = (0.0, 0)
@@ -802,6 +804,8 @@ class EmulatedCuda:
         storage = _Storage(
             nbytes=t.untyped_storage().nbytes(), stream=stream, device=t.device.index
         )
+        if self.allocator is None and self.allocated_bytes + storage.nbytes > self.capacity():
+            raise torch.OutOfMemoryError(_out_of_memory(storage, self))
         self._log("alloc", token, storage)
         if self.allocator is not None and storage.nbytes:
             s = current_stream()
@@ -814,6 +818,7 @@ class EmulatedCuda:
         self.allocated_bytes += storage.nbytes
         self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         self.lifetime_peak_bytes = max(self.lifetime_peak_bytes, self.allocated_bytes)
+        self.clock.allocated(self.allocated_bytes)
 
     def collect_released(self) -> None:
         """Check the device storages dropped since the last op (the shim's meta allocator
@@ -906,6 +911,17 @@ class EmulatedCuda:
         self._stats_under_pluggable("snapshot")
         return []
 
+    def capacity(self) -> int:
+        """Device bytes the caching allocator can hand out: the GPU's memory less the CUDA
+        context's, or the process's fraction of it."""
+        usable = self.gpu.total_memory - CONTEXT_BYTES
+        return int(min(usable, self.memory_fraction * self.gpu.total_memory))
+
+    def set_memory_fraction(self, fraction: float, device=None) -> None:
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"invalid memory fraction {fraction}, must be in [0, 1]")
+        self.memory_fraction = fraction
+
     def set_device(self, device) -> None:
         index = _index(device)
         if not 0 <= index < self.gpus:
@@ -961,7 +977,7 @@ class EmulatedCuda:
             (c, "memory_snapshot", self.memory_snapshot),
             (c, "empty_cache", lambda: None),
             (c, "mem_get_info", lambda device=None: (self.gpu.total_memory,) * 2),
-            (c, "set_per_process_memory_fraction", lambda fraction, device=None: None),
+            (c, "set_per_process_memory_fraction", self.set_memory_fraction),
             (c, "cudart", lambda: CudaRuntime),
             (c, "default_generators", generators),
             (c, "manual_seed", lambda seed: generator().manual_seed(seed) and None),
@@ -1008,6 +1024,27 @@ _NO_KERNEL = {
     aten._unsafe_view.default, aten.set_.source_Storage_storage_offset, aten.resize_.default,
 }  # fmt: skip
 """Device ops that allocate, or alias without the schema saying so, and launch nothing."""
+
+
+CONTEXT_BYTES = 512 << 20
+"""Device memory the CUDA context, cuBLAS's workspace and NCCL's buffers take before torch's
+allocator gets any (assumption: the order nvidia-smi shows for a process that initialised CUDA
+on a Hopper part)."""
+
+
+def _out_of_memory(storage: _Storage, device: EmulatedCuda) -> str:
+    """torch's sentence for a caching-allocator failure (the sizes as it formats them)."""
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+    total = device.gpu.total_memory
+    free = max(0, device.capacity() - device.allocated_bytes)
+    return (
+        f"CUDA out of memory. Tried to allocate {size(storage.nbytes)}. GPU {storage.device} "
+        f"has a total capacity of {size(total)} of which {size(free)} is free. Of the allocated "
+        f"memory {size(device.allocated_bytes)} is allocated by PyTorch (emulated device)"
+    )
 
 
 def _group_ranks(group) -> list[int]:

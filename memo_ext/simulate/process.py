@@ -131,15 +131,13 @@ def _write_timeline(device, out: str) -> None:
 
     from memo_ext.simulate import trace
 
-    pinned = max(device.registered_peak_bytes(), device.pinned_bytes())
+    memory = {
+        "peak_device_bytes": device.lifetime_peak_bytes,
+        "peak_pinned_host_bytes": max(device.registered_peak_bytes(), device.pinned_bytes()),
+        "device_capacity_bytes": device.capacity(),
+    }
     rank = int(os.environ.get("RANK", "0"))
-    trace.write(
-        Path(out),
-        device.clock,
-        rank=rank,
-        peak_device_bytes=device.lifetime_peak_bytes,
-        peak_pinned=pinned,
-    )
+    trace.write(Path(out), device.clock, rank=rank, memory=memory)
 
 
 def _threads_on_the_device(device) -> None:

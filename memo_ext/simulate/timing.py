@@ -60,6 +60,8 @@ means the same here."""
 
 COMPUTE, TO_HOST, TO_DEVICE, COLLECTIVE = "compute", "to_host", "to_device", "collective"
 """What a stream's work is: the kinds a wait is charged to."""
+IDLE = "idle"
+"""The trace's kind for the compute stream standing still (named by what it waited on)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +143,8 @@ class StepFigures:
     """Host syncs by call site."""
     host_sync_s: dict[str, float] = field(default_factory=dict)
     """Host seconds spent waiting, by call site."""
+    peak_device_bytes: int = 0
+    """The most device bytes allocated at once."""
 
 
 class Clock:
@@ -181,7 +185,7 @@ class Clock:
                 why = self._host_waited_for or "launch (host-bound)"
             else:
                 why = f"copy engine ({kind})"
-            self._idle(why, start - ready)
+            self._idle(why, ready, start)
         end = start + seconds
         if kind in self.engines:
             self.engines[kind] = end
@@ -202,7 +206,7 @@ class Clock:
             return
         if stream == self.compute_stream:
             kind = self.kinds.get(on, COMPUTE) if on is not None else COMPUTE
-            self._idle(f"wait for {kind}", until - max(ready, self.host))
+            self._idle(f"wait for {kind}", max(ready, self.host), until)
         self.streams[stream] = until
 
     def sync(self, until: float, site: str) -> None:
@@ -215,11 +219,19 @@ class Clock:
             self.host = until
             self._host_waited_for = f"host sync at {site}"
 
-    def _idle(self, why: str, seconds: float) -> None:
-        if seconds <= 0:
+    def _idle(self, why: str, start: float, end: float) -> None:
+        """The compute stream stands still from ``start`` to ``end`` (a slice of the trace)."""
+        if end <= start:
             return
         for figures in self._figures():
-            figures.idle_s[why] = figures.idle_s.get(why, 0.0) + seconds
+            figures.idle_s[why] = figures.idle_s.get(why, 0.0) + end - start
+        if self.intervals is not None:
+            self.intervals.append(Interval(self.compute_stream, start, end, why, IDLE))
+
+    def allocated(self, nbytes: int) -> None:
+        """Device bytes allocated now (after an allocation)."""
+        for figures in self._figures():
+            figures.peak_device_bytes = max(figures.peak_device_bytes, nbytes)
 
     # -- ranges -------------------------------------------------------------------------
 

@@ -40,11 +40,14 @@ def step_record(figures: StepFigures, *, compute_stream: int, kinds: dict[int, s
         "exposed_copy_s": exposed_copy_s(figures),
         "host_syncs": dict(sorted(figures.host_syncs.items(), key=lambda kv: -kv[1])),
         "host_sync_wait_s": dict(sorted(figures.host_sync_s.items(), key=lambda kv: -kv[1])),
+        "peak_device_bytes": figures.peak_device_bytes,
     }
 
 
-def timeline(clock: Clock, *, rank: int, peak_device_bytes: int, peak_pinned_bytes: int) -> dict:
-    """The run's timeline document (see the module docstring)."""
+def timeline(clock: Clock, *, rank: int, memory: dict[str, int]) -> dict:
+    """The run's timeline document (see the module docstring); ``memory``: the device's
+    ``peak_device_bytes`` (the whole run), ``peak_pinned_host_bytes`` and
+    ``device_capacity_bytes``."""
     steps = [
         step_record(f, compute_stream=clock.compute_stream, kinds=clock.kinds) for f in clock.steps
     ]
@@ -54,8 +57,7 @@ def timeline(clock: Clock, *, rank: int, peak_device_bytes: int, peak_pinned_byt
         "rank": rank,
         "rates": clock.rates.describe(),
         "median_step_s": statistics.median(s["step_s"] for s in measured) if steps else None,
-        "peak_device_bytes": peak_device_bytes,
-        "peak_pinned_host_bytes": peak_pinned_bytes,
+        **memory,
         "steps": steps,
     }
 
@@ -83,13 +85,11 @@ def chrome_trace(clock: Clock, *, rank: int) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write(folder: Path, clock: Clock, *, rank: int, peak_device_bytes: int, peak_pinned: int):
+def write(folder: Path, clock: Clock, *, rank: int, memory: dict[str, int]) -> None:
     """``timeline.json`` (rank 0) or ``timeline.rankN.json``, and the same for the trace."""
     folder.mkdir(parents=True, exist_ok=True)
     suffix = "" if rank == 0 else f".rank{rank}"
-    document = timeline(
-        clock, rank=rank, peak_device_bytes=peak_device_bytes, peak_pinned_bytes=peak_pinned
-    )
+    document = timeline(clock, rank=rank, memory=memory)
     (folder / f"timeline{suffix}.json").write_text(json.dumps(document, indent=1) + "\n")
     if clock.intervals is not None:
         (folder / f"trace{suffix}.json").write_text(json.dumps(chrome_trace(clock, rank=rank)))

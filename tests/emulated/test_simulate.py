@@ -1,0 +1,165 @@
+"""The modeled GPU's clock on the trainer's own schedule: a short simulation of 2 GPUs (TP 2 +
+SP), its timeline's invariants, and planted schedule defects that must move the step and show
+where they are.
+
+The model is small in layers but GPU-sized in its shapes (hidden 2048 at 16K tokens): on fake
+tensors shapes cost nothing on this CPU, and kernels then take longer than their launches, as on
+a GPU, so the step is the device's time and not the host's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memo_ext.simulate.device import emulated_cuda
+from tests.emulated.test_training import train_on
+from tests.launch import cli
+
+SHAPED = cli(
+    num_layers=4,
+    hidden_size=2048,
+    num_attention_heads=16,
+    seq_length=16384,
+    micro_batch_size=1,
+    global_batch_size=1,
+    train_iters=3,
+    lr="1e-4",
+    mock_data=True,
+    position_embedding_type="rope",
+    tensor_model_parallel_size=2,
+    attention_backend="sdpa",
+) + ["--sequence-parallel", "--bf16"]
+MEMO = ["--memo", "--memo-alpha", "auto", "--memo-keep-last-layers", "1",
+        "--memo-host-memory-gb", "8", "--skip-preflight"]  # fmt: skip
+
+
+def simulate(tmp_path, *extra: str):
+    """Three steps as rank 0 of 2 GPUs; the device (its clock) and the metrics records."""
+    with emulated_cuda(world_size=2, gpus=2, keep_intervals=True) as cuda:
+        _, records = train_on(cuda, tmp_path, *extra, base=SHAPED)
+    return cuda, records
+
+
+def later_steps(cuda):
+    steps = cuda.clock.steps
+    assert [s.name for s in steps] == ["step 1", "step 2", "step 3"]
+    return steps[1:]
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds of ``a``'s intervals that lie inside some interval of ``b`` (``b`` disjoint)."""
+    total = 0.0
+    for start, end in a:
+        total += sum(max(0.0, min(end, e) - max(start, s)) for s, e in b)
+    return total
+
+
+@pytest.fixture(scope="module")
+def memo_run(tmp_path_factory):
+    return simulate(tmp_path_factory.mktemp("memo"), *MEMO)
+
+
+def test_the_timeline_holds_together(memo_run):
+    """No stream is busier than the step; the trainer's step time is the clock's; copies run
+    on the copy streams beside the compute stream's work, mostly hidden under it."""
+    cuda, records = memo_run
+    clock = cuda.clock
+    for figures, record in zip(later_steps(cuda), records[1:]):
+        step = figures.end - figures.start
+        assert step > 0
+        for stream, busy in figures.busy_s.items():
+            assert busy <= step * (1 + 1e-9), (stream, busy, step)
+        # the trainer timed the step on the same clock (its span sits inside the range)
+        assert 0.99 * step <= record["step_time_s"] <= step
+        compute = [(i.start, i.end) for i in clock.intervals if i.stream == clock.compute_stream
+                   and i.kind != "idle"
+                   and figures.start <= i.start < figures.end]  # fmt: skip
+        copies = [(i.start, i.end) for i in clock.intervals if i.kind in ("to_host", "to_device")
+                  and figures.start <= i.start < figures.end]  # fmt: skip
+        copied = sum(e - s for s, e in copies)
+        assert copied > 0
+        assert overlap(copies, compute) > 0.5 * copied  # the copies ran under compute
+        exposed = sum(s for why, s in figures.idle_s.items() if "to_" in why)
+        assert exposed < 0.5 * copied
+
+
+def test_a_sync_planted_in_a_layer_is_host_sync_time_at_its_call_site(memo_run, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    import torch
+    from megatron.core.transformer.mlp import MLP
+
+    forward = MLP.forward
+
+    def synchronizing_forward(self, *args, **kwargs):
+        torch.cuda.synchronize()  # the planted defect
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(MLP, "forward", synchronizing_forward)
+    cuda, _ = simulate(tmp_path, *MEMO)
+    base, _ = memo_run
+    for planted, clean in zip(later_steps(cuda), later_steps(base)):
+        sites = [site for site in planted.host_syncs if "synchronizing_forward" in site]
+        assert len(sites) == 1 and "test_simulate.py" in sites[0]
+        # once per layer's forward, again where MEMO recomputes a layer's MLP tokens
+        assert planted.host_syncs[sites[0]] >= 4
+        assert planted.host_sync_s[sites[0]] > 0
+        assert planted.end - planted.start > clean.end - clean.start
+
+
+def test_a_prefetch_waited_for_one_layer_early_lengthens_the_step(memo_run, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """MEMO fetches a layer's host data while the layer after it runs its backward; a compute
+    stream that waits for the fetch as soon as it starts (one layer early) stalls for it."""
+    from memo_ext.memo.activations import LayerActivations
+
+    prefetch = LayerActivations.prefetch
+
+    def waiting_prefetch(self) -> None:
+        prefetch(self)
+        if self._prefetched is not None:
+            self.engine.wait(self._prefetched[1])  # the planted defect
+
+    monkeypatch.setattr(LayerActivations, "prefetch", waiting_prefetch)
+    cuda, _ = simulate(tmp_path, *MEMO)
+    base, _ = memo_run
+    for planted, clean in zip(later_steps(cuda), later_steps(base)):
+        waited = planted.idle_s.get("wait for to_device", 0.0)
+        assert waited > clean.idle_s.get("wait for to_device", 0.0)
+        assert planted.end - planted.start > clean.end - clean.start
+
+
+def test_planning_that_reaches_cp_sat_trains_on_the_device(cuda, tmp_path, monkeypatch):
+    """OR-Tools' CP-SAT loads and solves in a process that has the emulated device (its
+    abseil flags once bound to libc10's global ones, and the import crashed). The passes of
+    a tiny model are easy (the greedy placement meets the lower bound), so here the greedy
+    placement is moved up by one block and the canonical search reports no proof: every plan
+    goes on to CP-SAT."""
+    from memo_ext.planner import solvers
+    from memo_ext.planner.solvers import cpsat
+    from tests.emulated.test_planned_allocator import PLANNED
+    from tests.emulated.test_training import TINY
+
+    solved = []
+    greedy, canonical, model = solvers.solve_greedy, cpsat.solve_canonical, cpsat.solve_cpsat_model
+
+    def above_the_bound(problem, options):
+        found = greedy(problem, options)
+        shift = int(problem.sizes.max()) if problem.n else 0
+        return dataclasses.replace(found, offsets=found.offsets + shift, peak=found.peak + shift)
+
+    def unproven(problem, options):
+        return dataclasses.replace(canonical(problem, options), optimal=False, details={})
+
+    def counted(*args, **kwargs):
+        solved.append(1)
+        return model(*args, **kwargs)
+
+    monkeypatch.setattr(solvers, "solve_greedy", above_the_bound)
+    monkeypatch.setattr(cpsat, "solve_canonical", unproven)
+    monkeypatch.setattr(cpsat, "solve_cpsat_model", counted)
+    monkeypatch.setattr(cpsat, "setup_units", lambda problem: 0.0)
+    summary, _ = train_on(cuda, tmp_path, *PLANNED, "--train-iters", "2",
+                          "--memo-plan-cache", str(tmp_path / "plans"), base=TINY)  # fmt: skip
+    assert summary.iterations == 2
+    assert solved
