@@ -11,8 +11,10 @@ tensor at a time, prints the trainer flags that describe the model and writes th
 reshards it when the trainer loads it under any other layout. It holds the weights only
 (iteration 0): start from it with ``--finetune`` or ``--no-load-optim``.
 
-``export`` writes config.json and model.safetensors that ``transformers`` loads. A checkpoint the
-import did not write needs its model flags after the tool's own and ``--vocab-size``.
+``export`` writes config.json and model.safetensors that ``transformers`` loads, from an import
+or from the ``--save`` of a run that started from one (the trainer carries the import's
+hf_config.json there). Any other checkpoint needs ``--vocab-size`` and, without a
+model_flags.txt, its model flags after the tool's own.
 Families: llama (Llama 2 / 3 / 3.1), mistral, qwen2, gpt2. Bad input exits with status 2 and
 one sentence.
 """

@@ -7,7 +7,8 @@ megatron-core key are read at once, beside the model), and it is saved with
 :func:`memo_ext.training.checkpoint.save_checkpoint` as iteration 0 without optimizer state.
 megatron-core reshards the checkpoint on load, so the trainer starts from it under any TP / PP.
 Next to the checkpoint: ``model_flags.txt`` (the trainer flags) and ``hf_config.json`` (the
-source config, for the fields an export keeps).
+source config, for the fields an export keeps). A training run that starts from it writes both
+beside its own saves too, so a fine-tuned model exports with no flag retyped.
 
 Export: the same model is built from the flags, the checkpoint loaded into it (weights only),
 and its tensors written to one ``model.safetensors`` with a config.json.
@@ -46,6 +47,7 @@ from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import embedding_rows
 from memo_ext.training.checkpoint import (
     MODEL_FLAGS_FILE,
+    SOURCE_CONFIG_FILE,
     WEIGHTS_ONLY,
     TrainProgress,
     load_checkpoint,
@@ -58,8 +60,9 @@ logger = logging.getLogger(__name__)
 
 FLAGS_FILE = MODEL_FLAGS_FILE
 """In an imported checkpoint's folder: the trainer flags of its model, one line."""
-SOURCE_CONFIG = "hf_config.json"
-"""In an imported checkpoint's folder: the HF config.json it came from."""
+SOURCE_CONFIG = SOURCE_CONFIG_FILE
+"""In an imported checkpoint's folder, and the --save folder of every run descended from it
+(the trainer carries it forward): the HF config.json it came from."""
 
 # flags the trainer's parser needs to build a run; none of them changes the model
 _RUN_STUB = ["--lr", "1e-4", "--train-iters", "1", "--mock-data", "--micro-batch-size", "1"]
@@ -291,7 +294,10 @@ def export_hf(
     )
     vocab_size = vocab_size or (source or {}).get("vocab_size")
     if not vocab_size:
-        raise UsageError(f"{load} has no {SOURCE_CONFIG}: give --vocab-size (the tokenizer's)")
+        raise UsageError(
+            f"{load} has no {SOURCE_CONFIG} (not an import, nor the --save of a run started from "
+            "one): give --vocab-size (the tokenizer's)"
+        )
     with single_process():
         run, model = load_model(load, flags=flags, vocab_size=vocab_size)
         config = hf_config(family=family, run=run, vocab_size=vocab_size, base=source)

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
@@ -209,6 +210,9 @@ class _Session:
     extensions: list[Extension]
     metric_sources: list[MetricSource]
     """Per-step figures: the weights', then every extension's."""
+    started_from: Path | None = None
+    """The folder of checkpoints the weights were loaded from (its descent files go with every
+    save), or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -310,6 +314,7 @@ def _train(
             extensions=extensions,
             metric_sources=weight_statistics(run, model, optimizer)
             + [source for extension in extensions for source in extension.metric_sources()],
+            started_from=source.root if source is not None else None,
         )
         if run.evaluation.skip_train:
             weights_at = latest_iteration(source.root) if source is not None else None
@@ -584,4 +589,5 @@ def _save(s: _Session, progress: TrainProgress) -> None:
             save_optim=s.run.checkpoint.save_optim,
             save_rng=s.run.checkpoint.save_rng,
             model_flags=s.run.model_flags(),
+            carried_from=s.started_from,
         )

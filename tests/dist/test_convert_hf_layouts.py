@@ -9,6 +9,7 @@ the import (--finetune) log the losses of one process that does.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -179,3 +180,29 @@ def test_training_from_the_import_under_another_layout(imported, tmp_path, layou
     # later steps start from updated weights: the first step's rounding differences (the
     # layouts sum in another order) grow through the update of weights of order 0.3
     assert_same_curves(one, two, rtol=1e-4)
+
+
+def test_a_fine_tuned_import_exports_with_the_source_config(tmp_path):
+    # the README's recipe: import, train from it into a --save of its own, export that save
+    # with no flag retyped; the export keeps the token ids no trainer flag holds
+    from safetensors.torch import load_file
+
+    from memo_ext.commands.convert_hf import main
+
+    ids = dict(bos_token_id=116, eos_token_id=117, pad_token_id=118)  # not LlamaConfig's
+    reference = make_hf_model("llama2", tmp_path / "hf", **ids)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    import_hf(hf_dir=tmp_path / "hf", out=tmp_path / "ckpt", progress=False)
+    tuned = tmp_path / "tuned"
+    flags = (tmp_path / "ckpt" / FLAGS_FILE).read_text().split()
+    args = [*flags, "--load", str(tmp_path / "ckpt"), "--finetune", "--save", str(tuned), *RUN]
+    run_pretrain(args, nproc=1, workdir=tmp_path, name="tuned")
+    argv = ["export", "--load", str(tuned), "--out", str(tmp_path / "out"), "--family", "llama"]
+    assert main(argv) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {key: config.get(key) for key in ids} == ids
+    assert config["vocab_size"] == VOCAB
+    # the trained weights, not the import's
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(exported[name], reference.state_dict()[name])

@@ -46,9 +46,11 @@ from memo_ext.training.checkpoint.integrity import (
 from memo_ext.training.checkpoint.load import load_checkpoint, schedule_policy
 from memo_ext.training.checkpoint.save import LOCK, hold_save_dir, save_checkpoint
 from memo_ext.training.checkpoint.source import (
+    CARRIED_FILES,
     FORMAT,
     MANIFEST,
     MODEL_FLAGS_FILE,
+    SOURCE_CONFIG_FILE,
     TRACKER,
     WEIGHTS_ONLY,
     CheckpointError,
@@ -63,11 +65,13 @@ from memo_ext.training.checkpoint.source import (
 from memo_ext.training.checkpoint.state import CONTENT_METADATA
 
 __all__ = [
+    "CARRIED_FILES",
     "CONTENT_METADATA",
     "FORMAT",
     "LOCK",
     "MANIFEST",
     "MODEL_FLAGS_FILE",
+    "SOURCE_CONFIG_FILE",
     "TRACKER",
     "WEIGHTS_ONLY",
     "CheckpointError",

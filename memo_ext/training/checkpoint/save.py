@@ -24,6 +24,7 @@ from memo_ext.errors import UsageError
 from memo_ext.training.checkpoint.identity import model_identity
 from memo_ext.training.checkpoint.integrity import write_manifest
 from memo_ext.training.checkpoint.source import (
+    CARRIED_FILES,
     MODEL_FLAGS_FILE,
     TRACKER,
     CheckpointError,
@@ -115,11 +116,14 @@ def save_checkpoint(
     save_optim: bool = True,
     save_rng: bool = True,
     model_flags: list[str] | None = None,
+    carried_from: Path | None = None,
 ) -> Path:
     """Write the checkpoint of ``progress.iteration`` atomically; return its directory. Without
     ``save_optim`` (--no-save-optim) it holds no optimizer moments and LR schedule; without
     ``save_rng`` (--no-save-rng) no RNG states. ``model_flags`` (the run's
-    :meth:`~memo_ext.config.RunConfig.model_flags`) go to ``MODEL_FLAGS_FILE`` in ``save_dir``.
+    :meth:`~memo_ext.config.RunConfig.model_flags`) go to ``MODEL_FLAGS_FILE`` in ``save_dir``;
+    the ``CARRIED_FILES`` beside the checkpoints of ``carried_from`` (the folder the run started
+    from) are copied there too.
 
     Raises:
         CheckpointError: the save failed (a full disk is named as such); the previous checkpoint
@@ -128,7 +132,14 @@ def save_checkpoint(
     try:
         optimizer = optimizer if save_optim else None
         return _save(
-            save_dir, progress, model, optimizer, scheduler, rng=save_rng, model_flags=model_flags
+            save_dir,
+            progress,
+            model,
+            optimizer,
+            scheduler,
+            rng=save_rng,
+            model_flags=model_flags,
+            carried_from=carried_from,
         )
     except (OSError, RuntimeError, CheckpointException) as err:
         # torch.distributed.checkpoint reports its writers' OSErrors as "Worker failure: ..."
@@ -174,6 +185,7 @@ def _save(
     *,
     rng: bool = True,
     model_flags: list[str] | None = None,
+    carried_from: Path | None = None,
 ) -> Path:
     root = Path(save_dir)
     final = iteration_dir(root, progress.iteration)
@@ -211,6 +223,8 @@ def _save(
         os.replace(tracker_tmp, root / TRACKER)
         if model_flags is not None:
             _write_model_flags(root, model_flags)
+        if carried_from is not None:
+            _carry_files(carried_from, root)
     barrier()
     logger.info("saved checkpoint %s", final)
     return final
@@ -223,3 +237,16 @@ def _write_model_flags(root: Path, flags: list[str]) -> None:
     partial = root / (MODEL_FLAGS_FILE + ".tmp")
     partial.write_text(shlex.join(flags) + "\n")
     os.replace(partial, root / MODEL_FLAGS_FILE)
+
+
+def _carry_files(source: Path, root: Path) -> None:
+    """``CARRIED_FILES`` from beside the checkpoints in ``source`` to beside those in ``root``
+    (each written whole or not at all), so that a save descended from an import still names the
+    config an export needs; a file ``source`` lacks is left as it is."""
+    if source.resolve() == root.resolve():
+        return
+    for name in CARRIED_FILES:
+        if (source / name).is_file():
+            partial = root / (name + ".tmp")
+            shutil.copyfile(source / name, partial)
+            os.replace(partial, root / name)

@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FLAGS_FILE = "model_flags.txt"
 """Beside the checkpoints: the trainer flags of their model (:meth:`RunConfig.model_flags`)."""
+SOURCE_CONFIG_FILE = "hf_config.json"
+"""Beside an imported checkpoint (``memo_ext.hf``): the Hugging Face config.json the model came
+from, whose fields no trainer flag holds (token ids, ...) an export keeps."""
+CARRIED_FILES = (SOURCE_CONFIG_FILE,)
+"""Files beside the checkpoints a run started from that each of its saves carries into its own
+``--save`` folder: what a fine-tuned model descends from, for the export."""
 MANIFEST = "manifest.json"
 FORMAT = "memo-checkpoint/1"
 
