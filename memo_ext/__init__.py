@@ -17,7 +17,8 @@ Layers, lowest first; a module imports only from lower layers (``tests/unit/test
     planner, allocator                  the memory planner; the run-time side of a plan
     memo                                MEMO's library: activation manager, layer modes, rules
     estimate                            memory / time / MFU at any scale, the stage protocol
-    hotspa, megatron_lm                 HotSPa's library; Megatron-LM's flags
+    hotspa, megatron_lm, simulate       HotSPa's library; Megatron-LM's flags; the emulated
+                                        CUDA device and its clock (memo-simulate)
     features                            one package per feature (hooks, estimator stage,
                                         compared methods), the registry, the preflight
     compare, arguments, training,       the comparison harness; flags → a checked run; the

@@ -29,8 +29,7 @@ import sys
 from pathlib import Path
 
 from memo_ext.arguments import OneSentenceParser
-from memo_ext.errors import EXIT_OOM as OUT_OF_MEMORY
-from memo_ext.errors import UsageError
+from memo_ext.errors import OutOfMemory, UsageError
 from memo_ext.hardware import DEVICES, GIB
 
 PROG = "memo-simulate"
@@ -157,14 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (
         argv, [])  # fmt: skip
-    from memo_ext.simulate.parts import GPUS
+    from memo_ext.simulate.parts import ALIASES, GPUS, part
 
     parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n\n")[2].split(".")[0])
     parser.add_argument(
         "--gpu",
-        choices=list(GPUS),
+        choices=[*GPUS, *ALIASES],
         default="h100-80g",
-        help="The modeled GPU (a device preset; default h100-80g).",
+        help="The modeled GPU: a device preset (h100 and h200 for short; default h100-80g).",
     )
     parser.add_argument(
         "--gpus",
@@ -200,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.epilog = "Trainer flags follow --, as pretrain_gpt_memo.py takes them."  # fmt: skip
     try:
         args = parser.parse_args(ours)
+        args.gpu = part(args.gpu)
         if not flags:
             raise UsageError("give the trainer's flags after --")
         if args.gpus < 1 or args.steps < 1:
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     status = subprocess.call(
         [sys.executable, "-m", "memo_ext.commands.pretrain_gpt_memo", *command], env=env
     )
-    if status == OUT_OF_MEMORY:
+    if status == OutOfMemory.exit_status:
         print(f"{PROG}: the run does not fit the modeled {args.gpu}: out of device memory (the "
               "trainer's sentence above says where)", file=sys.stderr)  # fmt: skip
         return status

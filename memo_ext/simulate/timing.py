@@ -13,18 +13,20 @@ stream it is issued to, in program order. :class:`Clock` gives each a start and 
   (pinned memory), shared as the estimator shares an uplink between the GPUs behind one PCIe
   switch; copies of pageable memory run at :data:`PAGEABLE_FRACTION` of it and the host waits
   for them, as CUDA stages them through a pinned buffer.
-* **Collectives** run on the issuing stream, a ring over the group (NVLink inside a node, the
-  network across nodes): all-reduce moves ``2(n−1)/n`` of the tensor, all-gather,
-  reduce-scatter and all-to-all ``(n−1)/n`` of the whole one, broadcast and point-to-point all
-  of it; each pays the estimator's latency.
+* **Collectives** run on a stream of their group's, after the work the issuing stream has
+  queued (as NCCL's do), and ``Work.wait()`` makes a stream wait for them: a ring over the
+  group (NVLink inside a node, the network across nodes): all-reduce moves ``2(n−1)/n`` of the
+  tensor, all-gather, reduce-scatter and all-to-all ``(n−1)/n`` of the whole one, broadcast and
+  point-to-point all of it; each pays the estimator's latency.
 * **The host** spends :data:`HOST_LAUNCH_S` per launch, not the emulator's own CPU time. A
   kernel starts when its stream is free and the host has launched it. Events carry times; a
   stream that waits takes the max; a host sync (``synchronize``, ``.item()``, a blocking copy)
   moves the host to the stream's time.
 
 What is not modeled: contention between ranks (each rank is alone on its links but for the
-uplink sharing above), clock throttling, kernels overlapping on one stream, L2 effects, NCCL's
-own stream (a collective delays its stream by its whole time), launch queues filling up.
+uplink sharing above), clock throttling, kernels overlapping on one stream, kernels of two
+streams slowing each other (a copy or a collective beside a kernel takes none of its HBM or
+SMs), L2 effects, launch queues filling up. ``docs/simulate.md`` has the whole list.
 """
 
 from __future__ import annotations

@@ -9,12 +9,16 @@ a GPU, so the step is the device's time and not the host's."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 
+from memo_ext.errors import OutOfMemory
 from memo_ext.simulate.device import emulated_cuda
 from tests.emulated.test_training import train_on
-from tests.launch import cli
+from tests.launch import alone_env, cli
 
 SHAPED = cli(
     num_layers=4,
@@ -163,3 +167,48 @@ def test_planning_that_reaches_cp_sat_trains_on_the_device(cuda, tmp_path, monke
                           "--memo-plan-cache", str(tmp_path / "plans"), base=TINY)  # fmt: skip
     assert summary.iterations == 2
     assert solved
+
+
+def memo_simulate(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    """The installed command, as a user runs it (its own emulated trainer process)."""
+    env = {k: v for k, v in alone_env().items() if not k.startswith("MEMO_")}
+    return subprocess.run(
+        [sys.executable, "-m", "memo_ext.commands.simulate", *argv],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_memo_simulate_prints_the_step_and_writes_its_timeline_and_trace(tmp_path):
+    out = tmp_path / "sim"
+    flags = [*SHAPED, *MEMO, "--save", str(tmp_path / "ckpt")]
+    flags[flags.index("--seq-length") + 1] = "8192"
+    done = memo_simulate(tmp_path, "--gpu", "h200", "--gpus", "2", "--steps", "2",
+                         "--out", str(out), "--", *flags)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"--save {tmp_path / 'ckpt'} is set by the simulation" in done.stdout
+    assert not (tmp_path / "ckpt").exists()
+    assert "simulated on 2 × h200-141g" in done.stdout
+    summary = json.loads((out / "simulate.json").read_text())
+    assert summary["steps"] == 2 and summary["step_s"] > 0 and 0 < summary["mfu"] < 1
+    assert 0 < summary["peak_device_bytes"] < summary["device_capacity_bytes"]
+    assert summary["peak_pinned_host_bytes"] > 0  # MEMO's host buffers
+    assert f"step                 {summary['step_s']:.4f} s" in done.stdout
+    timeline = json.loads((out / "timeline.json").read_text())
+    assert timeline["format"] == "memo-timeline/1"
+    assert [s["name"] for s in timeline["steps"]] == ["step 1", "step 2"]
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    kinds = {e.get("cat") for e in events if e.get("ph") == "X"}
+    assert {"compute", "to_host", "to_device", "collective"} <= kinds
+
+
+def test_memo_simulate_says_when_the_run_does_not_fit_the_gpu(tmp_path):
+    flags = [*SHAPED, "--skip-preflight"]
+    for flag, value in (("--seq-length", "262144"), ("--num-layers", "8"),
+                        ("--tensor-model-parallel-size", "1")):  # fmt: skip
+        flags[flags.index(flag) + 1] = value
+    flags.remove("--sequence-parallel")
+    done = memo_simulate(tmp_path, "--steps", "1", "--no-trace", "--out", str(tmp_path / "sim"),
+                         "--", *flags)  # fmt: skip
+    assert done.returncode == OutOfMemory.exit_status, done.stderr[-3000:]
+    assert "does not fit the modeled h100-80g: out of device memory" in done.stderr
+    assert "Traceback" not in done.stderr
