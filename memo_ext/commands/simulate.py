@@ -98,6 +98,10 @@ def summary(out: Path) -> dict:
         key: statistics.median(s[key] for s in measured)
         for key in ("step_s", "compute_idle_s", "exposed_copy_s")
     }
+    kernels = {
+        kind: statistics.median(s["compute_by_kernel_s"].get(kind, 0.0) for s in measured)
+        for kind in measured[0]["compute_by_kernel_s"]
+    }
     causes: dict[str, float] = {}
     syncs: dict[str, float] = {}
     for s in measured:
@@ -112,6 +116,7 @@ def summary(out: Path) -> dict:
         "step_s": median["step_s"],
         "mfu": statistics.median(mfu) if mfu else None,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "compute_by_kernel_s": kernels,
         "compute_idle_s": median["compute_idle_s"],
         "exposed_copy_s": median["exposed_copy_s"],
         "idle_by_cause_s": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
@@ -137,10 +142,16 @@ def report(s: dict, *, gpu: str, gpus: int, out: Path, trace: bool) -> str:
         f"{s['device_capacity_bytes'] / GIB:.2f} (first step: "
         f"{s['peak_device_bytes_first_step'] / GIB:.2f})",
         f"  peak pinned host     {s['peak_pinned_host_bytes'] / GIB:.2f} GiB",
+        "  compute stream busy  " + ", ".join(
+            f"{kind} {s['compute_by_kernel_s'][kind]:.4f} s"
+            for kind in ("matmul", "attention", "memory-bound")
+            if kind in s["compute_by_kernel_s"]
+        ),
         f"  compute stream idle  {idle:.4f} s ({100 * idle / step:.1f}% of the step)",
         f"  exposed copies       {exposed:.4f} s ({100 * exposed / step:.1f}% of the step)",
     ]  # fmt: skip
-    for why, seconds in list(s["idle_by_cause_s"].items())[:5]:
+    shown = [(why, seconds) for why, seconds in s["idle_by_cause_s"].items() if seconds >= 1e-4]
+    for why, seconds in shown[:5]:
         lines.append(f"    idle: {why:<60} {seconds:.4f} s")
     total = sum(s["host_syncs_per_step"].values())
     lines.append(f"  host syncs per step  {total:g}")

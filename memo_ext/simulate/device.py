@@ -760,7 +760,7 @@ class EmulatedCuda:
         ]
         out = outputs[0] if len(outputs) == 1 else outputs
         seconds = timing.kernel_seconds(rates, func, args, kwargs, out, tensors)
-        self.clock.launch(stream, seconds, timing.COMPUTE, name)
+        self.clock.launch(stream, seconds, timing.COMPUTE, name, timing.kernel_class(func))
 
     def host_op(self, func, args, kwargs) -> None:
         """A host op touching a pinned buffer a device op touched must be ordered after it."""

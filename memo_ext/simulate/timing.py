@@ -62,6 +62,10 @@ means the same here."""
 
 COMPUTE, TO_HOST, TO_DEVICE, COLLECTIVE = "compute", "to_host", "to_device", "collective"
 """What a stream's work is: the kinds a wait is charged to."""
+MATMUL, ATTENTION, MEMORY_BOUND = "matmul", "attention", "memory-bound"
+"""What a kernel is priced as: its FLOPs at the matmul or the attention rate, or its bytes at
+the HBM bandwidth (element-wise ops, norms, reductions, the optimizer; the estimator counts
+these as free, inside its efficiencies)."""
 IDLE = "idle"
 """The trace's kind for the compute stream standing still (named by what it waited on)."""
 
@@ -147,6 +151,8 @@ class StepFigures:
     """Host seconds spent waiting, by call site."""
     peak_device_bytes: int = 0
     """The most device bytes allocated at once."""
+    compute_s: dict[str, float] = field(default_factory=dict)
+    """The compute stream's kernel seconds by what they are priced as (``MATMUL``, ...)."""
 
 
 class Clock:
@@ -175,8 +181,11 @@ class Clock:
     def now(self, stream: int) -> float:
         return self.streams.get(stream, 0.0)
 
-    def launch(self, stream: int, seconds: float, kind: str, name: str) -> float:
-        """The host issues work of ``seconds`` to ``stream``; returns when it ends."""
+    def launch(
+        self, stream: int, seconds: float, kind: str, name: str, priced_as: str | None = None
+    ) -> float:
+        """The host issues work of ``seconds`` to ``stream``; returns when it ends. ``priced_as``:
+        a kernel's class (:func:`kernel_class`)."""
         self.host += self.rates.launch_s
         ready = self.now(stream)
         start = max(ready, self.host)
@@ -197,6 +206,8 @@ class Clock:
         for figures in self._figures():
             figures.busy_s[stream] = figures.busy_s.get(stream, 0.0) + seconds
             figures.ops[stream] = figures.ops.get(stream, 0) + 1
+            if priced_as is not None and stream == self.compute_stream:
+                figures.compute_s[priced_as] = figures.compute_s.get(priced_as, 0.0) + seconds
         if self.intervals is not None:
             self.intervals.append(Interval(stream, start, end, name, kind))
         return end
@@ -287,6 +298,17 @@ def kernel_seconds(rates: Rates, func, args, kwargs, out, tensors) -> float:
             rate = rates.matmul_efficiency
         seconds = max(seconds, flops / (rates.peak_flops * rate))
     return max(seconds, rates.kernel_floor_s)
+
+
+def kernel_class(func) -> str:
+    """What :func:`kernel_seconds` prices ``func`` as: ``ATTENTION``, ``MATMUL`` (any other op
+    torch has a FLOP formula for) or ``MEMORY_BOUND``."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = func.overloadpacket
+    if packet in _ATTENTION:
+        return ATTENTION
+    return MATMUL if packet in flop_registry else MEMORY_BOUND
 
 
 def copy_seconds(rates: Rates, nbytes: int, *, pinned: bool) -> float:

@@ -1,7 +1,8 @@
 """What a simulated run leaves: the timeline of its steps as JSON, and a Chrome / Perfetto trace.
 
 ``timeline.json`` (format ``memo-timeline/1``) holds the rates the clock used and, per marked
-step: its time, each stream's busy time and op count, the compute stream's idle time by what it
+step: its time, each stream's busy time and op count, the compute stream's kernel time by what
+each kernel is priced as (matmul, attention, memory-bound), its idle time by what it
 waited on (a copy, a collective, the host at a sync's call site, launches), the exposed copy
 time, the host syncs by call site and the seconds the host waited at each, and the device's and
 pinned host memory's peaks. ``trace.json`` (Chrome's trace event format; Perfetto and
@@ -35,6 +36,7 @@ def step_record(figures: StepFigures, *, compute_stream: int, kinds: dict[int, s
         "step_s": step_s,
         "busy_s": {name(k): v for k, v in sorted(figures.busy_s.items())},
         "ops": {name(k): v for k, v in sorted(figures.ops.items())},
+        "compute_by_kernel_s": dict(sorted(figures.compute_s.items(), key=lambda kv: -kv[1])),
         "compute_idle_s": max(0.0, step_s - busy),
         "compute_idle_by_cause_s": dict(sorted(figures.idle_s.items(), key=lambda kv: -kv[1])),
         "exposed_copy_s": exposed_copy_s(figures),

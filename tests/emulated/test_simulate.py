@@ -74,6 +74,13 @@ def test_the_timeline_holds_together(memo_run):
         assert step > 0
         for stream, busy in figures.busy_s.items():
             assert busy <= step * (1 + 1e-9), (stream, busy, step)
+        # every kernel of the compute stream is priced as one of the three
+        kernels = figures.compute_s
+        assert set(kernels) == {"matmul", "attention", "memory-bound"}
+        ran = sum(i.end - i.start for i in clock.intervals if i.stream == clock.compute_stream
+                  and i.kind == "compute" and figures.start <= i.start < figures.end)  # fmt: skip
+        assert sum(kernels.values()) == pytest.approx(ran)
+        assert min(kernels.values()) > 0
         # the trainer timed the step on the same clock (its span sits inside the range)
         assert 0.99 * step <= record["step_time_s"] <= step
         compute = [(i.start, i.end) for i in clock.intervals if i.stream == clock.compute_stream
@@ -193,6 +200,7 @@ def test_memo_simulate_prints_the_step_and_writes_its_timeline_and_trace(tmp_pat
     assert 0 < summary["peak_device_bytes"] < summary["device_capacity_bytes"]
     assert summary["peak_pinned_host_bytes"] > 0  # MEMO's host buffers
     assert f"step                 {summary['step_s']:.4f} s" in done.stdout
+    assert "compute stream busy  matmul " in done.stdout
     timeline = json.loads((out / "timeline.json").read_text())
     assert timeline["format"] == "memo-timeline/1"
     assert [s["name"] for s in timeline["steps"]] == ["step 1", "step 2"]
