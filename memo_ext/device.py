@@ -3,9 +3,9 @@
 A process computes on its GPU when torch sees one (``cuda:LOCAL_RANK``), else on the CPU. Every
 question the package asks about that goes through this module, and only this module asks torch
 (:func:`on_gpu`): the device's placement, its collective backend, waiting for its queued work,
-its cache and its random states. Code elsewhere calls these functions rather than branching on
-CUDA itself, so a GPU-only line lives here once, and the emulated device (``memo_ext.simulate``,
-where the device is a GPU the code recognises) runs it.
+its cache, the host memory its copies read, and its random states. Code elsewhere calls these
+functions rather than branching on CUDA itself, so a GPU-only line lives here once, and the
+emulated device (``memo_ext.simulate``, where the device is a GPU the code recognises) runs it.
 
 The answer is read from torch at each call, never cached: the emulated device comes and goes
 within one test process.
@@ -102,6 +102,15 @@ def empty_cache() -> None:
 
     if on_gpu():
         torch.cuda.empty_cache()
+
+
+def maybe_pin(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in page-locked host memory when this process computes on a GPU, so that a
+    ``non_blocking`` copy of it to the device runs asynchronously (from pageable memory CUDA
+    copies synchronously); on the CPU, ``tensor`` itself (there is no copy to make)."""
+    if on_gpu() and not tensor.is_pinned():
+        return tensor.pin_memory()
+    return tensor
 
 
 def gpu_rng_state() -> torch.Tensor:

@@ -210,6 +210,10 @@ class Extension(abc.ABC):
         """After the step's last backward, before the optimizer."""
         return None  # an optional hook: nothing by default
 
+    def end_evaluation(self) -> None:
+        """After an evaluation (validation loss, retrieval), before training goes on."""
+        return None  # an optional hook: nothing by default
+
     def excluded_time_s(self) -> float:
         """Seconds of the step just run that the feature spent on one-off work of its own
         (planning, say), to be left out of the step's measured time, throughput and MFU; the

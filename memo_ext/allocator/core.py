@@ -50,9 +50,10 @@ served from exact-size free lists keyed by (size, device, stream); a freed block
 its list and the backend (malloc / cudaMalloc) is called only when the list is empty. Training
 repeats the same sizes every step, so after the first step nothing reaches cudaMalloc or
 cudaFree; exact sizes mean no splitting, so no fragmentation inside the cache and no bookkeeping
-of block neighbours. Memory goes back to the backend only in ``release_cached()`` (and once,
-automatically, when the backend is out of memory). Free lists are per stream for the same reason
-the arena is: a block is reused only on the stream that used it.
+of block neighbours. Memory goes back to the backend only in ``release_cached()`` (called
+after each evaluation, whose other lengths ask for other sizes, by ``--memo-allocator plan``)
+and once, automatically, when the backend is out of memory. Free lists are per stream for the
+same reason the arena is: a block is reused only on the stream that used it.
 
 *Plans on load.* ``load_plan`` refuses (``PlanRefused``, with the core's sentence) offsets or
 sizes that are not multiples of 512, zero sizes, blocks past ``arena_bytes``, blocks not in

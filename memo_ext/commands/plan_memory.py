@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--alignment",
         type=int,
         default=None,
-        help="Offset alignment in bytes (default 1 for --trace, 512 for --model).",
+        help="Offset alignment in bytes (default: the one a trace saved by --save-trace "
+        "records, else 1 for --trace, 512 for --model).",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -199,14 +200,38 @@ def _report_allocator(trace, plan, args: argparse.Namespace) -> None:
         print(f"picture: {args.plot}")
 
 
+def _alignment(args: argparse.Namespace, trace) -> int:
+    """--alignment, else the one a trace saved by --save-trace records, else 512 for a traced
+    model (the caching allocator's granularity, which the planned allocator keeps) and 1 for
+    other trace files.
+
+    Raises:
+        UsageError: a recorded alignment that is not a positive byte count.
+    """
+    if args.alignment is not None:
+        return args.alignment
+    recorded = trace.meta.get("alignment")
+    if recorded is None:
+        return 1 if args.trace else 512
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 1:
+        raise UsageError(
+            f"{args.trace} records alignment {recorded!r}, not a positive byte count; give "
+            "--alignment BYTES"
+        )
+    return recorded
+
+
 def run(args: argparse.Namespace) -> None:
     """Loads or captures the trace, plans it, writes and reports the plan."""
     _check_args(args)
     t0 = time.perf_counter()
     trace = load_trace(args.trace) if args.trace else _trace_model(args)
+    alignment = _alignment(args, trace)
     if args.save_trace:
+        # the trace keeps the alignment it is planned at: planned again from its file, it
+        # gives this plan, not one of its sizes unrounded
+        trace.meta["alignment"] = alignment
         save_trace(trace, args.save_trace)
-    alignment = args.alignment if args.alignment is not None else (1 if args.trace else 512)
     time_limit_s = None
     if args.time_limit is not None:
         # a margin for building the problem, validating and writing the plan

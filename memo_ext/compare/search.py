@@ -1,6 +1,7 @@
 """The longest sequence a method trains at, found by real runs (:func:`find_longest`): doubling
 from the longest known to train, then bisecting between what trains and what runs out of
-memory or time."""
+memory or time. A length that ran out of time is reported as such: it caps the search (a
+longer one takes longer still) without saying where the memory runs out."""
 
 from __future__ import annotations
 
@@ -20,39 +21,50 @@ def find_longest(comp: Comparison, runner: Runner, method: Method) -> dict:
     """The longest length ``method`` trains at, by real runs over multiples of the granularity:
     from the longest known to train, double until one fails (out of device memory, MEMO's host
     budget refusing it, or past the time limit), then halve the gap; a failure of another kind
-    stops the search."""
+    stops the search. The ``bound`` says what the shortest failing length did: "does not
+    train" (out of memory), or ran past the job time limit (its memory untested)."""
     unit = comp.granularity
-    lo, hi = known_bounds(runner.results.current(), method.label)
+    runs = runner.results.current()
+    lo, hi = known_bounds(runs, method.label)
+    failed = _status_at(runs, method.label, hi)
     if lo is None and hi is None:
         seq = _round(comp.find_max_start or _predicted_longest(comp, method), unit)
-        lo, hi, stop = _probe(runner, method, seq, lo, hi)
+        lo, hi, failed, stop = _probe(runner, method, seq, lo, hi, failed)
         if stop:
             return {"longest": None, "bound": stop}
     while True:
         if lo is None:
             seq = _round(hi // 2, unit)
             if seq >= hi:
-                return {"longest": None, "bound": f"{hi:,} fails and nothing shorter to try"}
+                fails = "fails" if failed == OOM else _timed_out(comp)
+                return {"longest": None, "bound": f"{hi:,} {fails} and nothing shorter to try"}
         elif hi is None:
             if lo >= comp.max_seq_length:
                 return {"longest": lo, "bound": "reached --max-seq-length"}
             seq = min(_round(2 * lo, unit), comp.max_seq_length)
         else:
             if hi - lo <= unit:
-                return {"longest": lo, "bound": f"{hi:,} does not train"}
+                fails = "does not train" if failed == OOM else _timed_out(comp)
+                return {"longest": lo, "bound": f"{hi:,} {fails}"}
             seq = max(_round((lo + hi) // 2, unit), lo + unit)
-        lo, hi, stop = _probe(runner, method, seq, lo, hi)
+        lo, hi, failed, stop = _probe(runner, method, seq, lo, hi, failed)
         if stop:
             return {"longest": lo, "bound": stop}
 
 
-def _probe(runner: Runner, method: Method, seq: int, lo, hi):
+def _probe(runner: Runner, method: Method, seq: int, lo, hi, failed):
+    """Run ``seq``: (lo, hi, the status at hi, why the search stops or None)."""
     record = runner.run(method, seq)
     if record["status"] == OK:
-        return seq, hi, None
+        return seq, hi, failed, None
     if record["status"] in (OOM, TIMEOUT):
-        return lo, seq, None
-    return lo, hi, f"{seq:,} failed: {record['message']}"
+        return lo, seq, record["status"], None
+    return lo, hi, failed, f"{seq:,} failed: {record['message']}"
+
+
+def _timed_out(comp: Comparison) -> str:
+    """What a length that timed out did: its memory was never put to the test."""
+    return f"ran past --job-timeout-s {comp.timeout_s:g}: a time limit, not a memory one"
 
 
 def known_bounds(runs: list[dict], label: str) -> tuple[int | None, int | None]:
@@ -66,6 +78,12 @@ def known_bounds(runs: list[dict], label: str) -> tuple[int | None, int | None]:
         if r["status"] in (OOM, TIMEOUT) and (lo is None or r["seq_length"] > lo)
     ]
     return lo, min(failed, default=None)
+
+
+def _status_at(runs: list[dict], label: str, seq: int | None) -> str | None:
+    """How the runs of ``seq`` failed: out of memory where one did, else out of time."""
+    statuses = {r["status"] for r in runs if r["method"] == label and r["seq_length"] == seq}
+    return OOM if OOM in statuses else TIMEOUT if TIMEOUT in statuses else None
 
 
 def _round(seq: int, unit: int) -> int:

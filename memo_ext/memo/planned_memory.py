@@ -427,6 +427,13 @@ class PlannedMemory:
             self._absorb_late_frees()
             self._watch_misses()
 
+    def end_evaluation(self) -> None:
+        """Hand the fallback path's cached blocks back to the backend. An evaluation's requests
+        (lengths of their own: other sizes) all take that path, whose free lists keep blocks by
+        exact size: kept, each evaluation length would hold its blocks until the device ran out.
+        The training step's own blocks come back from the backend once, then stay cached."""
+        self.core.release_cached()
+
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
         """Adds the block's wall time to :attr:`planning_s`. The device finishes the step's

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from memo_ext.collectives import all_reduce_values
 from memo_ext.config import CheckpointConfig, RunConfig
 from memo_ext.errors import ReportedError, UsageError
-from memo_ext.training.checkpoint import latest_iteration
+from memo_ext.training.checkpoint import iteration_dir, latest_iteration
+from memo_ext.training.checkpoint.identity import another_model, identity_of, recorded_identity
 
 logger = logging.getLogger(__name__)
 
@@ -168,22 +169,55 @@ def _last_good_checkpoint_hint(run: RunConfig) -> str:
 
 
 def check_resumable(run: RunConfig) -> None:
-    """A checkpoint past --train-iters would train nothing and exit as if it had (checked on
-    the tracker, before the checkpoint is read)."""
-    iteration = latest_iteration(Path(run.checkpoint.load))
-    if iteration is not None and iteration > run.train.train_iters:
-        length = f"--train-iters {run.train.train_iters}"
-        if run.train.sample_based:
-            length = (
-                f"the {run.train.train_iters} steps of --train-samples {run.train.train_samples}"
-            )
-        flag = "--train-samples" if run.train.sample_based else "--train-iters"
-        raise UsageError(
-            f"the checkpoint in {run.checkpoint.load} is at iteration {iteration}, past "
-            f"{length}; raise {flag} to train further"
-        )
+    """A checkpoint to resume must fit the run, every misfit named in one message: one past
+    --train-iters would train nothing and exit as if it had; one of another model (by the
+    model its manifest records) would not load. Checked on the tracker and the manifest,
+    before the checkpoint is read (the load checks the model again on the built model, and
+    checks Megatron-LM's checkpoints, which record theirs elsewhere).
+
+    Raises:
+        UsageError: naming each problem and what to change.
+    """
+    root = Path(run.checkpoint.load)
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return
+    problems = [
+        problem
+        for problem in (_past_the_end(run, iteration), _another_model(run, root, iteration))
+        if problem is not None
+    ]
+    if len(problems) > 1:
+        listed = "; ".join(f"({n}) {problem}" for n, problem in enumerate(problems, 1))
+        raise UsageError(f"--load {root} does not fit this run on {len(problems)} counts: {listed}")
+    if problems:
+        raise UsageError(problems[0])
     if iteration == run.train.train_iters:
         logger.info("the checkpoint is at iteration %d: training is complete", iteration)
+
+
+def _past_the_end(run: RunConfig, iteration: int) -> str | None:
+    if iteration <= run.train.train_iters:
+        return None
+    length = f"--train-iters {run.train.train_iters}"
+    if run.train.sample_based:
+        length = f"the {run.train.train_iters} steps of --train-samples {run.train.train_samples}"
+    flag = "--train-samples" if run.train.sample_based else "--train-iters"
+    return (
+        f"the checkpoint in {run.checkpoint.load} is at iteration {iteration}, past "
+        f"{length}; raise {flag} to train further"
+    )
+
+
+def _another_model(run: RunConfig, root: Path, iteration: int) -> str | None:
+    directory = iteration_dir(root, iteration)
+    here = identity_of(
+        run.shape,
+        zero_centred_norms=run.model.apply_layernorm_1p,
+        embedding_rows=run.model.padded_vocab_size,
+        tied=not run.model.untie_embeddings_and_output_weights,
+    )
+    return another_model(directory, saved=recorded_identity(directory), here=here)
 
 
 def save_due(iteration: int, run: RunConfig) -> bool:

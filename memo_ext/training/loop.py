@@ -428,6 +428,8 @@ def evaluate(s: _Session) -> dict:
                 )
             )
             maybe_empty_cache(s.run.cleanup, level=1)
+    for extension in s.extensions:
+        extension.end_evaluation()
     s.model.train()
     return figures
 

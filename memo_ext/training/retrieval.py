@@ -40,6 +40,7 @@ from memo_ext.data.retrieval import (
     check_tokenizer,
     make_sample,
 )
+from memo_ext.device import maybe_pin
 from memo_ext.training.step import scored_forward_step
 
 
@@ -176,4 +177,6 @@ def evaluate_retrieval(
 
 
 def _row(sample: RetrievalSample) -> dict[str, torch.Tensor]:
-    return {key: torch.from_numpy(value) for key, value in sample.batch().items()}
+    """The prompt as a micro-batch on the host, pinned on a GPU: the step copies it over with
+    ``non_blocking=True``, which is asynchronous only from page-locked memory."""
+    return {key: maybe_pin(torch.from_numpy(value)) for key, value in sample.batch().items()}

@@ -79,3 +79,20 @@ def test_megatron_lms_save_reads_the_real_cuda_rng_state_on_a_gpu(cuda):
     original = torch.cuda.get_rng_state
     with _cuda_rng_state_on_cpu():
         assert torch.cuda.get_rng_state is original  # on a CPU: the empty state's stand-in
+
+
+def test_retrieval_prompt_rows_are_pinned_for_their_asynchronous_copy(cuda):
+    # the step copies a row over with non_blocking=True: from pageable memory CUDA would copy
+    # it synchronously, so the row must be page-locked
+    import types
+
+    import numpy as np
+
+    from memo_ext.training.retrieval import _row
+
+    sample = types.SimpleNamespace(
+        batch=lambda: {"tokens": np.arange(7, dtype=np.int64)[None], "mask": np.ones((1, 7))}
+    )
+    row = _row(sample)
+    assert all(tensor.device.type == "cpu" and tensor.is_pinned() for tensor in row.values())
+    assert row["tokens"].tolist() == [list(range(7))]

@@ -189,6 +189,38 @@ def test_find_longest_starts_from_what_the_grid_learned(tmp_path):
     assert runner.calls == [320, 192, 256]  # 128..512 bisected; nothing known is rerun
 
 
+@pytest.mark.parametrize(
+    ("failure", "bound"),
+    [(OOM, "1,024 does not train"), (TIMEOUT, "1,024 ran past --job-timeout-s 60")],
+)
+def test_a_timed_out_length_is_reported_as_timed_out(tmp_path, failure, bound):
+    # a job stopped at its time limit says nothing of memory: the bound keeps its status
+    comp = _comparison(tmp_path, find_max_start=256, timeout_s=60.0)
+    found = cm.find_longest(comp, _FakeRunner(1000, failure), comp.methods[0])
+    assert found["longest"] == 960 and found["bound"].startswith(bound)
+    assert ("not a memory one" in found["bound"]) == (failure == TIMEOUT)
+    tiny = _comparison(tmp_path, find_max_start=64, timeout_s=60.0)
+    found = cm.find_longest(tiny, _FakeRunner(10, failure), tiny.methods[0])
+    fails = "fails" if failure == OOM else "ran past --job-timeout-s 60"
+    assert found["longest"] is None and found["bound"].startswith(f"64 {fails}")
+
+
+def test_the_bound_from_the_grid_keeps_its_status(tmp_path):
+    known = [
+        {"method": "none", "seq_length": 128, "status": OK},
+        {"method": "none", "seq_length": 512, "status": TIMEOUT},
+    ]
+    # 512 ran out of time, every shorter length trains: the bound is the time limit
+    runner = _FakeRunner(10**6, known=known)
+    found = cm.find_longest(_comparison(tmp_path, timeout_s=60.0), runner, parse_method("none"))
+    assert found["longest"] == 448 and found["bound"].startswith("512 ran past --job-timeout-s 60")
+    # below the timeout, 320 runs out of memory: that is the bound
+    found = cm.find_longest(
+        _comparison(tmp_path), _FakeRunner(300, known=known), parse_method("none")
+    )
+    assert found == {"longest": 256, "bound": "320 does not train"}
+
+
 def test_find_longest_stops_at_the_bound_and_on_errors(tmp_path):
     comp = _comparison(tmp_path, find_max_start=1024, max_seq_length=2048)
     found = cm.find_longest(comp, _FakeRunner(10**6), comp.methods[0])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 
 import pytest
+import torch
 
 from memo_ext.allocator.core import UNPLANNED, AllocatorCore
+from memo_ext.features.memo.extension import Memo
 from memo_ext.memo.planned_memory import (
     RECORD_ITERATION,
     KindPlan,
@@ -284,3 +287,35 @@ def test_an_unwritable_plan_cache_is_said_once_and_the_run_plans_without_it(core
     assert line.startswith(f"the pass plan cache {blocked / 'plans'} cannot be written")
     assert line.endswith("pass plans are made again in every run")
     assert memory.step_metrics()["plan_hit_ratio"] == 1.0
+
+
+def test_an_evaluation_hands_its_fallback_blocks_back(core):
+    """An evaluation at lengths of its own asks for sizes no step asks for; the exact-size
+    cache would keep each length's blocks until the device ran out. After it, they go back."""
+    memory = PlannedMemory(core, shape_key="t", cache_dir=None, work_limit=5)
+    for iteration in range(1, RECORD_ITERATION + 2):
+        run_step(core, memory, iteration)
+    trained = core.stats()["fallback_cached_bytes"]
+    assert trained > 0  # the step's blocks that outlive their passes, cached for the next
+    for tokens in (3, 5, 7):  # three retrieval lengths, odd sizes (rounded up to 512 bytes)
+        blocks = [core.alloc(tokens * 1000), core.alloc(tokens * 3000 + 1)]
+        for ptr in blocks:
+            core.free(ptr)
+    assert core.stats()["fallback_cached_bytes"] > trained
+    Memo.end_evaluation(types.SimpleNamespace(planned=memory))  # the extension's hook
+    assert core.stats()["fallback_cached_bytes"] == 0
+    run_step(core, memory, RECORD_ITERATION + 2)  # training goes on, served as before
+    metrics = memory.step_metrics()
+    assert metrics["plan_hit_ratio"] == 1.0 and metrics["plan_misses"] == 0
+
+
+def test_the_trainer_ends_each_evaluation_at_the_extensions():
+    from memo_ext.training import loop
+
+    ended = []
+    extension = types.SimpleNamespace(end_evaluation=lambda: ended.append("ended"))
+    session = types.SimpleNamespace(
+        model=torch.nn.Linear(2, 2), valid_batches=None, retrieval=[], extensions=[extension]
+    )
+    loop.evaluate(session)
+    assert ended == ["ended"] and session.model.training

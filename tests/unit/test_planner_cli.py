@@ -92,3 +92,37 @@ def test_memo_alpha_needs_a_model_and_a_value_in_range(tmp_path):
     csv_path.write_text("id,lower,upper,size\nb1,0,3,4\n")
     result = _run("--trace", str(csv_path), "--out", out, "--memo-alpha", "0.5")
     assert result.returncode == 2 and "--memo-alpha needs --model" in result.stderr
+
+
+def test_a_saved_trace_plans_to_the_plan_made_while_tracing(tmp_path, capsys):
+    # odd sizes (h 72, 3 heads, ffn 200, 131 tokens): planned at --model's 512-byte alignment
+    # while tracing, and again from the saved file with no --alignment given, the two plans
+    # must be one plan (the file once planned its sizes unrounded, some bytes lower)
+    from memo_ext.commands import plan_memory
+
+    tiny = ["--model", "gpt-7b", "--num-layers", "2", "--hidden-size", "72"]
+    tiny += ["--num-attention-heads", "3", "--ffn-hidden-size", "200", "--seq-length", "131"]
+    traced, trace = tmp_path / "traced.plan.json", tmp_path / "t.trace.json"
+    argv = [*tiny, "--out", str(traced), "--save-trace", str(trace), "--work-limit", "3"]
+    assert plan_memory.main(argv) == 0, capsys.readouterr().err
+    replanned = tmp_path / "replanned.plan.json"
+    argv = ["--trace", str(trace), "--out", str(replanned), "--work-limit", "3"]
+    assert plan_memory.main(argv) == 0, capsys.readouterr().err
+    first, second = load_plan(traced), load_plan(replanned)
+    assert any(alloc.size % 512 for alloc in load_trace(trace).allocs)  # rounding matters
+    assert second.alignment == first.alignment == 512
+    assert second.peak_bytes == first.peak_bytes
+    assert second.offsets == first.offsets
+
+
+def test_a_trace_recording_a_bad_alignment_is_named(tmp_path, capsys):
+    from memo_ext.commands import plan_memory
+
+    events = [{"op": "alloc", "id": "a", "size": 100}]
+    trace = tmp_path / "t.json"
+    doc = {"format": "memo-trace/1", "events": events, "meta": {"alignment": "512"}}
+    trace.write_text(json.dumps(doc))
+    assert plan_memory.main(["--trace", str(trace), "--out", str(tmp_path / "p.json")]) == 2
+    assert "records alignment '512', not a positive byte count" in capsys.readouterr().err
+    argv = ["--trace", str(trace), "--out", str(tmp_path / "p.json"), "--alignment", "64"]
+    assert plan_memory.main(argv) == 0 and load_plan(tmp_path / "p.json").peak_bytes == 128

@@ -199,6 +199,10 @@ class Memo(Extension):
         if self.planned is not None:
             self.planned.end_step()  # the last layer pass ends with the backward
 
+    def end_evaluation(self) -> None:
+        if self.planned is not None:
+            self.planned.end_evaluation()
+
     def excluded_time_s(self) -> float:
         """The step's planning (``plan_time_s``): done once, not part of training."""
         return self.planned.planning_s if self.planned is not None else 0.0

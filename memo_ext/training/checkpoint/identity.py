@@ -5,6 +5,7 @@ compared before every load.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from memo_ext.errors import UsageError
 from memo_ext.mcore.transformer_config import model_shape_of
 from memo_ext.shapes import ModelShape
+from memo_ext.training.checkpoint.source import MANIFEST, MODEL_FLAGS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +77,42 @@ def check_model_identity(directory: Path, model: torch.nn.Module, saved: dict | 
     """Refuse a checkpoint of another model (``saved``: the identity it records), naming each
     difference; True when the checkpoint records its model (one written before the manifest did
     is not checked: False)."""
-    here = model_identity(model)
+    problem = another_model(directory, saved=saved, here=model_identity(model))
+    if problem is not None:
+        raise UsageError(problem)
+    return isinstance(saved, dict)
+
+
+def another_model(directory: Path, *, saved: dict | None, here: dict) -> str | None:
+    """The sentence that refuses the checkpoint in ``directory`` when the model it records
+    (``saved``) is not ``here``, each difference named with the flag that changes it and the
+    checkpoint's own model flags pointed at; None when it is the same model or records none."""
     if not isinstance(saved, dict):
-        return False
+        return None
     saved = normalized_identity(saved)
     differences = [
-        f"{key} {saved[key]} there, {here[key]} here ({_IDENTITY_FLAGS[key](saved[key])})"
+        f"{key} {saved[key]} there, {here[key]} here ({_hint(key, saved=saved, here=here)})"
         for key in here
         if key in saved and saved[key] != here[key]
     ]
-    if differences:
-        raise UsageError(
-            f"the checkpoint in {directory} holds another model: {'; '.join(differences)}; "
-            "load it with the model flags it was trained with"
-        )
-    return True
+    if not differences:
+        return None
+    flags_file = directory.parent / MODEL_FLAGS_FILE
+    which = f" ({flags_file} lists them)" if flags_file.is_file() else ""
+    return (
+        f"the checkpoint in {directory} holds another model: {'; '.join(differences)}; "
+        f"load it with the model flags it was trained with{which}"
+    )
+
+
+def recorded_identity(directory: Path) -> dict | None:
+    """The model the manifest in ``directory`` records, read before anything is verified;
+    None without a readable one (the load's verification then names what is wrong)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return manifest.get("model") if isinstance(manifest, dict) else None
 
 
 def normalized_identity(record: dict) -> dict:
@@ -100,6 +123,16 @@ def normalized_identity(record: dict) -> dict:
         record["qkv_bias"] = bool(record.pop("add_qkv_bias") or record.get("add_bias_linear"))
     record.pop("add_qkv_bias", None)
     return record
+
+
+def _hint(key: str, *, saved: dict, here: dict) -> str:
+    """What to change so that this run's ``key`` is the checkpoint's. A QKV bias that the
+    linear layers' biases bring (``qkv_bias`` follows ``add_bias_linear`` where that differs
+    too) is changed by their flag, not by an ``--add-qkv-bias`` the run never gave."""
+    linear = here["add_bias_linear"]
+    if key == "qkv_bias" and saved.get("add_bias_linear", linear) != linear:
+        key = "add_bias_linear"
+    return _IDENTITY_FLAGS[key](saved[key])
 
 
 def _switch(flag: str, *, on: bool = True) -> Callable[[bool], str]:
