@@ -11,13 +11,15 @@ for a killed rank, as a shell would)::
 Stopped itself by SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C), torchrun forwards the
 signal to the workers, waits for them, and raises; this exits 0 when every worker then exited 0
 (with ``--exit-signal-handler`` each saves a checkpoint first), else 128 + the signal number, in
-one line instead of torchrun's traceback: a requeue script can tell a clean stop from a crash.
+one line instead of torchrun's traceback (the workers' own sentence where they left one: Ctrl-C
+names the latest complete checkpoint): a requeue script can tell a clean stop from a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -113,13 +115,14 @@ def _launch(argv: list[str] | None) -> int:
         os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(scratch, "error.json"))
         os.environ[REPORTS_ERRORS] = "1"  # the workers leave their sentence to this line
         stopped: dict[int, int | None] = {}
+        said: dict[int, str] = {}
         try:
-            with _recording_stopped_workers(stopped):
+            with _recording_stopped_workers(stopped, said):
                 torchrun_main(argv)
         except ChildFailedError as err:
             return _report(err)
         except SignalException as err:
-            return _stopped_by(signal.Signals(err.sigval), stopped)
+            return _stopped_by(signal.Signals(err.sigval), stopped, said)
         except (DistNetworkError, DistStoreError) as err:  # the launcher's own rendezvous
             print(f"{PROG}: error: {_store_failure(err)}", file=sys.stderr)
             return 1
@@ -146,18 +149,29 @@ def _store_failure(err: Exception) -> str:
 
 
 @contextlib.contextmanager
-def _recording_stopped_workers(statuses: dict[int, int | None]) -> Iterator[None]:
-    """Record each worker's exit code when torchrun's agent shuts its workers down (on a
-    signal, after forwarding it): the agent keeps them to itself and raises. torch's agent
-    internals (``LocalElasticAgent._shutdown``, ``SubprocessContext.subprocess_handlers``) are
-    checked by ``tests/unit/test_launch.py``. The agent's arguments are passed on as given: its
-    signature differs between torch releases (2.11 takes ``death_sig``, 2.13 a ``timeout`` too)."""
+def _recording_stopped_workers(
+    statuses: dict[int, int | None], said: dict[int, str] | None = None
+) -> Iterator[None]:
+    """Record each worker's exit code, and into ``said`` the sentence each worker that failed
+    wrote to its error file (the trainer's "interrupted (Ctrl-C); the latest complete checkpoint
+    is ..."), when torchrun's agent shuts its workers down (on a signal, after forwarding it):
+    the agent keeps them to itself and raises. torch's agent internals
+    (``LocalElasticAgent._shutdown``, ``SubprocessContext.subprocess_handlers`` and
+    ``error_files``) are checked by ``tests/unit/test_launch.py``. The agent's arguments are
+    passed on as given: its signature differs between torch releases (2.11 takes
+    ``death_sig``, 2.13 a ``timeout`` too)."""
     shutdown = LocalElasticAgent._shutdown
 
     def recording(agent, *args, **kwargs):
         shutdown(agent, *args, **kwargs)
         handlers = getattr(agent._pcontext, "subprocess_handlers", None) or {}
         statuses.update({rank: h.proc.returncode for rank, h in handlers.items()})
+        files = getattr(agent._pcontext, "error_files", None) or {}
+        if said is not None:
+            for rank, code in statuses.items():
+                sentence = _error_file_sentence(files.get(rank)) if code else None
+                if sentence:
+                    said[rank] = sentence
 
     LocalElasticAgent._shutdown = recording
     try:
@@ -166,12 +180,34 @@ def _recording_stopped_workers(statuses: dict[int, int | None]) -> Iterator[None
         LocalElasticAgent._shutdown = shutdown
 
 
-def _stopped_by(sig: signal.Signals, statuses: dict[int, int | None]) -> int:
-    """The exit status after a signal stopped the launch: 0 when every worker exited 0."""
+def _error_file_sentence(path: str | None) -> str | None:
+    """The message of a worker's error file (the layout torch's error handler and the
+    trainer write), or ``None`` without one."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            message = json.load(f).get("message")
+    except (OSError, ValueError, AttributeError):
+        return None
+    message = message.get("message") if isinstance(message, dict) else message
+    return message if isinstance(message, str) else None
+
+
+def _stopped_by(
+    sig: signal.Signals, statuses: dict[int, int | None], said: dict[int, str] | None = None
+) -> int:
+    """The exit status after a signal stopped the launch: 0 when every worker exited 0. A
+    worker that stopped with a sentence of its own (the trainer interrupted by Ctrl-C names
+    its latest checkpoint) is quoted, once: each rank says the same."""
     if statuses and all(code == 0 for code in statuses.values()):
         print(f"stopped by {sig.name}: every rank exited cleanly", file=sys.stderr)
         return 0
     failed = sorted(rank for rank, code in statuses.items() if code != 0)
+    sentences = [said[rank] for rank in failed if said and rank in said]
+    if sentences:
+        print(f"stopped by {sig.name}: {sentences[0]}", file=sys.stderr)
+        return 128 + sig.value
     ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
     detail = f"{ranks} did not exit cleanly" if failed else "no rank ran"
     print(f"stopped by {sig.name}: {detail}", file=sys.stderr)

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,11 +99,14 @@ def _train_reporting_oom(argv: list[str] | None):
     # imported once the flags are good: --help and a wrong flag answer without megatron-core
     from memo_ext.training.loop import train
 
+    interrupt = _InterruptSeen.install()
     try:
         return train(run)
     except ReportedError:
         raise
     except Exception as err:  # noqa: BLE001 - an allocation failure, however a library wraps it
+        if interrupt.seen:  # a collective whose peer Ctrl-C stopped first, a save's writer
+            raise Interrupted(_interrupted(run)) from None
         oom = out_of_memory(err, capped=run.preflight.memory_limit_gb is not None)
         if oom is None:
             raise
@@ -111,6 +115,37 @@ def _train_reporting_oom(argv: list[str] | None):
         if _is_interrupt(err):
             raise Interrupted(_interrupted(run)) from None
         raise
+    finally:
+        interrupt.uninstall()
+
+
+class _InterruptSeen:
+    """Python's own SIGINT behaviour (``KeyboardInterrupt``), remembering that it came. A
+    terminal's Ctrl-C reaches every rank at once, but one rank may be inside a collective or a
+    save's writes when its peer stops: it then fails with the library's error ("Connection
+    closed by peer"), not the interrupt, and that error is the interrupt's consequence.
+    ``--exit-signal-handler`` puts its own handler over this one while training."""
+
+    def __init__(self, previous) -> None:
+        self.seen = False
+        self.previous = previous
+
+    @classmethod
+    def install(cls) -> _InterruptSeen:
+        previous = signal.getsignal(signal.SIGINT)
+        seen = cls(previous)
+        main = threading.current_thread() is threading.main_thread()  # signals go there only
+        if main and previous is signal.default_int_handler:  # not ignored, not someone else's
+            signal.signal(signal.SIGINT, seen._on_interrupt)
+        return seen
+
+    def _on_interrupt(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def uninstall(self) -> None:
+        if signal.getsignal(signal.SIGINT) == self._on_interrupt:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def _is_interrupt(err: BaseException) -> bool:

@@ -222,6 +222,11 @@ def test_load_and_train_iters_that_cannot_resume_are_refused(saved_checkpoint):
     shape = train_fails([*other, "--train-iters", "2", "--load", str(saved_checkpoint)], status=2)
     # named by the checkpoint's model record (before it, by torch_dist's shape mismatch)
     assert "holds another model: hidden_size 36 there, 48 here" in shape
+    # both at once: one attempt names every misfit, and where the checkpoint's flags are
+    both = train_fails([*other, *shorter[len(MODEL) :], "--load", str(saved_checkpoint)], status=2)
+    assert f"--load {saved_checkpoint} does not fit this run on 2 counts" in both
+    assert "past --train-iters 1" in both and "hidden_size 36 there, 48 here" in both
+    assert f"({saved_checkpoint / 'model_flags.txt'} lists them)" in both
 
 
 def test_save_to_a_file_is_refused_before_training(tmp_path):
@@ -320,8 +325,11 @@ def test_a_resume_prints_no_library_warnings(tmp_path):
     assert "Warning" not in console and "warnings.warn" not in console, console[-3000:]
 
 
-def _launch_until_records(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    """``python -m memo_ext.launch`` of 2 ranks training on, once 3 steps are logged."""
+def _launch_until_records(
+    tmp_path: Path, *extra: str, session: bool = False
+) -> tuple[subprocess.Popen, Path]:
+    """``python -m memo_ext.launch`` of 2 ranks training on, once 3 steps are logged;
+    ``session``: in a process group of its own, as a terminal's foreground job is."""
     save, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
     save.mkdir()
     cmd = [
@@ -334,8 +342,9 @@ def _launch_until_records(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=session,
+    )  # fmt: skip
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
@@ -359,6 +368,24 @@ def test_a_signalled_launcher_saves_and_exits_zero(tmp_path, sig):
     assert "Traceback" not in err
     saved = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert (save / f"iter_{saved:07d}" / "manifest.json").is_file()
+
+
+@pytest.mark.launch
+def test_ctrl_c_in_a_terminal_ends_a_launch_with_the_line_naming_the_checkpoint(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher and every rank at once, here while they save at
+    every step: one line naming the latest complete checkpoint (the ranks' own sentence, which
+    the launcher quotes), exit status 130, no traceback from a rank whose peer stopped first."""
+    proc, save = _launch_until_records(tmp_path, "--save-interval", "1", session=True)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-4000:]
+    latest = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGINT: interrupted (Ctrl-C); the latest complete checkpoint is iteration "
+        f"{latest} in {save} (a save being written is discarded); with --exit-signal-handler a "
+        "signal saves first"
+    )
+    assert "Traceback" not in err, err[-4000:]
 
 
 @pytest.mark.launch

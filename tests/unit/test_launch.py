@@ -60,12 +60,27 @@ def test_a_signal_stop_is_clean_only_when_every_worker_exited_zero(capsys):
     ]
 
 
+def test_a_signal_stop_quotes_the_sentence_the_workers_left(capsys, tmp_path):
+    import json
+
+    from memo_ext.launch import _error_file_sentence, _stopped_by
+
+    sentence = "interrupted (Ctrl-C); the latest complete checkpoint is iteration 4 in ckpt"
+    written = tmp_path / "error.json"  # the layout the trainer writes (torch's handler's too)
+    written.write_text(json.dumps({"message": {"message": sentence, "extraInfo": {}}}))
+    assert _error_file_sentence(str(written)) == sentence
+    assert _error_file_sentence(str(tmp_path / "none.json")) is None
+    said = {0: sentence, 1: sentence}
+    assert _stopped_by(signal.SIGINT, {0: 130, 1: 130}, said) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.splitlines() == [f"stopped by SIGINT: {sentence}"]
+
+
 def test_the_torch_agent_internals_the_launcher_reads_are_there():
     """``memo_ext.launch`` reads the workers' exit codes where torch's agent keeps them."""
     import inspect
 
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 
     # torch 2.11 has (self, death_sig), 2.13 (self, death_sig, timeout): passed on as given
     assert list(inspect.signature(LocalElasticAgent._shutdown).parameters)[:2] == [
@@ -74,6 +89,7 @@ def test_the_torch_agent_internals_the_launcher_reads_are_there():
     ]
     assert "self._pcontext" in inspect.getsource(LocalElasticAgent._shutdown)
     assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext.__init__)
+    assert "self.error_files" in inspect.getsource(PContext.__init__)
 
 
 @pytest.mark.parametrize("release", ["2.11", "2.13"])
