@@ -21,6 +21,7 @@ touches a real device (no CUDA context, no generator state) before the trainer p
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -50,16 +51,28 @@ def fake_process_groups(*, tp: int, cp: int):
             "initialised (or in a separate process)"
         )
     world = tp * cp
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try:
+    with _fake_world(world):
         groups = ProcessGroupCollection()
         groups.tp = dist.new_group(list(range(tp)))
         groups.cp = dist.new_group(list(range(0, world, tp)))
         groups.pp = dist.new_group([0])
         groups.tp_cp = dist.new_group(list(range(world)))
         yield groups
+
+
+@contextlib.contextmanager
+def _fake_world(world: int) -> Iterator[None]:
+    """torch's fake default process group of ``world`` ranks, this process rank 0, for the
+    block. ``init_process_group`` wraps ``sys.excepthook`` to prefix "[rank0]: " to every line
+    of a traceback and never unwraps it: the hook is put back as it was, or each trace of a
+    process that estimates many times (a benchmark, a search) would add one prefix more."""
+    hook = sys.excepthook
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 @contextlib.contextmanager
@@ -109,12 +122,10 @@ def fake_parallel_state(tp: int) -> Iterator[None]:
         raise RuntimeError("estimating traces on a fake process group; call it before init")
     buffer = parallel_state._GLOBAL_MEMORY_BUFFER
     parallel_state._GLOBAL_MEMORY_BUFFER = None
-    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
     try:
-        with global_parallel_state(tp):
+        with _fake_world(tp), global_parallel_state(tp):
             yield
     finally:
-        dist.destroy_process_group()
         parallel_state._GLOBAL_MEMORY_BUFFER = buffer
 
 

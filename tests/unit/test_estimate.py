@@ -349,3 +349,20 @@ def test_the_longest_length_is_quoted_with_its_step_time():
         f"longest sequence that fits: 16,384 tokens, at a predicted {est.step_time_s:.2f} s per "
         f"step ({est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%)"
     )
+
+
+def test_tracing_leaves_the_excepthook_as_it_was():
+    """torch's init_process_group wraps sys.excepthook (a "[rank0]: " prefix per line) and
+    never unwraps it: a process that traces many times (a benchmark, a search) got one prefix
+    per trace on every line of a later traceback."""
+    import sys
+
+    from memo_ext.mcore.tracing import fake_parallel_state, fake_process_groups
+
+    hook = sys.excepthook
+    for _ in range(2):
+        with fake_process_groups(tp=2, cp=1):
+            pass
+        with fake_parallel_state(2):
+            pass
+    assert sys.excepthook is hook
