@@ -268,6 +268,19 @@ def load_model(
     return run, model
 
 
+def _tokenizer_vocab(flags: list[str]) -> int | None:
+    """The vocabulary of the tokenizer ``flags`` name (a run's ``model_flags.txt`` holds its
+    tokenizer flags), or ``None`` when none is named or it cannot be built here (its files
+    are elsewhere)."""
+    from memo_ext.data.tokenizers import build_tokenizer
+
+    run = parse_args([*flags, *_RUN_STUB, "--seq-length", "8"], world_size=1, notices=False)
+    try:
+        return build_tokenizer(run.data.tokenizer).vocab_size
+    except (ValueError, OSError):
+        return None
+
+
 def export_hf(
     *,
     load: Path,
@@ -292,11 +305,12 @@ def export_hf(
     source = (
         json.loads((load / SOURCE_CONFIG).read_text()) if (load / SOURCE_CONFIG).is_file() else None
     )
-    vocab_size = vocab_size or (source or {}).get("vocab_size")
+    vocab_size = vocab_size or (source or {}).get("vocab_size") or _tokenizer_vocab(flags)
     if not vocab_size:
         raise UsageError(
             f"{load} has no {SOURCE_CONFIG} (not an import, nor the --save of a run started from "
-            "one): give --vocab-size (the tokenizer's)"
+            "one) and its tokenizer flags name no tokenizer this machine can build: give "
+            "--vocab-size (the tokenizer's)"
         )
     with single_process():
         run, model = load_model(load, flags=flags, vocab_size=vocab_size)

@@ -223,12 +223,28 @@ def _records_to_keep(path: Path, resume_from: int) -> list[str]:
     return kept
 
 
+def _move_aside(path: Path) -> None:
+    """An earlier run's records in ``path`` to ``path.previous`` (replacing an older one)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    previous = path.with_name(path.name + ".previous")
+    os.replace(path, previous)
+    logger.warning(
+        "--metrics-file %s held an earlier run's records: moved to %s (this run starts the "
+        "file anew)",
+        path,
+        previous,
+    )
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step; a no-op when no file was asked for.
 
-    A fresh run starts the file empty. A resumed run (``resume_from`` = the checkpoint's
-    iteration) keeps the records up to that iteration and drops later ones, which a run that
-    died after its last checkpoint left behind, so the file reads as one uninterrupted run.
+    A fresh run starts the file empty; an earlier run's records found there are moved aside to
+    ``NAME.previous`` (one generation), with a warning, not lost. A resumed run (``resume_from``
+    = the checkpoint's iteration) keeps the records up to that iteration and drops later ones,
+    which a run that died after its last checkpoint left behind, so the file reads as one
+    uninterrupted run.
     """
 
     def __init__(self, path: str | None, *, resume_from: int = 0):
@@ -238,6 +254,8 @@ class MetricsWriter:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = _records_to_keep(self.path, resume_from) if resume_from else []
+            if not resume_from:
+                _move_aside(self.path)
             staging = self.path.with_name(self.path.name + ".tmp")
             staging.write_text("".join(kept))  # the old file stays whole until this is
             os.replace(staging, self.path)

@@ -49,3 +49,26 @@ def test_demo_script_trains_and_checks_its_metrics(tmp_path, flags):
     # nothing a user cannot act on: no library's warnings, no per-split dataset notices
     console = done.stdout + done.stderr
     assert "Warning" not in console and "warnings.warn" not in console, console[-3000:]
+    # the last step evaluated (loss by position, the retrieval grid) and saved a checkpoint
+    assert "val_loss_by_position" in records[-1] and "val_passkey_acc" in records[-1]
+    assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    if flags:
+        return
+    # the "next:" lines run as printed, on the demo's own outputs
+    next_steps = done.stdout.split("next:\n", 1)[1].splitlines()
+    for line in next_steps:
+        if line.strip().startswith("python -m tools.plot_position_loss") or " export " in line:
+            argv = line.split()[1:]
+            ran = subprocess.run([env["PYTHON"], *argv], cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+            assert ran.returncode == 0, line + ran.stderr[-3000:]
+    assert (out / "position_loss.png").is_file() and (out / "hf" / "config.json").is_file()
+    # run again: the earlier outputs move aside instead of stopping the run
+    again = subprocess.run(
+        ["bash", "scripts/demo_cpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"the previous demo's outputs are in {out}.previous" in again.stdout
+    assert (out.parent / "demo.previous" / "hf" / "config.json").is_file()
+    assert not (out / "hf").exists()

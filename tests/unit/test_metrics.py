@@ -269,3 +269,19 @@ def test_reading_a_killed_runs_metrics_leaves_out_the_line_cut_short(tmp_path, c
     path.write_text('{"iteration": 1, "loss": 2.0}\n{"iteration": 2, "lo\n')  # a whole bad line
     with pytest.raises(UsageError, match="line 2 is not a metrics record"):
         read_metrics(path)
+
+
+def test_a_fresh_run_moves_an_earlier_runs_records_aside(tmp_path, caplog):
+    from memo_ext.training.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(str(path)).write({"iteration": 1, "loss": 5.0})
+    with caplog.at_level("WARNING"):
+        MetricsWriter(str(path)).write({"iteration": 1, "loss": 4.0})
+    assert [r["loss"] for r in read_metrics(path)] == [4.0]
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl.previous")] == [5.0]
+    assert f"moved to {path}.previous" in caplog.text
+    # an empty file (a run that logged nothing) is not worth keeping
+    path.write_text("")
+    MetricsWriter(str(path))
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl.previous")] == [5.0]
