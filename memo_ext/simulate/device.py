@@ -375,6 +375,8 @@ class EmulatedCudaMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.device = device
         self.values = HostKnownValues()
+        self._within_op = False
+        """Inside FakeTensorMode's handling of a device op (under the device's lock)."""
 
     @property
     def avoid_device_init(self) -> bool:
@@ -385,6 +387,11 @@ class EmulatedCudaMode(FakeTensorMode):
         # thread, and the threads of a process (a copy thread per GPU, autograd's device
         # threads) share this one mode
         with self.device.lock:
+            if self._within_op and _lands_on_device(func, args, kwargs or {}):
+                # FakeTensorMode runs some ops as their decomposition (gelu_backward as six
+                # element-wise ops, in fp32), re-entering the mode: on a GPU the op is one
+                # kernel, placed and timed as itself, whose inner steps allocate nothing
+                return super().__torch_dispatch__(func, types, args, kwargs or {})
             return self._dispatch(func, types, args, kwargs or {})
 
     def _dispatch(self, func, types, args, kwargs):
@@ -414,7 +421,11 @@ class EmulatedCudaMode(FakeTensorMode):
             torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.from_tensor(t),
             (args, kwargs),
         )  # fmt: skip
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        within, self._within_op = self._within_op, True
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._within_op = within
         self.values.propagate(func, inputs, out)
         device.device_op(func, args, kwargs, outputs=tree_leaves(out), inputs=inputs)
         if _blocking_copy_to_host(func, kwargs):
@@ -587,6 +598,20 @@ class _TimedWork(dist.Work):
 
     def is_completed(self) -> bool:
         return True
+
+
+def _lands_on_device(func, args, kwargs) -> bool:
+    """The op's result is on the device: a factory or a transfer aimed at it, or an op whose
+    tensors are all on it but for host scalars (0-dim tensors, which a CUDA kernel takes as
+    arguments). Anything else (a copy to the host) takes the host's path."""
+    target = kwargs.get("device")
+    if func is torch.ops.prims.device_put.default:
+        target = args[1] if len(args) > 1 else target
+    if target is not None:
+        return torch.device(target).type == "cuda"
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = [t for t in tensors if _on_device(t)]
+    return bool(device) and all(_on_device(t) or t.dim() == 0 for t in tensors)
 
 
 def _host_op(leaves: list) -> bool:
