@@ -167,7 +167,8 @@ def _check_at_exit(device) -> None:
     check and every finalizer doing a tensor op need; if it does not come out within
     :data:`EXIT_WAIT_S` (an op that blocks, a finalizer gc ran inside an op that waits for this
     thread, a lock inherited held through ``fork``), the check is skipped with a note and the
-    device gets a new lock, so the process exits as a GPU process would, not waiting forever."""
+    device gets a new lock, so the process exits as a GPU process would, not waiting forever.
+    A process that ran out of device memory is not checked: it exits with its own status."""
     import gc
     import re
     import threading
@@ -185,6 +186,10 @@ def _check_at_exit(device) -> None:
         device.lock = threading.RLock()  # the op that holds the old one still releases it
         return
     device.lock.release()  # not held across gc: a finalizer may join a thread that needs it
+    if device.ran_out_of_memory:
+        # the out-of-memory error unwound through work in flight (a copy still writing a
+        # block its frames held): the process ends there, with its own status, on a GPU too
+        return
     try:
         gc.collect()
         device.collect_released()
