@@ -9,7 +9,8 @@ measured / simulated / estimator per configuration, their ratios, and whether th
 orders the methods of each table as the measurement does. The last column is the simulated
 compute stream's memory-bound kernel time (element-wise ops, norms, the optimizer), which the
 estimator counts as free inside its efficiencies: most of the estimator's distance from the
-simulation. ``--paper`` adds the MEMO paper's 7B
+simulation. Exits 1 when a case is more than ``TOLERANCE`` (15%) from its measured step or a
+table's methods come out in another order. ``--paper`` adds the MEMO paper's 7B
 on 8 × A800 at 1M tokens (MEMO) beside the paper's MFU, with Megatron's full recomputation at
 the longest length the estimator gives it, with the preset's (the estimator's fitted)
 constants. Run from anywhere::
@@ -231,6 +232,8 @@ def rows_of(cases, *, work: Path, calibration: Path | None, steps: int, progress
     return rows
 
 
+TOLERANCE = 0.15
+"""How far a simulated step may be from the measured one (exit status 1 beyond it)."""
 MEASURED_TIE = 0.02
 """Two methods whose measured steps differ by less than this share are a tie: the measurement's
 own spread (the README's fit reproduced three runs within 2.8%) does not order them."""
@@ -280,7 +283,7 @@ def print_table(rows: list[dict], out=sys.stdout) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--json", default=None, help="Write every figure here.")
     parser.add_argument(
@@ -331,8 +334,16 @@ def main(argv: list[str] | None = None) -> dict:
               "summary": summary}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    outside = [f"{r['table']}: {r['method']}" for r in rows if r["simulated_over_measured"]
+               and abs(r["simulated_over_measured"] - 1) > TOLERANCE]  # fmt: skip
+    misordered = [table for table, verdict in ranked.items() if not verdict["same_order"]]
+    if outside or misordered:
+        print(f"not held: outside ±{100 * TOLERANCE:.0f}% of the measured step: "
+              f"{'; '.join(outside) or 'none'}; tables ordered otherwise: "
+              f"{'; '.join(misordered) or 'none'}")  # fmt: skip
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
