@@ -6,6 +6,7 @@
         --eval-retrieval-lengths 8192,32768 --bf16 --tensor-model-parallel-size 8
     python -m tools.eval_retrieval --plot runs/eval0/retrieval.json runs/eval1/retrieval.json \\
         --out before_after.png
+    python -m tools.eval_retrieval --shortest-length --tokenizer-type ByteTokenizer
 
 A checkpoint of this trainer (``--load``: its model flags are read from the ``model_flags.txt``
 the trainer saves beside it) or a Hugging Face folder (``--hf-dir``: imported first into
@@ -20,13 +21,17 @@ Writes ``OUT/metrics.jsonl`` (the trainer's record, at the checkpoint's iteratio
 the token accuracy) and ``OUT/retrieval.png`` (one heatmap per task; needs matplotlib: without
 it the grid is still evaluated, printed and written, and the tool says how to draw it later).
 ``--plot`` draws several ``retrieval.json`` side by side (one column each) and prints their
-grids. A task whose mean is no better than guessing the number gets a note. Exits 2 on bad
-input, as the trainer does.
+grids. A task whose mean is no better than guessing the number gets a note.
+``--shortest-length`` prints the fewest tokens every task's prompt fits in with the tokenizer the
+trainer flags name (``--tokenizer-*``, ``--eval-retrieval-tasks``, ``--eval-retrieval-digits``),
+in seconds and with no model: a script checks its lengths with it before an import or a
+launch. Exits 2 on bad input, as the trainer does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -34,10 +39,10 @@ from pathlib import Path
 
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.arguments import build_parser as build_trainer_parser
-from memo_ext.config import EvaluationConfig, installed
+from memo_ext.config import EvaluationConfig, TokenizerSpec, installed
 from memo_ext.errors import UsageError
 from memo_ext.files import read_json
-from memo_ext.flags import FlagHelpFormatter
+from memo_ext.flags import FlagHelpFormatter, add_flags, from_flags
 
 PROG = "memo-eval-retrieval"
 """The installed command: its usage line and error prefix."""
@@ -58,6 +63,8 @@ PASSED_THROUGH = (
     "--memo",
 )
 """The trainer flags --help lists: the grid's, the haystack's, the common layout ones."""
+PROMPT_FIELDS = ("eval_retrieval_tasks", "eval_retrieval_digits")
+"""The grid's flags that change a prompt's text (--shortest-length reads them)."""
 TOOL_HELP = {
     "--eval-retrieval-lengths": "Required: the context lengths to test, in tokens.",
     "--data-path": "The needle's haystack: the validation split's documents (without it: mock "
@@ -82,11 +89,15 @@ def build_parser() -> OneSentenceParser:
     source.add_argument(
         "--plot", type=Path, nargs="+", metavar="JSON", help="Draw these retrieval.json files."
     )
+    source.add_argument(
+        "--shortest-length",
+        action="store_true",
+        help="Print the fewest tokens the prompts fit in with the trainer flags' tokenizer.",
+    )
     parser.add_argument(
         "--out",
         type=Path,
-        required=True,
-        help="Output folder (with --plot: the PNG to write).",
+        help="Output folder (with --plot: the PNG to write); required but for --shortest-length.",
     )
     parser.add_argument(
         "--nproc", type=int, default=1, help="Processes of the evaluation (default 1)."
@@ -128,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         args, trainer = parser.parse_known_args(argv)
         # --flag=value as two words: the tool reads --eval-retrieval-lengths among them
         trainer = [part for arg in trainer for part in _split_flag(arg)]
+        if args.shortest_length:
+            print(shortest_length(trainer))
+            return 0
+        if args.out is None:
+            parser.error("the following arguments are required: --out")
         if args.plot:
             if trainer:
                 raise UsageError(f"--plot takes no trainer flags, got {' '.join(trainer)}")
@@ -206,6 +222,42 @@ def evaluate(args, trainer: list[str]) -> int:
     draw([(str(load), grid)], out / "retrieval.png")
     print(f"wrote {out / RESULT_FILE} and {out / 'retrieval.png'}")
     return 0
+
+
+def shortest_length(trainer: list[str]) -> int:
+    """The fewest tokens every prompt of the trainer flags' retrieval tasks fits in, with their
+    tokenizer (checked to write digits); the longest of
+    :func:`~memo_ext.data.retrieval.shortest_length` over the tasks. Other trainer flags are
+    ignored, so a script may pass its whole command line.
+
+    Raises:
+        UsageError: a tokenizer that cannot be built or writes no digits, or a bad flag value.
+    """
+    parser = OneSentenceParser(prog=PROG, allow_abbrev=False)
+    add_flags(parser, TokenizerSpec, section="data")
+    add_flags(parser, EvaluationConfig, section="evaluation", only=PROMPT_FIELDS)
+    args, _ = parser.parse_known_args(trainer)
+    spec = from_flags(TokenizerSpec, args, section="data")
+    if spec.vocab_file and spec.merge_file and "--tokenizer-type" not in trainer:
+        spec = dataclasses.replace(spec, tokenizer_type="GPT2BPETokenizer")  # as the trainer's
+    evaluation = from_flags(EvaluationConfig, args, section="evaluation", only=PROMPT_FIELDS)
+    if not 1 <= evaluation.eval_retrieval_digits <= 18:
+        raise UsageError(
+            f"--eval-retrieval-digits must be in [1, 18], got {evaluation.eval_retrieval_digits}"
+        )
+    # megatron-core's tokenizer base: seconds to import, paid here only
+    from memo_ext.data.retrieval import PromptParts, check_tokenizer
+    from memo_ext.data.retrieval import shortest_length as prompt_tokens
+    from memo_ext.data.tokenizers import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    name = f"--tokenizer-type {spec.tokenizer_type}"
+    check_tokenizer(tokenizer.tokenize, tokenizer.detokenize, name=name)
+    parts = PromptParts(tokenizer.tokenize, digits=evaluation.eval_retrieval_digits)
+    return max(prompt_tokens(parts, task=task) for task in evaluation.eval_retrieval_tasks)
 
 
 OUTPUTS = ("metrics.jsonl", "metrics.config.json", RESULT_FILE, "retrieval.png")

@@ -117,6 +117,21 @@ def check_tokenizer(tokenize: Callable[[str], list[int]], detokenize, *, name: s
         )
 
 
+def shortest_length(parts: PromptParts, *, task: str) -> int:
+    """The fewest tokens ``task``'s prompt fits in: its intro, statement and question with the
+    number twice (stated and asked) and no filler, the shortest ``length`` :func:`make_sample`
+    takes. The number counts as the longest of a few probes (each digit repeated, the digits in
+    order): exact for a tokenizer that writes every number of ``parts.digits`` digits in as many
+    tokens (bytes, SentencePiece's single digits); ``make_sample`` still checks each prompt."""
+    digits = parts.digits
+    probes = [d * digits for d in "0123456789"] + [("0123456789" * digits)[:digits]]
+    answer = max(len(parts.tokenize(" " + number)) for number in probes)
+    before, after = parts.statements[task]
+    fixed = len(parts.intro) + len(before) + len(after) + len(parts.questions[task])
+    # length + 1 ids hold the fixed text and the answer twice (make_sample's room >= 0)
+    return fixed + 2 * answer - 1
+
+
 def make_sample(
     parts: PromptParts,
     *,

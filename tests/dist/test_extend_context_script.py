@@ -29,14 +29,14 @@ FACTOR = 4
 ATOL = 2e-5
 
 
-def _extend(tmp, *, train_iters: int = 2, **model):
+def _extend(tmp, *, train_iters: int = 2, retrieval_lengths: str | None = "128,256", **model):
     """The script on a tiny random Llama made in ``tmp`` (``model``: its config's changes): its
-    completed process and the source model."""
+    completed process and the source model. ``retrieval_lengths`` None: the script's default."""
     source = make_hf_model(
         "llama2", tmp / "hf", vocab_size=VOCAB, max_position_embeddings=ORIGINAL_TOKENS, **model
     )
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in ("RETRIEVAL_LENGTHS", "SEQ_LENGTH")},
         "PYTHON": os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python")),
         "HF_DIR": str(tmp / "hf"),
         "OUT": str(tmp / "out"),
@@ -46,12 +46,11 @@ def _extend(tmp, *, train_iters: int = 2, **model):
         "TRAIN_ITERS": str(train_iters),
         "EVAL_INTERVAL": str(train_iters),
         "EVAL_ITERS": "1",
-        # the byte tokenizer writes a retrieval prompt's own text in about 110 tokens: the
-        # original 64-token context holds none
-        "RETRIEVAL_LENGTHS": "128,256",
         "RETRIEVAL_SAMPLES": "1",
         "MASTER_PORT": str(free_port()),
     }
+    if retrieval_lengths is not None:
+        env["RETRIEVAL_LENGTHS"] = retrieval_lengths
     if not os.path.exists(env["PYTHON"]):
         env["PYTHON"] = "python3"
     done = subprocess.run(
@@ -137,6 +136,15 @@ def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_two_layer_model_extends_with_its_defaults(tmp_path):
-    """MEMO keeps one fewer layer than the model has: a two-layer model still offloads one."""
-    done, _ = _extend(tmp_path, train_iters=1, num_hidden_layers=2)
+    """MEMO keeps one fewer layer than the model has: a two-layer model still offloads one. The
+    byte tokenizer writes a retrieval prompt in 118 tokens (tests/unit/test_retrieval.py counts
+    them): the original 64-token context holds none, so retrieval is scored at 256 alone."""
+    done, _ = _extend(tmp_path, train_iters=1, retrieval_lengths=None, num_hidden_layers=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (
+        "extend_context: retrieval at 256 tokens only: a prompt takes at least 118 tokens with "
+        "this tokenizer, more than the original context (64)"
+    ) in done.stdout
+    for grid in ("retrieval_before", "retrieval_after"):
+        result = json.loads((tmp_path / "out" / grid / "retrieval.json").read_text())
+        assert result["lengths"] == [256]

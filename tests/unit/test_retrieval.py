@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from memo_ext.data.retrieval import PromptParts, check_tokenizer, make_sample
+from memo_ext.data.retrieval import PromptParts, check_tokenizer, make_sample, shortest_length
 from memo_ext.data.tokenizers import ByteTokenizer, NullTokenizer
 from memo_ext.errors import UsageError
 from memo_ext.mcore.gpt import greedy_hits
@@ -74,6 +74,40 @@ def test_samples_are_the_same_for_the_same_cell_and_seed_and_differ_otherwise():
 def test_a_length_too_short_for_the_prompt_says_how_long_it_must_be():
     with pytest.raises(UsageError, match=r"--eval-retrieval-lengths 64 is too short .* above \d+"):
         make_sample(parts(), task="passkey", length=64, depth=0.5, index=0, seed=1)
+
+
+@pytest.mark.parametrize("digits", [1, 5, 7])
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_the_shortest_length_is_the_shortest_every_prompt_of_it_fits(task, digits):
+    """Against make_sample itself: at the shortest length every prompt builds (no filler left),
+    one token shorter none does; the byte tokenizer writes every number in as many tokens."""
+    shortest = shortest_length(parts(digits), task=task)
+    for depth, index in ((0.0, 0), (0.5, 3), (1.0, 7)):
+        sample = make_sample(
+            parts(digits), task=task, length=shortest, depth=depth, index=index, seed=1
+        )
+        assert sample.tokens.shape == (shortest + 1,)
+        with pytest.raises(UsageError, match="too short"):
+            make_sample(
+                parts(digits), task=task, length=shortest - 1, depth=depth, index=index, seed=1
+            )
+
+
+def test_the_tool_prints_the_shortest_length_of_its_tokenizer_and_tasks(capsys):
+    """What scripts check their lengths with, before an import or a launch: the needle prompt of
+    the byte tokenizer by hand, 40 (intro) + 20 + 1 (statement) + 46 (question) + 2 × 6 (the
+    answer " 12345", stated and asked) - 1 (the id no model reads)."""
+    from memo_ext.commands.eval_retrieval import main
+
+    for argv, expected in (
+        ([], 118),
+        (["--eval-retrieval-tasks", "passkey", "--bf16", "--tensor-model-parallel-size", "8"], 106),
+        (["--eval-retrieval-digits", "3"], 114),
+    ):
+        assert main(["--shortest-length", "--tokenizer-type", "ByteTokenizer", *argv]) == 0
+        assert capsys.readouterr().out == f"{expected}\n"
+    assert main(["--shortest-length", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"])
+    assert "writes text with digits" in capsys.readouterr().err
 
 
 def test_a_tokenizer_that_cannot_write_digits_is_refused_by_name():
