@@ -36,8 +36,13 @@ PROG = "memo-simulate"
 """The installed command: its usage line and error prefix."""
 
 OWN_FLAGS = {"--train-iters": 1, "--metrics-file": 1, "--log-interval": 1, "--save": 1,
-             "--save-interval": 1, "--exit-interval": 1}  # fmt: skip
-"""Trainer flags the simulation sets itself (with how many values each takes)."""
+             "--save-interval": 1, "--exit-interval": 1, "--load": 1,
+             "--use-flash-attn": 0}  # fmt: skip
+"""Trainer flags the simulation sets itself or leaves out (with how many values each takes):
+its own steps and metrics, no checkpoint read or written (the values computed are not real,
+a step costs the same from any weights), and attention through torch's SDPA, whose flash
+kernel the clock prices as flash-attn's (a Megatron-LM script's --use-flash-attn needs the
+flash_attn package, which a machine without CUDA does not have)."""
 
 
 def trainer_flags(flags: list[str], *, steps: int, out: Path) -> tuple[list[str], list[str]]:
@@ -225,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    for flag in dropped:
-        print(f"{PROG}: {flag} is set by the simulation (no checkpoints are written)")
+    if dropped:
+        print(f"{PROG}: left to the simulation: {', '.join(dropped)} (its own steps and "
+              "metrics, no checkpoint read or written, attention through SDPA)")  # fmt: skip
     from memo_ext.simulate import runtime
 
     runtime.build()

@@ -192,7 +192,7 @@ def test_memo_simulate_prints_the_step_and_writes_its_timeline_and_trace(tmp_pat
     done = memo_simulate(tmp_path, "--gpu", "h200", "--gpus", "2", "--steps", "2",
                          "--out", str(out), "--", *flags)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"--save {tmp_path / 'ckpt'} is set by the simulation" in done.stdout
+    assert f"memo-simulate: left to the simulation: --save {tmp_path / 'ckpt'}" in done.stdout
     assert not (tmp_path / "ckpt").exists()
     assert "simulated on 2 × h200-141g" in done.stdout
     summary = json.loads((out / "simulate.json").read_text())

@@ -13,10 +13,11 @@ from memo_ext.errors import UsageError
 
 def test_the_simulation_sets_its_own_steps_metrics_and_drops_checkpoints():
     user = ["--seq-length", "4096", "--save", "ckpt", "--save-interval=10", "--train-iters",
-            "500", "--log-interval", "10", "--bf16"]  # fmt: skip
+            "500", "--log-interval", "10", "--use-flash-attn", "--load", "ck",
+            "--bf16"]  # fmt: skip
     flags, dropped = trainer_flags(user, steps=3, out=Path("/o"))
     assert dropped == ["--save ckpt", "--save-interval=10", "--train-iters 500",
-                       "--log-interval 10"]  # fmt: skip
+                       "--log-interval 10", "--use-flash-attn", "--load ck"]  # fmt: skip
     assert flags == ["--seq-length", "4096", "--bf16", "--train-iters", "3", "--log-interval",
                      "1", "--log-throughput", "--metrics-file", "/o/metrics.jsonl"]  # fmt: skip
 
