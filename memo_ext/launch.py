@@ -73,13 +73,15 @@ def check_arguments(argv: list[str] | None) -> str | None:
         return f"--master-port {args.master_port} is not a port (1-65535)"
     host = args.master_addr if args.rdzv_backend == "static" else args.rdzv_endpoint
     host = host.rsplit(":", 1)[0] if host and args.rdzv_backend != "static" else host
-    if host and str(args.nnodes) not in ("1", "1:1"):
+    if host:  # one node too: c10d would retry the name lookup until it is killed
         try:
             socket.getaddrinfo(host, None)
         except (socket.gaierror, UnicodeError) as err:
             reason = err.strerror if isinstance(err, socket.gaierror) else str(err)
             flag = "--master-addr" if args.rdzv_backend == "static" else "--rdzv-endpoint"
-            return f"{flag} {host} does not resolve ({reason}); give the first node's host name"
+            which = ("this machine's (127.0.0.1)" if str(args.nnodes) in ("1", "1:1")
+                     else "the first node's host name")  # fmt: skip
+            return f"{flag} {host} does not resolve ({reason}); give {which}"
     return None
 
 

@@ -95,11 +95,15 @@ def test_the_launcher_leaves_its_callers_environment_as_it_was(capsys):
     assert dict(os.environ) == before
 
 
-def test_the_launcher_refuses_a_master_address_that_does_not_resolve(capsys):
-    argv = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+@pytest.mark.parametrize("nodes", ["2", "1"])
+def test_the_launcher_refuses_a_master_address_that_does_not_resolve(capsys, nodes):
+    # on one node too: c10d retried the name lookup until the launch was killed
+    argv = ["--nnodes", nodes, "--node-rank", str(int(nodes) - 1), "--nproc-per-node", "1",
             "--master-addr", "no-such-host.invalid", "-m", "json.tool", "-h"]  # fmt: skip
     assert launch(argv) == 2
-    assert "--master-addr no-such-host.invalid does not resolve" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--master-addr no-such-host.invalid does not resolve" in err
+    assert ("this machine's (127.0.0.1)" in err) == (nodes == "1")
 
 
 def test_a_node_waiting_for_another_that_never_comes_ends_at_the_deadline(capsys):
