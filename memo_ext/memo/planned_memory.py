@@ -44,6 +44,7 @@ measured time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -670,13 +671,15 @@ def install_allocator(core: AllocatorCore) -> None:
 
 
 def shape_key(run) -> str:
-    """What a recorded sequence depends on besides the code: shapes, layout, MEMO, dtype."""
+    """What a recorded sequence depends on besides the code: shapes, layout, MEMO's settings
+    (not where the cache is: a cache copied or shared into another folder is read there),
+    dtype."""
     parts = {
         "shape": repr(run.shape),
         "seq": run.data.seq_length,
         "mbs": run.train.micro_batch_size,
         "layout": run.layout.describe(),
-        "memo": repr(run.memo),
+        "memo": repr(dataclasses.replace(run.memo, plan_cache=None)),
         "dtype": str(run.train.params_dtype),
         "device": device.compute_device().type,
         "torch": torch.__version__,

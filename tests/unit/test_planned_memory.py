@@ -319,3 +319,24 @@ def test_the_trainer_ends_each_evaluation_at_the_extensions():
     )
     loop.evaluate(session)
     assert ended == ["ended"] and session.model.training
+
+
+def test_a_plan_cache_keys_on_the_run_not_on_its_own_folder(tmp_path):
+    """Plans copied or shared into another --memo-plan-cache folder are read there: the key
+    holds the shapes and MEMO's settings, not the folder's path."""
+    from memo_ext.arguments import parse_args
+    from memo_ext.memo.planned_memory import shape_key
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",
+            "--train-iters", "1", "--memo", "--memo-keep-last-layers", "1", "--memo-allocator",
+            "plan"]  # fmt: skip
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    here, there = (
+        shape_key(parse_args([*base, "--memo-plan-cache", str(tmp_path / d)], world_size=1))
+        for d in ("a", "b")
+    )
+    assert here == there
+    other = shape_key(parse_args([*base, "--memo-alpha", "0.5"], world_size=1))
+    assert other != here
