@@ -21,7 +21,12 @@ import torch.distributed as dist
 from memo_ext.collectives import all_reduce_values
 from memo_ext.config import CheckpointConfig, RunConfig
 from memo_ext.errors import ReportedError, UsageError
-from memo_ext.training.checkpoint import iteration_dir, latest_iteration
+from memo_ext.training.checkpoint import (
+    TRACKER,
+    iteration_dir,
+    latest_iteration,
+    saved_iterations,
+)
 from memo_ext.training.checkpoint.identity import another_model, identity_of, recorded_identity
 
 logger = logging.getLogger(__name__)
@@ -90,7 +95,7 @@ def check_finite(run: RunConfig, iteration: int, loss: float, grad_norm: float |
         return False
     raise TrainingDiverged(
         f"iteration {iteration}: loss {loss}, gradient norm {grad_norm}; "
-        + _last_good_checkpoint_hint(run)
+        + _last_good_checkpoint_hint(run, iteration)
     )
 
 
@@ -158,13 +163,31 @@ class LossWatch:
         )
 
 
-def _last_good_checkpoint_hint(run: RunConfig) -> str:
+def _last_good_checkpoint_hint(run: RunConfig, iteration: int) -> str:
+    """Where to resume from after step ``iteration`` diverged. The checkpoint of step
+    ``iteration - 1`` holds the weights that step computed its NaN from (an absurd update
+    leaves them finite but huge): only one of an earlier step, whose successor's loss was
+    finite, is good."""
     for directory in (run.checkpoint.save, run.checkpoint.load):
-        if directory and (it := latest_iteration(Path(directory))) is not None:
+        if not directory or (latest := latest_iteration(Path(directory))) is None:
+            continue
+        if latest < iteration - 1:
             return (
-                f"the last good checkpoint is iteration {it} in {directory} "
+                f"the last good checkpoint is iteration {latest} in {directory} "
                 f"(resume with --load {directory}, e.g. with a lower --lr)"
             )
+        earlier = [k for k in saved_iterations(Path(directory)) if k < iteration - 1]
+        diverged = (
+            f"the latest checkpoint in {directory}, iteration {latest}, holds the weights "
+            f"this step diverged from"
+        )
+        if not earlier:
+            return f"{diverged}, and no earlier one was kept: start again with a lower --lr"
+        return (
+            f"{diverged}; the last good one is iteration {earlier[-1]} (resume from it: write "
+            f"{earlier[-1]} to {Path(directory) / TRACKER} and --load {directory}, e.g. with "
+            "a lower --lr)"
+        )
     return "no checkpoint was saved (use --save DIR --save-interval N to keep one)"
 
 

@@ -53,3 +53,28 @@ def test_a_resumed_runs_checkpoint_is_the_good_one_until_it_saves_again():
 def test_non_finite_losses_are_left_to_check_finite():
     watch = watched([3.0, float("nan"), float("inf"), 3.1])
     assert watch.rose_at is None and watch.best == 3.0
+
+
+def test_the_checkpoint_a_divergence_points_at_resumes_to_a_finite_loss(tmp_path):
+    """Step N's NaN came from the weights saved after step N - 1: the hint names an earlier
+    checkpoint, and how to resume from it, or says there is none."""
+    from types import SimpleNamespace
+
+    from memo_ext.training.control import _last_good_checkpoint_hint
+
+    save = tmp_path / "ckpt"
+    run = SimpleNamespace(checkpoint=SimpleNamespace(save=str(save), load=None))
+    assert "no checkpoint was saved" in _last_good_checkpoint_hint(run, 5)
+    for k in (2, 4):
+        (save / f"iter_{k:07d}").mkdir(parents=True)
+        (save / f"iter_{k:07d}" / "manifest.json").write_text("{}")
+    (save / "iter_0000005.tmp").mkdir()  # a save being written is no checkpoint
+    (save / "latest_checkpointed_iteration.txt").write_text("4\n")
+    assert _last_good_checkpoint_hint(run, 6) == (
+        f"the last good checkpoint is iteration 4 in {save} (resume with --load {save}, e.g. "
+        "with a lower --lr)"
+    )
+    hint = _last_good_checkpoint_hint(run, 5)
+    assert hint.startswith(f"the latest checkpoint in {save}, iteration 4, holds the weights")
+    assert f"the last good one is iteration 2 (resume from it: write 2 to {save}/" in hint
+    assert "no earlier one was kept" in _last_good_checkpoint_hint(run, 3)

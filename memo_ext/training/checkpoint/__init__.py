@@ -61,6 +61,7 @@ from memo_ext.training.checkpoint.source import (
     checkpoint_source,
     iteration_dir,
     latest_iteration,
+    saved_iterations,
 )
 from memo_ext.training.checkpoint.state import CONTENT_METADATA
 
@@ -84,6 +85,7 @@ __all__ = [
     "is_megatron_lm_checkpoint",
     "iteration_dir",
     "latest_iteration",
+    "saved_iterations",
     "load_checkpoint",
     "normalized_identity",
     "padded_vocab_to_load",

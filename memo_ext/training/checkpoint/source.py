@@ -190,6 +190,18 @@ def latest_iteration(load_dir: Path) -> int | None:
 _ITERATION_DIR = re.compile(r"iter_\d{7}")
 
 
+def saved_iterations(root: Path) -> list[int]:
+    """The iterations of the complete checkpoints in ``root`` (with their manifest), oldest
+    first; a save being written (``iter_N.tmp``) is none."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        int(d.name[len("iter_") :])
+        for d in root.iterdir()
+        if _ITERATION_DIR.fullmatch(d.name) and (d / MANIFEST).is_file()
+    )
+
+
 def check_untracked(root: Path, *, flag: str = "--load") -> None:
     """A ``--load`` directory without a tracker must not hold checkpoints either, nor a Hugging
     Face model: starting from scratch there would quietly drop them."""
