@@ -404,3 +404,34 @@ def test_load_pointed_at_a_file_says_so(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"weights")
     with pytest.raises(UsageError, match="model.pt is a file, not a directory; give the folder"):
         parse_args([*BASE, "--load", str(tmp_path / "model.pt")], world_size=1)
+
+
+def test_a_save_writer_thread_dying_of_the_saves_error_prints_no_traceback(monkeypatch):
+    """torch's checkpoint writer returns as soon as its own file fails, its other threads still
+    writing; their deaths by the same full disk printed tracebacks (and torch's C++ "enforce
+    fail" line) before the save's one sentence. Other errors of any thread still print."""
+    import threading
+    import time
+
+    from memo_ext.training.checkpoint.writer import _quiet_about
+
+    printed = []  # what the process's thread hook would print
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))
+    full = OSError(28, "No space left on device")
+    errors: list[Exception] = []
+
+    def writer() -> None:
+        time.sleep(0.2)  # still writing when the block's own work has failed
+        errors.append(full)
+        raise full
+
+    with _quiet_about(errors):
+        threading.Thread(target=writer).start()
+    assert errors == [full] and printed == []
+
+    def other() -> None:
+        raise ValueError("a bug")
+
+    with _quiet_about(errors):
+        threading.Thread(target=other).start()
+    assert [type(e) for e in printed] == [ValueError]

@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -116,8 +117,10 @@ class _HashingFileSystemWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         """torch's writer, failing as it should: an error in one of its threads other than this
         one is only printed there, and the checkpoint's ``.metadata`` would then lack that
-        file's tensors; it is raised here instead."""
-        written = super().write_data(plan, planner)
+        file's tensors; it is raised here instead (and not printed there: the save's failure
+        is reported once, in one sentence, as a full disk is)."""
+        with _quiet_about(self.fs.errors):
+            written = super().write_data(plan, planner)
         if self.fs.errors:
             raise self.fs.errors[0]
         if len(written.value()) != len(plan.items):
@@ -126,6 +129,32 @@ class _HashingFileSystemWriter(dcp.FileSystemWriter):
                 "items without reporting an error"
             )
         return written
+
+
+@contextlib.contextmanager
+def _quiet_about(errors: list[Exception]):
+    """A writer thread that dies of an error in ``errors`` (raised again by the caller) prints
+    no traceback; any other error of any thread is printed as before. The block's threads are
+    waited for (a minute at most) before the hook is put back."""
+    printed = threading.excepthook
+
+    def hook(args) -> None:
+        seen = args.exc_value in errors or any(
+            args.exc_value.__context__ is err or args.exc_value.__cause__ is err for err in errors
+        )
+        if not seen:
+            printed(args)
+
+    before = set(threading.enumerate())
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        # torch's writer returns as soon as this thread's own file fails, its other threads
+        # still writing: their errors are this save's too
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=60)
+        threading.excepthook = printed
 
 
 class _ThreadedTorchDistSave(SaveShardedStrategy):
