@@ -104,9 +104,30 @@ def _activate() -> None:
     device = context.__enter__()
     _held.append(context)  # a generator context closed by the collector would leave the device
     _threads_on_the_device(device)
+    _note_failure()
     atexit.register(_check_at_exit, device)
     if out:  # registered last: runs first, before the exit check can end the process
         atexit.register(_write_timeline, device, out)
+
+
+_failing: list[bool] = []
+"""Set when the process ends in failure: a non-zero ``sys.exit``, an uncaught exception."""
+
+
+def _note_failure() -> None:
+    """Record a failing end (see :data:`_failing`) for the exit check."""
+    exit, hook = sys.exit, sys.excepthook
+
+    def recording_exit(status=None):
+        if status not in (None, 0):
+            _failing.append(True)
+        exit(status)
+
+    def recording_hook(*args) -> None:
+        _failing.append(True)
+        hook(*args)
+
+    sys.exit, sys.excepthook = recording_exit, recording_hook
 
 
 def _rates():
@@ -168,7 +189,8 @@ def _check_at_exit(device) -> None:
     :data:`EXIT_WAIT_S` (an op that blocks, a finalizer gc ran inside an op that waits for this
     thread, a lock inherited held through ``fork``), the check is skipped with a note and the
     device gets a new lock, so the process exits as a GPU process would, not waiting forever.
-    A process that ran out of device memory is not checked: it exits with its own status."""
+    A process ending in failure (out of device memory, a non-zero exit, an uncaught
+    exception) is not checked: it exits with its own status."""
     import gc
     import re
     import threading
@@ -186,9 +208,9 @@ def _check_at_exit(device) -> None:
         device.lock = threading.RLock()  # the op that holds the old one still releases it
         return
     device.lock.release()  # not held across gc: a finalizer may join a thread that needs it
-    if device.ran_out_of_memory:
-        # the out-of-memory error unwound through work in flight (a copy still writing a
-        # block its frames held): the process ends there, with its own status, on a GPU too
+    if device.ran_out_of_memory or _failing:
+        # the error unwound through work in flight (a copy still reading a block its frames
+        # held): the process ends there, with its own status, on a GPU too
         return
     try:
         gc.collect()

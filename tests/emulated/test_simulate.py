@@ -227,3 +227,37 @@ def test_memo_simulate_says_when_the_run_does_not_fit_the_gpu(tmp_path, memo):
     assert done.returncode == OutOfMemory.exit_status, done.stderr[-3000:]
     assert "does not fit the modeled h100-80g: out of device memory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+ORDER_DEFECT = """
+import sys
+
+import torch
+
+side = torch.cuda.Stream()
+x = torch.empty(1 << 20, device="cuda")
+host = torch.empty(1 << 20, pin_memory=True)
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    host.copy_(x, non_blocking=True)  # the side stream reads x
+del x  # freed while that copy may still read it
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 5])
+def test_the_exit_check_judges_a_process_that_finished_not_one_that_failed(tmp_path, status):
+    """A block freed under a copy still reading it fails a process that finished (status 70);
+    a process already failing (a trainer's error unwinding through copies in flight) keeps its
+    own status."""
+    from memo_ext.simulate.process import ORDER_ERROR_STATUS
+
+    script = tmp_path / "defect.py"
+    script.write_text(ORDER_DEFECT)
+    env = {k: v for k, v in alone_env().items() if not k.startswith("MEMO_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "memo_ext.simulate.run", "--", sys.executable, str(script),
+         str(status)], env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == (ORDER_ERROR_STATUS if status == 0 else status), done.stderr[-2000:]
+    assert ("OrderError" in done.stderr) == (status == 0)
