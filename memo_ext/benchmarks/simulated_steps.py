@@ -160,8 +160,8 @@ def paper_cases() -> tuple[Case, ...]:
 
 
 def simulate(case: Case, *, out: Path, calibration: Path | None, steps: int) -> dict | None:
-    """``memo-simulate`` of one case (a process of its own); its ``simulate.json``, or ``None``
-    when the run does not fit the modeled GPU's memory."""
+    """``memo-simulate`` of one case (a process of its own); its ``simulate.json``, ``None``
+    when the run does not fit the modeled GPU's memory, or ``{"failed": its last lines}``."""
     command = [
         sys.executable,
         "-m",
@@ -186,7 +186,8 @@ def simulate(case: Case, *, out: Path, calibration: Path | None, steps: int) -> 
     if done.returncode == OutOfMemory.exit_status:
         return None
     if done.returncode != 0:
-        raise RuntimeError(f"{case.label}: memo-simulate failed:\n{done.stderr[-3000:]}")
+        last = done.stderr.strip().splitlines()[-2:] or ["(no output)"]
+        return {"failed": f"status {done.returncode}: {' / '.join(last)}"}
     return json.loads((out / "simulate.json").read_text())
 
 
@@ -212,9 +213,11 @@ def rows_of(cases, *, work: Path, calibration: Path | None, steps: int, progress
         progress(f"[{k + 1}/{len(cases)}] {case.table}: {case.label}")
         sim = simulate(case, out=out, calibration=calibration, steps=steps)
         est = estimate(case, calibration=calibration)
-        if sim is None:  # out of the modeled device's memory: a row that says so
+        failed = "out of memory" if sim is None else sim.get("failed")
+        if failed:  # out of the modeled device's memory, or the run failed: a row that says so
             sim = dict.fromkeys(("step_s", "mfu", "exposed_copy_s", "compute_idle_s"))
             sim |= {"compute_by_kernel_s": {}, "idle_by_cause_s": {}}
+            progress(f"  {case.label}: {failed}")
         step = sim["step_s"]
         rows.append(
             {
@@ -237,6 +240,7 @@ def rows_of(cases, *, work: Path, calibration: Path | None, steps: int, progress
                 "memory_bound_s": sim["compute_by_kernel_s"].get("memory-bound"),
                 "compute_idle_s": sim["compute_idle_s"],
                 "idle_by_cause_s": sim["idle_by_cause_s"],
+                "failed": failed,
                 "trainer_flags": case.flags,
                 "estimator_flags": case.estimate,
             }
@@ -281,9 +285,9 @@ def print_table(rows: list[dict], out=sys.stdout) -> None:
     print(head, file=out)
     for r in rows:
         name = f"{r['table']}: {r['method']}"
-        if r["simulated_s"] is None:  # did not fit the modeled device
-            print(f"{name:<44} {'':>10} {'out of memory':>13} {r['estimated_s']:>7.3f} s",
-                  file=out)  # fmt: skip
+        if r["simulated_s"] is None:  # did not fit the modeled device, or failed
+            status = "out of memory" if r["failed"] == "out of memory" else "failed"
+            print(f"{name:<44} {'':>10} {status:>13} {r['estimated_s']:>7.3f} s", file=out)
             continue
         if r["measured_s"]:
             measured = f"{r['measured_s']:.3f} s"
