@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from memo_ext.simulate.device import GPUS, emulated_cuda
+from memo_ext.simulate.parts import part
 from tests.emulated.test_training import TINY
 
 ROPE_TP2_SP = [
@@ -22,10 +23,10 @@ def test_the_device_is_a_known_part(gpu, preset):
 
     with emulated_cuda(gpu=gpu):
         spec = cuda_device()
-        assert torch.cuda.get_device_name() == GPUS[gpu].name
+        assert torch.cuda.get_device_name() == GPUS[part(gpu)].name
         assert torch.cuda.get_device_capability() == (9, 0)
     assert spec is not None and spec.name == preset
-    assert spec.memory_bytes == GPUS[gpu].total_memory
+    assert spec.memory_bytes == GPUS[part(gpu)].total_memory
 
 
 def test_each_gpu_of_a_machine_is_its_own_device():

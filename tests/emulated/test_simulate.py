@@ -192,7 +192,8 @@ def test_memo_simulate_prints_the_step_and_writes_its_timeline_and_trace(tmp_pat
     done = memo_simulate(tmp_path, "--gpu", "h200", "--gpus", "2", "--steps", "2",
                          "--out", str(out), "--", *flags)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"memo-simulate: left to the simulation: --save {tmp_path / 'ckpt'}" in done.stdout
+    left = next(line for line in done.stdout.splitlines() if "left to the simulation" in line)
+    assert f"--save {tmp_path / 'ckpt'}" in left and "no checkpoint read or written" in left
     assert not (tmp_path / "ckpt").exists()
     assert "simulated on 2 × h200-141g" in done.stdout
     summary = json.loads((out / "simulate.json").read_text())
