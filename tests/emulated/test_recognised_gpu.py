@@ -94,3 +94,16 @@ def test_the_comparison_predicts_on_the_gpu(tmp_path):
         traced = traced_figures(comp, method, 128, 0.5)
     assert predicted.get("error") is None and predicted["peak_memory_bytes"] > 0, predicted
     assert traced["host_bytes"] > 0, traced
+
+
+def test_a_megatron_lm_scripts_attention_flags_on_a_gpu_without_its_packages(cuda):
+    """On a GPU, --use-flash-attn needs the flash_attn package and is refused in one sentence
+    without it (on the CPU it has no effect), and Megatron-LM's transformer-engine attention
+    backends become SDPA without transformer-engine."""
+    from memo_ext.arguments import parse_args
+    from memo_ext.errors import UsageError
+
+    with pytest.raises(UsageError, match="flash attention needs CUDA and the flash_attn package"):
+        parse_args([*TINY, "--use-flash-attn"], world_size=1)
+    run = parse_args([*TINY, "--attention-backend", "fused"], world_size=1)
+    assert run.model.attention_backend == "sdpa"
