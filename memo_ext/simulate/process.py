@@ -48,6 +48,7 @@ def install() -> None:
 
     runtime.load()
     sys.meta_path.insert(0, _AfterTorch())
+    _note_failure()  # before the main module looks up sys.exit (``sys.exit(main())``)
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
@@ -104,7 +105,6 @@ def _activate() -> None:
     device = context.__enter__()
     _held.append(context)  # a generator context closed by the collector would leave the device
     _threads_on_the_device(device)
-    _note_failure()
     atexit.register(_check_at_exit, device)
     if out:  # registered last: runs first, before the exit check can end the process
         atexit.register(_write_timeline, device, out)

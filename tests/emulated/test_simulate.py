@@ -233,16 +233,21 @@ def test_memo_simulate_says_when_the_run_does_not_fit_the_gpu(tmp_path, memo):
 ORDER_DEFECT = """
 import sys
 
-import torch
 
-side = torch.cuda.Stream()
-x = torch.empty(1 << 20, device="cuda")
-host = torch.empty(1 << 20, pin_memory=True)
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    host.copy_(x, non_blocking=True)  # the side stream reads x
-del x  # freed while that copy may still read it
-sys.exit(int(sys.argv[1]))
+def main():
+    import torch  # the device comes with it, after sys.exit below was looked up
+
+    side = torch.cuda.Stream()
+    x = torch.empty(1 << 20, device="cuda")
+    host = torch.empty(1 << 20, pin_memory=True)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)  # the side stream reads x
+    del x  # freed while that copy may still read it
+    return int(sys.argv[1])
+
+
+sys.exit(main())  # as the trainer ends
 """
 
 
