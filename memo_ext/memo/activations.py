@@ -381,6 +381,17 @@ class LayerActivations:
                 total += p.meta.nbytes * a // self.tokens
         return total
 
+    def host_buffer_count(self, host_tokens: int | None = None) -> int:
+        """Host buffers this layer takes if ``host_tokens`` tokens per block go to host memory
+        (one per whole storage, needed attention input and token-wise payload, as
+        :meth:`end_forward` takes them)."""
+        a = self.host_tokens if host_tokens is None else host_tokens
+        count = len(self.full_storages)
+        if a > 0:
+            count += sum(1 for inp in self.attention_inputs if inp.needed)
+            count += sum(1 for p in self.payloads if p.role is Role.TOKENWISE)
+        return count
+
     def device_bytes(self) -> int:
         """Bytes this layer keeps on the device after its forward (SMALL tensors)."""
         return sum(p.meta.nbytes for p in self.payloads if p.role is Role.SMALL)

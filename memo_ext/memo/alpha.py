@@ -32,6 +32,9 @@ class LayerCost:
     """Seconds of one layer's forward."""
     copy_gbps: float | None = None
     """Device → host copy bandwidth, GB/s (1e9 bytes)."""
+    rounding_bytes: int = 0
+    """Host bytes one layer's buffers may take beyond their sizes: pinned buffers take whole
+    pages, up to a page more each (0 when unpinned, or unknown)."""
 
     def host_bytes(self, alpha: float) -> float:
         return self.full_bytes + alpha * self.tokenwise_bytes
@@ -51,7 +54,9 @@ def solve_alpha(cost: LayerCost, *, budget_bytes: int, resident_layers: int) -> 
         hidden_bytes = cost.copy_gbps * 1e9 * cost.forward_s
         alpha = min(alpha, _fraction(hidden_bytes - cost.full_bytes, cost.tokenwise_bytes))
     if resident_layers > 0:
-        per_layer = budget_bytes / resident_layers
+        # the buffers' page rounding counted in: a budget filled to the byte by the sizes
+        # alone overflows by their pages
+        per_layer = budget_bytes / resident_layers - cost.rounding_bytes
         if per_layer < cost.full_bytes:
             raise HostMemoryError(
                 f"MEMO needs at least {resident_layers * cost.full_bytes / 2**30:.2f} GiB of host "

@@ -56,6 +56,7 @@ from memo_ext.memo.chunked_activations import ChunkedActivations
 from memo_ext.memo.modes import PROBE_TOKENS, Chunks, WholeLayers, layer_mode, stage_counts
 from memo_ext.memo.rules import offload_rule
 from memo_ext.memo.transfer import (
+    PAGE_BYTES,
     Completion,
     HostPool,
     build_transfer_engine,
@@ -324,7 +325,11 @@ class MemoRuntime:
         )
         del probe  # back to the budget before the layers' buffers are taken
         self.cost = LayerCost(
-            full_bytes=full, tokenwise_bytes=scaled, forward_s=forward_s, copy_gbps=gbps
+            full_bytes=full,
+            tokenwise_bytes=scaled,
+            forward_s=forward_s,
+            copy_gbps=gbps,
+            rounding_bytes=self._rounding_bytes(acts, n),
         )
         alpha = solve_alpha(
             self.cost,
@@ -341,6 +346,14 @@ class MemoRuntime:
             full / 2**20,
             scaled / 2**20,
         )
+
+    def _rounding_bytes(self, acts, tokens: int) -> int:
+        """Bytes a layer's pinned host buffers may take beyond their sizes (a page each); 0
+        unpinned, or for a record that does not count its buffers (chunked layers)."""
+        count = getattr(acts, "host_buffer_count", None)
+        if count is None or not self.pool.pin_memory:
+            return 0
+        return count(tokens) * PAGE_BYTES
 
     def _measured_forward(self, layer, kwargs: dict[str, Any], groups: int):
         """The layer's forward with every save measured (nothing offloaded); (its activations'
@@ -384,8 +397,9 @@ class MemoRuntime:
             )
         # as if every layer's whole storages were on the host, against the budget the
         # skeletons' device-resident bytes are added back to
-        need = layers * acts.host_bytes()
-        floor = layers * acts.host_bytes(0)
+        rounding = self._rounding_bytes(acts, acts.host_tokens)
+        need = layers * (acts.host_bytes() + rounding)
+        floor = layers * (acts.host_bytes(0) + self._rounding_bytes(acts, 0))
         logger.info(
             "MEMO α = %g: %d of %d tokens per block to host, %s per layer, up to %d layer "
             "activations held: %s of a %s host budget",

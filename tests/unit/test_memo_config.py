@@ -100,3 +100,37 @@ def test_solve_alpha_fits_the_budget():
     assert solve_alpha(cost, budget_bytes=2000, resident_layers=0) == 1.0
     with pytest.raises(HostMemoryError, match="even at α = 0"):
         solve_alpha(cost, budget_bytes=999, resident_layers=10)
+
+
+def test_alpha_leaves_room_for_the_pinned_buffers_pages():
+    """A budget filled to the byte by the buffers' sizes overflowed by their page rounding: a
+    7B run at 672K tokens on 8 A800s solved α = 0.678 for exactly 240 GiB, then its pool (which
+    counts whole pinned pages) refused the last layer's buffers in the first step."""
+    from memo_ext.memo.alpha import LayerCost, solve_alpha
+
+    full, tokenwise, layers, pages = 1_354 * 2**20, 10_081 * 2**20, 30, 21 * 4096
+    budget = layers * (full + tokenwise // 2)  # α = 0.5 by the sizes alone, to the byte
+    sizes_only = solve_alpha(LayerCost(full, tokenwise), budget_bytes=budget,
+                             resident_layers=layers)  # fmt: skip
+    rounded = solve_alpha(LayerCost(full, tokenwise, rounding_bytes=pages), budget_bytes=budget,
+                          resident_layers=layers)  # fmt: skip
+    assert sizes_only == pytest.approx(0.5)
+    assert rounded < sizes_only
+    assert layers * (full + rounded * tokenwise + pages) <= budget
+
+
+def test_a_layer_counts_the_host_buffers_it_takes():
+    """One buffer per whole storage, needed attention input and token-wise payload, as the
+    forward's end takes them (none of the token-wise ones at α = 0)."""
+    from types import SimpleNamespace
+
+    from memo_ext.memo.activations import LayerActivations, Role
+
+    acts = LayerActivations.__new__(LayerActivations)  # the record's fields, not a layer's run
+    acts.full_storages = {1: 10, 2: 20}
+    acts.attention_inputs = [SimpleNamespace(needed=True), SimpleNamespace(needed=False)]
+    acts.payloads = [SimpleNamespace(role=Role.TOKENWISE), SimpleNamespace(role=Role.SMALL),
+                     SimpleNamespace(role=Role.TOKENWISE)]  # fmt: skip
+    acts.host_tokens = 5
+    assert acts.host_buffer_count() == 2 + 1 + 2
+    assert acts.host_buffer_count(0) == 2
