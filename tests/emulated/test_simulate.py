@@ -267,3 +267,21 @@ def test_the_exit_check_judges_a_process_that_finished_not_one_that_failed(tmp_p
     )  # fmt: skip
     assert done.returncode == (ORDER_ERROR_STATUS if status == 0 else status), done.stderr[-2000:]
     assert ("OrderError" in done.stderr) == (status == 0)
+
+
+def test_an_op_torch_decomposes_is_one_kernel_with_no_intermediates(cuda):
+    """FakeTensorMode runs gelu_backward as six element-wise ops in fp32; on a GPU it is one
+    kernel that allocates its output only: a first call (its dispatch not yet cached) took
+    2 GiB of fp32 intermediates per call at 32K × 16384 and ran a capped run out of memory."""
+    import torch
+
+    grad = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    before, ops = (
+        torch.cuda.memory_allocated(),
+        cuda.clock.totals.ops.get(cuda.clock.compute_stream, 0),
+    )
+    out = torch.ops.aten.gelu_backward(grad, x)
+    assert torch.cuda.max_memory_allocated() - before == out.untyped_storage().nbytes()
+    assert cuda.clock.totals.ops[cuda.clock.compute_stream] - ops == 1
