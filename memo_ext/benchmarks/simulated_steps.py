@@ -162,9 +162,9 @@ def paper_cases() -> tuple[Case, ...]:
     )  # fmt: skip
 
 
-def simulate(case: Case, *, out: Path, calibration: Path | None, steps: int) -> dict | None:
-    """``memo-simulate`` of one case (a process of its own); its ``simulate.json``, ``None``
-    when the run does not fit the modeled GPU's memory, or ``{"failed": its last lines}``."""
+def simulate(case: Case, *, out: Path, calibration: Path | None, steps: int) -> dict:
+    """``memo-simulate`` of one case (a process of its own); its ``simulate.json``, or
+    ``{"failed": why}`` ("out of memory" when the run does not fit the modeled GPU)."""
     command = [
         sys.executable,
         "-m",
@@ -187,7 +187,7 @@ def simulate(case: Case, *, out: Path, calibration: Path | None, steps: int) -> 
     done = subprocess.run([*command, "--", *flags], capture_output=True, text=True)
     (out / "simulate.log").write_text(done.stdout + done.stderr)
     if done.returncode == OutOfMemory.exit_status:
-        return None
+        return {"failed": "out of memory"}
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-2:] or ["(no output)"]
         return {"failed": f"status {done.returncode}: {' / '.join(last)}"}
@@ -216,7 +216,7 @@ def rows_of(cases, *, work: Path, calibration: Path | None, steps: int, progress
         progress(f"[{k + 1}/{len(cases)}] {case.table}: {case.label}")
         sim = simulate(case, out=out, calibration=calibration, steps=steps)
         est = estimate(case, calibration=calibration)
-        failed = "out of memory" if sim is None else sim.get("failed")
+        failed = sim.get("failed")
         if failed:  # out of the modeled device's memory, or the run failed: a row that says so
             sim = dict.fromkeys(("step_s", "mfu", "exposed_copy_s", "compute_idle_s"))
             sim |= {"compute_by_kernel_s": {}, "idle_by_cause_s": {}}

@@ -699,8 +699,6 @@ class EmulatedCuda:
         lazily, cuBLAS makes its handle and workspace at first use)."""
         self._gemm_shapes: set[tuple] = set()
         self.allocated_bytes = self.peak_bytes = 0
-        self.ran_out_of_memory = False
-        """An allocation failed for want of capacity (the run is unwinding, or went on)."""
         self.lifetime_peak_bytes = 0
         self.memory_fraction = 1.0
         """``torch.cuda.set_per_process_memory_fraction``'s (``--memory-limit-gb``)."""
@@ -832,7 +830,6 @@ class EmulatedCuda:
             nbytes=t.untyped_storage().nbytes(), stream=stream, device=t.device.index
         )
         if self.allocator is None and self.allocated_bytes + storage.nbytes > self.capacity():
-            self.ran_out_of_memory = True
             raise torch.OutOfMemoryError(_out_of_memory(storage, self))
         self._log("alloc", token, storage)
         if self.allocator is not None and storage.nbytes:

@@ -208,7 +208,7 @@ def _check_at_exit(device) -> None:
         device.lock = threading.RLock()  # the op that holds the old one still releases it
         return
     device.lock.release()  # not held across gc: a finalizer may join a thread that needs it
-    if device.ran_out_of_memory or _failing:
+    if _failing:
         # the error unwound through work in flight (a copy still reading a block its frames
         # held): the process ends there, with its own status, on a GPU too
         return
