@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MetricKey:
-    """Keys of the metrics file (one row of the README's table): their type and meaning.
+    """Keys of the metrics file (one row of docs/metrics.md's table): their type and meaning.
     Every key a logged record holds is one of these, written where the feature or the part of
     the trainer that collects it is (``memo_ext.training.metric_keys`` gathers them)."""
 
@@ -154,7 +154,7 @@ class Extension(abc.ABC):
     finalizes_gradients: bool = False
     """Reduces gradients itself: megatron-core's schedules must not finalize them."""
     metric_keys: ClassVar[tuple[MetricKey, ...]] = ()
-    """The keys its :meth:`metric_sources` add to a logged record, documented (the README's
+    """The keys its :meth:`metric_sources` add to a logged record, documented (docs/metrics.md's
     metrics table is made from them)."""
 
     @classmethod

@@ -134,7 +134,7 @@ def run_pretrain(
 def documented(
     records: list[dict], *, extra: tuple = (), own_keys: tuple[str, ...] = ()
 ) -> list[dict]:
-    """``records``, once every key of each is found documented with its type (the README's
+    """``records``, once every key of each is found documented with its type (docs/metrics.md's
     metrics table, ``memo_ext.training.metric_keys``; ``extra``: the ``MetricKey`` of a
     test's own extension), ``own_keys`` aside."""
     from memo_ext.training.metric_keys import undocumented

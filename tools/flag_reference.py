@@ -1,8 +1,8 @@
-"""Print the trainer's flag reference and the metrics file's keys as Markdown tables (the
-README's "Flag reference" and "Metrics").
+"""Print the trainer's flag reference and the metrics file's keys as Markdown tables
+(docs/flags.md and docs/metrics.md).
 
     python -m tools.flag_reference            # print
-    python -m tools.flag_reference --update   # rewrite both sections of README.md in place
+    python -m tools.flag_reference --update   # rewrite both sections in place
 
 The sections lie between ``<!-- flags:begin -->`` and ``<!-- flags:end -->``, and between
 ``<!-- metrics:begin -->`` and ``<!-- metrics:end -->``; a test checks that each matches this
@@ -18,7 +18,9 @@ from pathlib import Path
 
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 METRICS_BEGIN, METRICS_END = "<!-- metrics:begin -->", "<!-- metrics:end -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+FLAGS_DOC, METRICS_DOC = DOCS / "flags.md", DOCS / "metrics.md"
+"""Where the generated tables live."""
 
 
 def _default(action: argparse.Action) -> str:
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="flag_reference", description=__doc__.split("\n")[0], allow_abbrev=False
     )
-    parser.add_argument("--update", action="store_true", help="Rewrite README.md's section.")
+    parser.add_argument("--update", action="store_true", help="Rewrite both docs' sections.")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     from memo_ext.arguments import build_parser
@@ -74,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.update:
         print(tables + "\n" + metrics)
         return 0
-    text = _replace_section(README.read_text(), tables, BEGIN, END)
-    README.write_text(_replace_section(text, metrics, METRICS_BEGIN, METRICS_END))
+    FLAGS_DOC.write_text(_replace_section(FLAGS_DOC.read_text(), tables, BEGIN, END))
+    METRICS_DOC.write_text(
+        _replace_section(METRICS_DOC.read_text(), metrics, METRICS_BEGIN, METRICS_END)
+    )
     return 0
 
 

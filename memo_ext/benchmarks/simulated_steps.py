@@ -1,6 +1,6 @@
 """The simulator held against measurement: step times of the one H200 run, re-run on its model.
 
-Each configuration of the README's "Measured on one H200" tables runs through ``memo-simulate``
+Each configuration of docs/gpu.md's "Measured on one H200" tables runs through ``memo-simulate``
 (the trainer itself, on an emulated H200, timed by ``memo_ext.simulate.timing``) with only the
 constants of that run's kernel microbenchmark (matmul 792 TFLOP/s, attention 456 TFLOP/s at 8K
 tokens, host link 54.7 GB/s, as a ``memo-calibration/1`` file) and the H200 preset; the
@@ -18,7 +18,7 @@ constants. Run from anywhere::
     python -m memo_ext.benchmarks.simulated_steps --json simulated_steps.json [--paper]
 
 About a minute of CPU per configuration (the 1M-token ones: several). The measured figures are
-the README's (scripts/gpu_check.sh on one H200, torch 2.11, medians of steps 2-5).
+docs/gpu.md's (scripts/gpu_check.sh on one H200, torch 2.11, medians of steps 2-5).
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ H200_MICROBENCHMARK = Calibration(
     host_link_gbps=54.7,
     host_link_gpus=1,
     source="microbenchmark",
-    details={"from": "README, Measured on one H200: the kernel microbenchmark of memo-compare"},
+    details={
+        "from": "docs/gpu.md, Measured on one H200: the kernel microbenchmark of memo-compare"
+    },
 )
 """The one H200 run's microbenchmark (its layer matmuls, causal attention at 8K tokens, host
 copies), the only constants the simulation and the estimator get here."""
@@ -118,7 +120,7 @@ H200_CASES = (
     Case("7B width, 4 layers", "MEMO 32K", seven_b_width("memo", 32768),
          seven_b_width_estimate("memo", 32768, "--memo-keep-last-layers", "1"), 0.762),
 )  # fmt: skip
-"""The README's H200 tables: (table, method, trainer flags, estimator flags, measured step)."""
+"""docs/gpu.md's H200 tables: (table, method, trainer flags, estimator flags, measured step)."""
 
 SEVEN_B_TP8 = [
     "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
@@ -255,7 +257,7 @@ TOLERANCE = 0.15
 """How far a simulated step may be from the measured one (exit status 1 beyond it)."""
 MEASURED_TIE = 0.02
 """Two methods whose measured steps differ by less than this share are a tie: the measurement's
-own spread (the README's fit reproduced three runs within 2.8%) does not order them."""
+own spread (docs/gpu.md's fit reproduced three runs within 2.8%) does not order them."""
 
 
 def orders(rows: list[dict]) -> dict[str, dict]:

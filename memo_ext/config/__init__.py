@@ -3,7 +3,7 @@ own checks.
 
 One field per flag: ``memo_ext.arguments`` generates the trainer's command line from these
 classes (``memo_ext.flags``: the flag is the field's name, its help the docstring under it, its
-default the field's default) and the README's flag reference is generated from that parser. The
+default the field's default) and docs/flags.md's flag reference is generated from that parser. The
 model's size is :class:`~memo_ext.shapes.ModelShape` and the process layout
 :class:`~memo_ext.parallel.ParallelLayout`; the sections here hold the rest:
 

@@ -1,6 +1,6 @@
 """Every key of the metrics file, documented where it is collected: :class:`StepMetrics`' and
 the trainer's own (``memo_ext.training.metrics``), and each feature's
-(``Extension.metric_keys``). The README's metrics table is made from :func:`metric_keys`
+(``Extension.metric_keys``). docs/metrics.md's table is made from :func:`metric_keys`
 (``python -m tools.flag_reference --update``), and the tests hold every record they train
 against it (``tests/launch.py``)."""
 
@@ -35,7 +35,7 @@ def undocumented(record: dict, extra: tuple[MetricKey, ...] = ()) -> list[str]:
 
 
 def metrics_table(keys: tuple[MetricKey, ...] | None = None) -> str:
-    """The README's table of the metrics file's keys."""
+    """docs/metrics.md's table of the metrics file's keys."""
     lines = ["| key | type | meaning |", "|---|---|---|"]
     for key in keys or metric_keys():
         names = ", ".join(f"`{name}`" for name in key.names)

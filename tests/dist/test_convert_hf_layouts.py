@@ -183,7 +183,7 @@ def test_training_from_the_import_under_another_layout(imported, tmp_path, layou
 
 
 def test_a_fine_tuned_import_exports_with_the_source_config(tmp_path):
-    # the README's recipe: import, train from it into a --save of its own, export that save
+    # docs/hf.md's recipe: import, train from it into a --save of its own, export that save
     # with no flag retyped; the export keeps the token ids no trainer flag holds
     from safetensors.torch import load_file
 
