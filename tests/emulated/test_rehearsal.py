@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,63 @@ def test_the_7b_comparison_runs_on_two_gpus(tmp_path):
         assert record["predicted"].get("error") is None, record["predicted"]
         assert "--loss-chunks" in record["command"]
     assert json.loads((out / "calibration.json").read_text())["device"] == "h100-80g"
+
+
+SLURM = ROOT / "tests" / "emulated" / "slurm"
+"""Stand-in ``srun`` (one task per node, all on this machine) and ``scontrol``."""
+SHRUNK = [
+    "--methods", "full@tp2cp2", "memo@tp2cp2", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--vocab-size", "512", "--loss-chunks", "2",
+    "--memo-keep-last-layers", "1", "--seq-lengths", "512", "--granularity", "512",
+    "--max-seq-length", "512", "--job-timeout-s", "600",
+]  # fmt: skip
+"""The 13B on 16 GPUs of the script, shrunk to 2 layers of width 64 on 2 × 2 GPUs."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_compare_multinode_trains_on_two_nodes_and_a_resubmission_resumes(tmp_path):
+    """``scripts/compare_multinode.sbatch`` started as SLURM starts it, on this machine: the
+    stand-in ``srun`` runs one torchrun per node (2 nodes × 2 emulated GPUs, c10d rendezvous on
+    the first node's address). The first submission's time budget ends after its first job (full
+    recomputation); the resubmission, another job id, finds the results where the first left
+    them (the script's default folder under the submission's) and runs only MEMO, then the
+    search's end and the calibration."""
+    out = tmp_path / "runs" / "compare_multinode"
+    env = dict(
+        PATH=os.pathsep.join([str(SLURM), str(Path(sys.executable).parent), os.environ["PATH"]]),
+        SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="2",
+        SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", PORT=str(_free_port()),
+    )  # fmt: skip
+    script = ("bash", str(ROOT / "scripts" / "compare_multinode.sbatch"), *SHRUNK)
+    _, first = on_the_device(
+        tmp_path, *script, "--time-budget-s", "1", gpus=2, SLURM_JOB_ID="101", **env
+    )
+    results = json.loads((out / "compare.json").read_text())
+    assert [(r["method"], r["status"]) for r in results["runs"]] == [("full@tp2cp2", "ok")], first
+    assert results["find_max"]["full@tp2cp2"]["bound"] == "not finished"
+    command = results["runs"][0]["command"]
+    assert command[:7] == ["srun", "--nodes", "2", "--ntasks-per-node", "1",
+                           "--kill-on-bad-exit=1", sys.executable], command  # fmt: skip
+    assert command[command.index("--nnodes") + 1] == "2"
+    assert command[command.index("--rdzv-endpoint") + 1] == f"127.0.0.1:{env['PORT']}"
+    full_log = out / results["runs"][0]["log"]
+    assert "world 4 = TP 2 × CP 2 × PP 1 × DP 1 + SP" in full_log.read_text()
+    written = full_log.stat().st_mtime_ns
+
+    _, second = on_the_device(tmp_path, *script, gpus=2, SLURM_JOB_ID="102", **env)
+    results = json.loads((out / "compare.json").read_text())
+    runs = {r["method"]: r for r in results["runs"]}
+    assert {m: r["status"] for m, r in runs.items()} == {"full@tp2cp2": "ok", "memo@tp2cp2": "ok"}
+    assert "memo@tp2cp2 @ 512: ok" in second and "full@tp2cp2 @ 512: ok" not in second, second
+    assert full_log.stat().st_mtime_ns == written  # the finished job did not run again
+    assert "world 4 = TP 2 × CP 2" in (out / runs["memo@tp2cp2"]["log"]).read_text()
+    assert runs["memo@tp2cp2"]["measured"]["memo_alpha"] is not None
+    for search in results["find_max"].values():
+        assert search["longest"] == 512, results["find_max"]
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert calibration["format"] == "memo-calibration/1" and calibration["device"] == "h100-80g"
