@@ -120,7 +120,7 @@ def test_unknown_tokenizer_type_lists_valid_types():
 def test_the_data_docs_name_every_tokenizer_type():
     """docs/data.md's table has a row per type built here, in order; its text names each of
     Megatron-LM's other types, which are refused."""
-    section = DATA_DOCS.read_text().split("### Tokenizers")[1].split("\n### ")[0]
+    section = DATA_DOCS.read_text().split("## Tokenizers")[1].split("\n## ")[0]
     assert re.findall(r"^\| `(\w+)`", section, flags=re.MULTILINE) == list(TOKENIZER_TYPES)
     refused = [t for t in megatron_flags()["--tokenizer-type"].choices if t not in TOKENIZER_TYPES]
     assert refused and [t for t in refused if f"`{t}`" not in section] == []
