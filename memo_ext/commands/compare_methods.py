@@ -9,7 +9,7 @@ memory) stands next to every measurement, and the per-layer figures traced on fa
 
     # CPU: a tiny model at three lengths, and the longest each method trains at under a cap
     python -m tools.compare_methods --num-layers 8 --hidden-size 64 --num-attention-heads 4 \\
-        --vocab-size 512 --micro-batch-size 8 --methods none full memo=0 \\
+        --vocab-size 512 --micro-batch-size 8 --methods none full memo:alpha=0 \\
         --seq-lengths 256 512 1024 --find-max --granularity 256 --max-seq-length 4096 \\
         --memory-limit-gb 0.25 --out runs/compare_cpu
 
@@ -21,8 +21,9 @@ memory) stands next to every measurement, and the per-layer figures traced on fa
 
 Methods: ``none``, ``selective``, ``full`` (Megatron's), ``megatron-offload`` (megatron-core's
 fine-grained activation offloading; CUDA and transformer-engine, else each of its rows says
-``refused`` and no job starts), ``memo`` (α by the rule) or ``memo=A``, ``memo+plan`` (with the
-planned allocator), each optionally ``@LAYOUT`` (``tp4cp2``: TP 4 with SP, CP 2, DP the rest).
+``refused`` and no job starts), ``memo`` (α by the rule) or ``memo:alpha=A,rule=NAME``,
+``memo+plan`` (with the planned allocator), each optionally ``@LAYOUT`` (``tp4cp2``: TP 4 with
+SP, CP 2, DP the rest). A plugin's methods (``--plugin``) join the list.
 Flags after ``--`` go to every job unchanged (``--bf16``, ``--attention-backend flash``, …).
 
 Written to ``--out``: ``compare.json`` (every run's raw figures, the longest lengths found, the
@@ -55,6 +56,7 @@ from memo_ext.compare.comparison import Comparison  # noqa: E402
 from memo_ext.compare.jobs import (  # noqa: E402
     Launch,
     Method,
+    methods_help,
     parse_method,
 )
 from memo_ext.compare.report import format_summary, format_table, plot_comparison  # noqa: E402
@@ -116,8 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=["none", "full", "memo"],
-        help="METHOD[=ALPHA][@LAYOUT] each: none, selective, full, megatron-offload, memo (=A: "
-        "fixed α, else auto), memo+plan; @tp4cp2 gives a method its own layout.",
+        help=methods_help(),
     )
     what.add_argument("--seq-lengths", nargs="+", type=int, default=[], help="Lengths to run.")
     what.add_argument(

@@ -170,7 +170,9 @@ def estimate_configuration(
     spec = method.spec
     if spec.estimator is None:
         raise EstimateError(f"the estimator does not model {method.name}")
-    settings = spec.estimator_settings(method.alpha, keep_last_layers=comp.keep_last_layers)
+    settings = spec.estimator_settings(
+        dict(method.settings), keep_last_layers=comp.keep_last_layers
+    )
     return estimate(
         model=comp.model,
         device=device or comp.device,
@@ -188,13 +190,17 @@ def estimate_configuration(
     )
 
 
-def traced_figures(comp: Comparison, method: Method, seq: int, alpha: float | None) -> dict:
+def traced_figures(
+    comp: Comparison, method: Method, seq: int, *, measured: dict, predicted: dict
+) -> dict:
     """Activation bytes kept, host bytes and recompute FLOPs of one iteration of one process,
-    traced on fake tensors in the jobs' precision (``tools.memory_report``'s figures)."""
+    traced on fake tensors in the jobs' precision (``tools.memory_report``'s figures), with the
+    settings the run chose (``measured``: its figures, empty when it did not train; else the
+    estimator's ``predicted``)."""
     layout = comp.layouts[method.label]
     if layout.cp > 1:
         return {"note": "context parallelism cannot be traced on fake tensors"}
-    key = method.spec.traced(alpha)
+    key = method.spec.traced(dict(method.settings), measured=measured, predicted=predicted)
     if key is None:
         return {"note": method.spec.untraced_note()}
     setup = Setup(

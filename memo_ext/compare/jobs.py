@@ -2,7 +2,7 @@
 
 A :class:`Method` is what a comparison varies (a method of ``memo_ext.features.registry.COMPARED``:
 Megatron's recomputation, megatron-core's offloading, MEMO, …, each its feature's), how it is
-spelled on the command line (``memo=0.25@tp4cp2``), optionally in its own layout;
+spelled on the command line (``memo:alpha=0.25@tp4cp2``), optionally in its own layout;
 :func:`run_job` runs one job with a time limit and returns a :class:`JobOutcome`, in which an
 out-of-memory failure is a result (``oom``, with the bytes the allocator was asked for) and a job
 past its limit is stopped and recorded (``timeout``). A method this machine cannot run
@@ -25,21 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memo_ext.errors import OutOfMemory, UsageError, out_of_memory
-from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.compared import ComparedMethod, Settings
 from memo_ext.features.registry import COMPARED, compared_method
+from memo_ext.features.spelling import GRAMMAR, parse_spelling, spell
 from memo_ext.parallel import ParallelLayout, parse_layout
-
-_SPEC = re.compile(r"^(?P<name>[a-z+-]+)(?:=(?P<alpha>[^@]+))?(?:@(?P<layout>[a-z0-9]+))?$")
 
 
 @dataclass(frozen=True)
 class Method:
-    """One method of a comparison, optionally in its own parallel layout."""
+    """One method of a comparison, with its settings, optionally in its own parallel layout."""
 
     name: str
     """A method of ``memo_ext.features.registry.COMPARED``."""
-    alpha: float | None = None
-    """MEMO's α; ``None`` for the rule (``auto``)."""
+    settings: Settings = ()
+    """Its ``KEY=VALUE`` settings, each checked and in its one spelling (``alpha=0.5``)."""
     layout: str | None = None
     """A layout such as ``tp4cp2`` (SP on with TP > 1), or ``None`` for the comparison's."""
 
@@ -51,15 +50,12 @@ class Method:
     @property
     def label(self) -> str:
         """The spelling that names this method in tables, plots and the JSON file."""
-        text = self.name
-        if self.spec.takes_alpha and self.alpha is not None:
-            text += f"={self.alpha:g}"
-        return text + (f"@{self.layout}" if self.layout else "")
+        return spell(self.name, self.settings, self.layout)
 
     def trainer_flags(self, keep_last_layers: int | None = None) -> list[str]:
         """The trainer's flags that select this method (with the comparison's kept last layers
         where the method keeps layers)."""
-        return self.spec.trainer_flags(self.alpha, keep_last_layers=keep_last_layers)
+        return self.spec.trainer_flags(dict(self.settings), keep_last_layers=keep_last_layers)
 
     def refusal(self) -> str | None:
         """Why this machine cannot run the method (one sentence), or ``None``: asked on every
@@ -73,32 +69,46 @@ class Method:
         return parse_layout(self.layout, world_size)
 
 
-def parse_method(text: str) -> Method:
-    """``NAME[=ALPHA][@LAYOUT]``: ``memo``, ``memo=0.5``, ``full@tp8``, ``memo+plan=auto@tp4cp2``.
+def parse_method(text: str, *, notice: Callable[[str], None] | None = None) -> Method:
+    """``NAME[:KEY=VALUE,...][@LAYOUT]`` (:mod:`memo_ext.features.spelling`): ``memo``,
+    ``memo:alpha=0.5,rule=tokenwise``, ``full@tp8``, ``memo+plan:alpha=auto@tp4cp2``; the
+    method checks its own settings. The old ``memo=0.5`` is read, with one line to ``notice``
+    (default: standard error).
 
     Raises:
-        UsageError: for an unknown method, and an α where none applies or out of [0, 1].
+        UsageError: for an unknown method, a setting it does not take or cannot read.
     """
-    match = _SPEC.match(text.strip().lower())
-    if match is None or compared_method(match["name"]) is None:
+    spelling = parse_spelling(text, flag="--methods")
+    spec = compared_method(spelling.name)
+    if spec is None:
         raise UsageError(
-            f"--methods: {text!r} is not METHOD[=ALPHA][@LAYOUT] with METHOD one of "
-            f"{', '.join(m.name for m in COMPARED)} (e.g. memo=0.5@tp4cp2)"
+            f"--methods: {text!r}: no method {spelling.name!r}; one of "
+            f"{', '.join(m.name for m in COMPARED)} ({GRAMMAR}, e.g. memo:alpha=0.5@tp4cp2)"
         )
-    name, alpha_text = match["name"], match["alpha"]
-    alpha = None
-    if alpha_text is not None:
-        if not compared_method(name).takes_alpha:
-            takers = " and ".join(m.name for m in COMPARED if m.takes_alpha)
-            raise UsageError(f"--methods: {text!r}: only {takers} take an α")
-        if alpha_text != "auto":
-            try:
-                alpha = float(alpha_text)
-            except ValueError:
-                alpha = -1.0
-            if not 0.0 <= alpha <= 1.0:
-                raise UsageError(f"--methods: {text!r}: α must be in [0, 1] or auto")
-    return Method(name=name, alpha=alpha, layout=match["layout"])
+    if spelling.notice:
+        (notice or _to_stderr)(spelling.notice)
+    settings = spec.parse_settings(spelling.settings, text=text.strip())
+    return Method(name=spelling.name, settings=settings, layout=spelling.layout)
+
+
+def methods_help() -> str:
+    """``--methods``' help: the grammar, the registered methods, and the settings they take."""
+    takers: dict[tuple, list[str]] = {}
+    for spec in COMPARED:
+        if spec.settings_help:
+            takers.setdefault(tuple(spec.settings_help.items()), []).append(spec.name)
+    settings = "".join(
+        f" {' and '.join(names)} take " + "; ".join(f"{k}: {v}" for k, v in keys) + "."
+        for keys, names in takers.items()
+    )
+    return (
+        f"{GRAMMAR} each, e.g. memo:alpha=0.5@tp4cp2 (@LAYOUT gives a method its own layout, SP "
+        f"on with TP > 1). Methods: {', '.join(m.name for m in COMPARED)}.{settings}"
+    )
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 # --- the job's command line -------------------------------------------------------------------

@@ -168,7 +168,7 @@ class Runner:
         if outcome.status == OK:
             measured["peak_memory_bytes"] = measured.get("mem_allocated_bytes")
         predicted = predict(comp, method, seq)
-        alpha = measured.get("memo_alpha") if outcome.status == OK else predicted.get("alpha")
+        trained = measured if outcome.status == OK else {}
         return {
             "key": key,
             "method": method.label,
@@ -181,7 +181,9 @@ class Runner:
             "wall_s": outcome.wall_s,
             "measured": measured,
             "predicted": predicted,
-            "deterministic": traced_figures(comp, method, seq, method.alpha or alpha),
+            "deterministic": traced_figures(
+                comp, method, seq, measured=trained, predicted=predicted
+            ),
             "log": log,
             "command": command,
         }

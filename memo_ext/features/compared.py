@@ -1,15 +1,20 @@
-"""A method as the comparisons run it (``memo-compare --methods``): its name, the trainer flags
-that select it, how the estimator predicts it and how it is traced on fake tensors, and what a
-machine must have to run it. Each feature lists its own (``COMPARED`` in its package); the
-comparison harness (``memo_ext.compare``) reads them from
-``memo_ext.features.registry.COMPARED`` and names none.
+"""A method as the comparisons run it (``memo-compare --methods``): its name, the settings it takes
+(``NAME:KEY=VALUE,...``, :mod:`memo_ext.features.spelling`), the trainer flags that select it,
+how the estimator predicts it and how it is traced on fake tensors, and what a machine must have
+to run it. Each feature lists its own (``COMPARED`` in its package); the comparison harness
+(``memo_ext.compare``) reads them from ``memo_ext.features.registry.COMPARED`` and names none.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
+from memo_ext.errors import UsageError
 from memo_ext.estimate.stage import MemoryMethod
+
+Settings = tuple[tuple[str, str], ...]
+"""A method's settings as written, each value in its one spelling (:meth:`parse_settings`)."""
 
 
 class ComparedMethod:
@@ -17,8 +22,11 @@ class ComparedMethod:
 
     name: str
     """What ``--methods`` calls it."""
-    takes_alpha: bool = False
-    """Whether ``NAME=ALPHA`` gives it an α (MEMO's share of tokens kept in host memory)."""
+    settings_help: ClassVar[dict[str, str]] = {}
+    """The keys of its settings and what each sets (``--help`` lists them)."""
+    settings_defaults: ClassVar[dict[str, str]] = {}
+    """A setting at its default is left out of the method's label (``memo:alpha=auto`` is
+    ``memo``)."""
     core_attention_only: bool = False
     """Whether it runs only with our core attention (not transformer-engine's)."""
     estimator: MemoryMethod | None = None
@@ -31,16 +39,40 @@ class ComparedMethod:
                 raise TypeError(f"{type(self).__name__} has no setting {key!r}")
             setattr(self, key, value)
 
-    def trainer_flags(self, alpha: float | None, *, keep_last_layers: int | None) -> list[str]:
-        """The trainer's flags that select it (``alpha``: ``None`` for the rule)."""
+    def parse_settings(self, pairs: Settings, *, text: str) -> Settings:
+        """``pairs`` checked, each value in its one spelling (the label shows them so), in the
+        order :attr:`settings_help` lists the keys; ``text`` is the whole spelling, for errors.
+
+        Raises:
+            UsageError: for a key the method does not take, or a value it cannot read.
+        """
+        for key, _ in pairs:
+            if key not in self.settings_help:
+                takes = ", ".join(self.settings_help) or "no settings"
+                raise UsageError(f"--methods: {text!r}: {self.name} takes {takes}, not {key}")
+        values = {key: self.read_setting(key, value, text=text) for key, value in pairs}
+        return tuple(
+            (key, values[key])
+            for key in self.settings_help
+            if key in values and values[key] != self.settings_defaults.get(key)
+        )
+
+    def read_setting(self, key: str, value: str, *, text: str) -> str:
+        """``value`` of ``key`` in its one spelling (UsageError when it cannot be read)."""
+        return value
+
+    def trainer_flags(self, settings: Mapping[str, str], *, keep_last_layers: int | None):
+        """The trainer's flags that select it with ``settings``."""
         return list(self.flags)
 
-    def estimator_settings(self, alpha: float | None, *, keep_last_layers: int | None) -> Any:
+    def estimator_settings(self, settings: Mapping[str, str], *, keep_last_layers: int | None):
         """The estimator's settings of it (``MemoryMethod`` settings)."""
         return None
 
-    def traced(self, alpha: float | None) -> str | None:
-        """The method one layer is traced as (``memo_ext.estimate.fits``); ``None``: not traced."""
+    def traced(self, settings: Mapping[str, str], *, measured: Mapping, predicted: Mapping):
+        """The method one layer is traced as (``memo_ext.estimate.fits``), given what the run
+        measured (empty when it did not train) and what the estimator predicted; ``None``: not
+        traced."""
         return self.estimator.name if self.estimator is not None else None
 
     def untraced_note(self) -> str:

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.launch, pytest.mark.slow]
 ARGS = [
     *("--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2"),
     *("--vocab-size", "128", "--micro-batch-size", "64", "--memo-keep-last-layers", "0"),
-    *("--methods", "none", "full", "memo=0", "--seq-lengths", "64", "128", "256"),
+    *("--methods", "none", "full", "memo:alpha=0", "--seq-lengths", "64", "128", "256"),
     *("--find-max", "--granularity", "128", "--max-seq-length", "256"),
     *("--memory-limit-gb", "0.23", "--measure-steps", "1", "--job-timeout-s", "300"),
 ]
@@ -47,12 +47,12 @@ def test_compare_methods_on_cpu(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     data = json.loads((out / "compare.json").read_text())
     runs = {(r["method"], r["seq_length"]): r for r in data["runs"]}
-    assert set(runs) == {(m, s) for m in ("none", "full", "memo=0") for s in (64, 128, 256)}
+    assert set(runs) == {(m, s) for m in ("none", "full", "memo:alpha=0") for s in (64, 128, 256)}
 
     oom = runs[("none", 256)]
     assert (oom["status"], oom["exit_status"]) == ("oom", 3)
     assert oom["requested_bytes"] > 0 and "out of memory" in oom["message"]
-    for key in [("none", 128), ("full", 256), ("memo=0", 256)]:
+    for key in [("none", 128), ("full", 256), ("memo:alpha=0", 256)]:
         assert runs[key]["status"] == "ok", runs[key]["message"]
     assert _row(proc.stdout, "none", "256")[:3] == ["none", "256", "OOM"]  # a row, no traceback
 
@@ -68,7 +68,7 @@ def test_compare_methods_on_cpu(tmp_path):
     assert all(run["measured"].get("peak_memory_bytes") is None for run in data["runs"])
     assert "CPU runs record none" in proc.stdout
     # MEMO's host bytes: what the run copied equals what the fake-tensor trace says it copies
-    memo = runs[("memo=0", 128)]
+    memo = runs[("memo:alpha=0", 128)]
     assert memo["measured"]["host_offload_bytes"] == memo["deterministic"]["host_bytes"] > 0
     assert data["find_max"]["none"] == {"longest": 128, "bound": "256 does not train"}
     assert data["find_max"]["full"]["longest"] == 256

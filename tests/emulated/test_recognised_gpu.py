@@ -86,12 +86,12 @@ def test_the_comparison_predicts_on_the_gpu(tmp_path):
     from tests.unit.test_compare_methods import _comparison
 
     with emulated_cuda():
-        method = parse_method("memo=0.5@tp2")
+        method = parse_method("memo:alpha=0.5@tp2")
         comp = _comparison(tmp_path, methods=[method], cuda=True, efficiency=Efficiency())
         comp.layouts = {method.label: method.resolve_layout(comp.layouts["none"], 2)}
         comp.device = cuda_device()
         predicted = predict(comp, method, 128)
-        traced = traced_figures(comp, method, 128, 0.5)
+        traced = traced_figures(comp, method, 128, measured={}, predicted=predicted)
     assert predicted.get("error") is None and predicted["peak_memory_bytes"] > 0, predicted
     assert traced["host_bytes"] > 0, traced
 

@@ -42,26 +42,70 @@ ROOT = Path(__file__).resolve().parents[2]
         ("full", "full", ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
         ("selective", "selective", ["--recompute-granularity", "selective"]),
         ("memo", "memo", ["--memo", "--memo-alpha", "auto"]),
-        ("memo=0.25", "memo=0.25", ["--memo", "--memo-alpha", "0.25"]),
-        ("memo=auto@tp4cp2", "memo@tp4cp2", ["--memo", "--memo-alpha", "auto"]),
-        ("memo+plan=1", "memo+plan=1", ["--memo", "--memo-alpha", "1", "--memo-allocator"]),
+        ("memo:alpha=0.25", "memo:alpha=0.25", ["--memo", "--memo-alpha", "0.25"]),
+        ("memo:alpha=.50", "memo:alpha=0.5", ["--memo", "--memo-alpha", "0.5"]),
+        ("memo:alpha=auto@tp4cp2", "memo@tp4cp2", ["--memo", "--memo-alpha", "auto"]),
+        ("memo:rule=tokenwise,alpha=1", "memo:alpha=1", ["--memo", "--memo-alpha", "1"]),
+        ("memo+plan:alpha=1", "memo+plan:alpha=1",
+         ["--memo", "--memo-alpha", "1", "--memo-allocator"]),
         ("megatron-offload", "megatron-offload", ["--fine-grained-activation-offloading"]),
     ],
-)
+)  # fmt: skip
 def test_method_specs(text, label, flags):
-    method = parse_method(text)
+    method = parse_method(text, notice=pytest.fail)
     assert method.label == label
     assert method.trainer_flags()[: len(flags)] == flags
+    assert parse_method(label, notice=pytest.fail) == method  # the label reads back as itself
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("memo=0.25", "memo:alpha=0.25"), ("memo+plan=auto@tp2", "memo+plan@tp2")]
+)
+def test_the_old_alpha_spelling_is_read_with_a_notice(old, new):
+    notices = []
+    assert parse_method(old, notice=notices.append) == parse_method(new, notice=pytest.fail)
+    assert len(notices) == 1 and "is spelt" in notices[0], notices
+
+
+def test_a_compared_rule_reaches_the_trainer_the_estimator_and_the_trace():
+    """A MEMO of another offload rule is run, priced and traced with that rule (the default
+    rule's spelling is the plain method)."""
+    from memo_ext.memo import rules
+
+    @rules.register
+    class EverythingKept(rules.TokenWise):
+        name = "test-everything-kept"
+
+    try:
+        method = parse_method("memo:alpha=0.5,rule=test-everything-kept")
+        assert method.label == "memo:alpha=0.5,rule=test-everything-kept"
+        flags = method.trainer_flags()
+        assert flags[flags.index("--memo-offload-rule") + 1] == "test-everything-kept"
+        settings = method.spec.estimator_settings(dict(method.settings), keep_last_layers=None)
+        assert settings.offload_rule == "test-everything-kept" and settings.alpha == 0.5
+        traced = method.spec.traced(dict(method.settings), measured={}, predicted={})
+        assert traced == "memo-0.5:test-everything-kept"
+        auto = parse_method("memo:rule=test-everything-kept")
+        assert auto.spec.traced(
+            dict(auto.settings), measured={"memo_alpha": 0.25}, predicted={}
+        ) == "memo-0.25:test-everything-kept"
+    finally:
+        rules.unregister(EverythingKept)
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("fast", "is not METHOD"),
-        ("full=0.5", "only memo and memo+plan take an α"),
-        ("memo=1.5", "α must be in [0, 1]"),
-        ("memo=x", "α must be in [0, 1]"),
-        ("megatron-offload=0.5", "only memo and memo+plan take an α"),
+        ("fast", "no method 'fast'"),
+        ("memo@", "is not NAME[:KEY=VALUE,...][@LAYOUT]"),
+        ("full:alpha=0.5", "full takes no settings, not alpha"),
+        ("memo:alpha=1.5", "alpha must be in [0, 1]"),
+        ("memo:alpha=x", "alpha: must be a number in [0, 1] or 'auto'"),
+        ("memo:beta=1", "memo takes alpha, rule, not beta"),
+        ("memo:alpha=1,alpha=0", "gives alpha twice"),
+        ("memo:alpha", "'alpha' is not KEY=VALUE"),
+        ("memo:rule=nope", "no registered rule"),
+        ("megatron-offload:alpha=0.5", "megatron-offload takes no settings"),
     ],
 )
 def test_bad_method_specs_are_one_sentence(text, says):
@@ -89,7 +133,7 @@ def _comparison(tmp_path, **changes) -> cm.Comparison:
         position_embedding_type="rope",
         vocab_size=300,
     )
-    methods = [parse_method("none"), parse_method("memo=0.5"), parse_method("full@tp2")]
+    methods = [parse_method("none"), parse_method("memo:alpha=0.5"), parse_method("full@tp2")]
     world = 2
     layouts = {m.label: m.resolve_layout(ParallelLayout(), world) for m in methods}
     values = dict(

@@ -3,12 +3,18 @@ package's docstring)."""
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from memo_ext.config import MemoConfig
+from memo_ext.errors import UsageError
+from memo_ext.estimate.fits import memo_method
 from memo_ext.estimate.stage import MemoryMethod, Stage, StageContext
 from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE, parse_alpha
 from memo_ext.features.memo.stage import memo_stage
+from memo_ext.memo.rules import offload_rule
 
 if TYPE_CHECKING:
     from memo_ext.config import RunConfig
@@ -49,24 +55,52 @@ METHODS: tuple[MemoryMethod, ...] = (MEMO,)
 
 
 class ComparedMemo(ComparedMethod):
-    """MEMO in a comparison: α by the rule or given (``memo=0.5``), the comparison's kept last
-    layers, traced at its α (0 for the rule)."""
+    """MEMO in a comparison: ``memo:alpha=0.5,rule=NAME``; α by the rule unless given, the
+    comparison's kept last layers, priced and traced with the offload rule it runs."""
 
-    takes_alpha = True
+    settings_help = {
+        "alpha": "share of each token block kept in host memory, 0 to 1 or auto (--memo-alpha)",
+        "rule": "a registered offload rule (--memo-offload-rule)",
+    }
+    settings_defaults = {"alpha": "auto", "rule": DEFAULT_OFFLOAD_RULE}
     core_attention_only = True  # MEMO rebuilds its layers from our core attention
     estimator = MEMO
 
-    def trainer_flags(self, alpha: float | None, *, keep_last_layers: int | None) -> list[str]:
-        flags = ["--memo", "--memo-alpha", "auto" if alpha is None else f"{alpha:g}", *self.flags]
+    def read_setting(self, key: str, value: str, *, text: str) -> str:
+        try:
+            if key == "rule":
+                offload_rule(value)
+                return value
+            alpha = parse_alpha(value)
+        except (UsageError, ValueError, argparse.ArgumentTypeError) as err:
+            raise UsageError(f"--methods: {text!r}: {key}: {err}") from None
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            raise UsageError(f"--methods: {text!r}: alpha must be in [0, 1] or auto")
+        return "auto" if alpha is None else f"{alpha:g}"
+
+    def trainer_flags(self, settings: Mapping[str, str], *, keep_last_layers: int | None):
+        flags = ["--memo", "--memo-alpha", settings.get("alpha", "auto"), *self.flags]
+        if "rule" in settings:
+            flags += ["--memo-offload-rule", settings["rule"]]
         if keep_last_layers is not None:
             flags += ["--memo-keep-last-layers", str(keep_last_layers)]
         return flags
 
-    def estimator_settings(self, alpha: float | None, *, keep_last_layers: int | None):
-        return MemoConfig(enabled=True, alpha=alpha, keep_last_layers=keep_last_layers)
+    def estimator_settings(self, settings: Mapping[str, str], *, keep_last_layers: int | None):
+        return MemoConfig(
+            enabled=True,
+            alpha=parse_alpha(settings.get("alpha", "auto")),
+            keep_last_layers=keep_last_layers,
+            offload_rule=settings.get("rule", DEFAULT_OFFLOAD_RULE),
+        )
 
-    def traced(self, alpha: float | None) -> str:
-        return f"memo-{alpha if alpha is not None else 0.0:g}"
+    def traced(self, settings: Mapping[str, str], *, measured: Mapping, predicted: Mapping):
+        """At the given α, else the α the run chose (the estimator's when it did not train)."""
+        alpha = parse_alpha(settings.get("alpha", "auto"))
+        if alpha is None:
+            alpha = measured.get("memo_alpha") if measured else predicted.get("alpha")
+        rule = settings.get("rule")
+        return memo_method(alpha or 0.0, rule=None if rule == DEFAULT_OFFLOAD_RULE else rule)
 
 
 COMPARED: tuple[ComparedMethod, ...] = (
