@@ -10,7 +10,9 @@ Modules:
     optimizer: megatron's optimizer on CUDA, AdamW on the CPU; megatron's LR schedule.
     inputs: the train and validation iterators of a run.
     step: one micro-batch's forward and loss.
-    loop: steps, evaluation, checks, checkpoints and metrics.
+    loop: steps, checks, checkpoints and metrics.
+    session: what the loop and evaluation share; one global batch through the schedule.
+    evaluation: validation loss, loss by position, retrieval accuracy; --skip-train.
     checkpointing, control: atomic sharded checkpoints; early stops and signals.
     metrics: the console line, the metrics file and TensorBoard.
 """

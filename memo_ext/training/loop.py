@@ -3,8 +3,8 @@
 One step = ``num_microbatches`` forward/backward passes through megatron-core's schedule
 (1F1B when PP > 1), gradient reduction in ``finalize_model_grads`` (DP × CP sum, SP norm
 grads over TP, tied embeddings over PP, division by the global token count), then the
-optimizer and the LR schedule. Around it: evaluation on the validation split, checks for
-non-finite losses and gradients, checkpoints and early stops (``memo_ext.training.control``),
+optimizer and the LR schedule. Around it: evaluation (``memo_ext.training.evaluation``), checks
+for non-finite losses and gradients, checkpoints and early stops (``memo_ext.training.control``),
 the step's record (``memo_ext.training.report``), and the housekeeping of
 ``memo_ext.training.housekeeping`` (garbage collection, cache emptying, profiling).
 
@@ -16,15 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 
-import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
@@ -35,13 +29,11 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from memo_ext import device
-from memo_ext.collectives import loss_pair, mean_loss, world_loss_pair
+from memo_ext.collectives import mean_loss
 from memo_ext.config import RunConfig
-from memo_ext.data.retrieval import RetrievalSample
 from memo_ext.data.sampler import close_batch_iterator
 from memo_ext.data.tokenizers import tokenizer_for
-from memo_ext.errors import UsageError
-from memo_ext.extension import Built, Extension, MetricSource, PlanningTarget, StepLoss
+from memo_ext.extension import Built, Extension, PlanningTarget
 from memo_ext.features.extensions import extensions_for
 from memo_ext.features.megatron import run_transformer_config
 from memo_ext.features.preflight import check_preflight, planning_target
@@ -63,6 +55,12 @@ from memo_ext.training.control import (
     check_resumable,
     save_due,
 )
+from memo_ext.training.evaluation import (
+    check_evaluation_only,
+    evaluate,
+    evaluate_only,
+    retrieval_samples,
+)
 from memo_ext.training.housekeeping import (
     Housekeeping,
     maybe_empty_cache,
@@ -79,16 +77,9 @@ from memo_ext.training.initialize import (
     shutdown,
 )
 from memo_ext.training.inputs import build_batches
-from memo_ext.training.metrics import (
-    MetricsWriter,
-    StepMetrics,
-    TensorBoardWriter,
-    evaluation_line,
-)
+from memo_ext.training.metrics import StepMetrics
 from memo_ext.training.model import build_gpt_model, params_in_sync, wrap_for_data_parallel
 from memo_ext.training.optimizer import build_lr_scheduler, build_optimizer, lr_for_logging
-from memo_ext.training.position_loss import METRICS_KEY as POSITION_KEY
-from memo_ext.training.position_loss import PositionLoss, position_bounds
 from memo_ext.training.report import (
     Reporter,
     TrainSummary,
@@ -98,12 +89,8 @@ from memo_ext.training.report import (
     write_settings,
 )
 from memo_ext.training.resolve import resolve_run
-from memo_ext.training.retrieval import (
-    build_samples,
-    check_retrieval,
-    evaluate_retrieval,
-    haystack_tokens,
-)
+from memo_ext.training.retrieval import check_retrieval, haystack_tokens
+from memo_ext.training.session import Session, run_global_batch
 from memo_ext.training.step import build_forward_step
 
 logger = logging.getLogger(__name__)
@@ -123,7 +110,7 @@ def train(run: RunConfig) -> TrainSummary:
     target = planning_target(run)
     run = resolve_run(run, tokenizer=tokenizer, extensions=extensions, target=target)
     check_save_target(run.checkpoint)  # before any work: nothing it started from is replaced
-    _check_evaluation_only(run)
+    check_evaluation_only(run)
     check_retrieval(run, tokenizer)
     if _is_logging_process():
         write_settings(run)
@@ -157,21 +144,6 @@ def train(run: RunConfig) -> TrainSummary:
         shutdown()
 
 
-def _check_evaluation_only(run: RunConfig) -> None:
-    """--skip-train writes a metrics file of its one record: one that holds a run's records
-    is not replaced.
-
-    Raises:
-        UsageError: naming the file.
-    """
-    path = run.logging.metrics_file
-    if run.evaluation.skip_train and path and os.path.isfile(path) and os.path.getsize(path):
-        raise UsageError(
-            f"--skip-train writes its evaluation to a --metrics-file of its own, and {path} "
-            "holds records already; give a new path"
-        )
-
-
 def _is_logging_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -190,29 +162,6 @@ def _maybe_preflight(run: RunConfig, extensions: list[Extension], target: Planni
             logger.info("preflight skipped: %s", reason)
             return
     check_preflight(run, target=target)
-
-
-@dataclass(frozen=True)
-class _Session:
-    """What the step loop works with, built once by :func:`_train`."""
-
-    run: RunConfig
-    ctx: ParallelContext
-    model: torch.nn.Module
-    optimizer: object
-    scheduler: object
-    forward_backward: Callable
-    forward_step: Callable
-    train_batches: Iterator
-    valid_batches: Iterator | None
-    retrieval: list[RetrievalSample]
-    """The retrieval prompts each evaluation scores (empty: none)."""
-    extensions: list[Extension]
-    metric_sources: list[MetricSource]
-    """Per-step figures: the weights', then every extension's."""
-    started_from: Path | None = None
-    """The folder of checkpoints the weights were loaded from (its descent files go with every
-    save), or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -300,7 +249,7 @@ def _train(
         )
         for extension in extensions:
             extension.attach(built)
-        session = _Session(
+        session = Session(
             run=run,
             ctx=ctx,
             model=model,
@@ -310,7 +259,7 @@ def _train(
             forward_step=build_forward_step(ctx.device, vocab_size=run.shape.vocab_size),
             train_batches=train_batches,
             valid_batches=valid_batches,
-            retrieval=_retrieval_samples(run, tokenizer, batches.haystack),
+            retrieval=retrieval_samples(run, tokenizer, batches.haystack),
             extensions=extensions,
             metric_sources=weight_statistics(run, model, optimizer)
             + [source for extension in extensions for source in extension.metric_sources()],
@@ -318,7 +267,7 @@ def _train(
         )
         if run.evaluation.skip_train:
             weights_at = latest_iteration(source.root) if source is not None else None
-            return _evaluate_only(session, progress, iteration=weights_at or 0)
+            return evaluate_only(session, progress, iteration=weights_at or 0)
         with StopConditions(run.checkpoint) as stop:
             return _run_steps(session, progress, stop)
     finally:  # a failed run's iterators live on in its traceback: stop their loaders now
@@ -342,47 +291,11 @@ def _connect_schedule_hooks(config, model, optimizer, *, finalizes_gradients: bo
         config.grad_scale_func = optimizer.optimizer.scale_loss
 
 
-def _forward_backward(
-    s: _Session, batches: Iterator, *, forward_only: bool, forward_step: Callable | None = None
-) -> StepLoss:
-    """One global batch through megatron's schedule (with ``forward_step``, else the session's),
-    or through the extension that runs a training step's passes itself.
-
-    A training step takes the micro-batches of megatron-core's calculator (fewer while
-    --rampup-batch-size ramps up); evaluation always the full global batch, as Megatron-LM.
-    """
-    if not forward_only:
-        for extension in s.extensions:
-            owned = extension.forward_backward(batches, s.forward_step)
-            if owned is not None:
-                return owned
-    num_microbatches = s.run.num_microbatches if forward_only else get_num_microbatches()
-    lengths = []
-    if s.run.data.variable_seq_lengths:
-        # one step's packed rows: as many on every DP rank, but not the same count every step
-        rows = next(batches)
-        batches, num_microbatches = iter(rows), len(rows)
-        lengths = [int(n) for row in rows for n in row["cu_seqlens"].diff().tolist() if n > 0]
-    losses = s.forward_backward(
-        forward_step_func=forward_step or s.forward_step,
-        data_iterator=batches,
-        model=[s.model],
-        num_microbatches=num_microbatches,
-        seq_length=s.run.data.seq_length,
-        micro_batch_size=s.run.train.micro_batch_size,
-        forward_only=forward_only,
-    )
-    pair = world_loss_pair(losses if parallel_state.is_pipeline_last_stage() else [])
-    # this DP rank's documents, shared by the model-parallel ranks of its replica
-    shared_by = s.ctx.world_size // s.ctx.dp_size
-    return StepLoss(pair=pair, document_lengths=lengths, flops_shared_by=shared_by)
-
-
-def _train_one_step(s: _Session, *, global_batch: int) -> StepResult:
+def _train_one_step(s: Session, *, global_batch: int) -> StepResult:
     """Forward / backward over the step's ``global_batch`` samples, then the update."""
     s.model.zero_grad_buffer()
     s.optimizer.zero_grad()
-    out = _forward_backward(s, s.train_batches, forward_only=False)
+    out = run_global_batch(s, s.train_batches, forward_only=False)
     for extension in s.extensions:
         extension.end_backward()
     maybe_empty_cache(s.run.cleanup, level=1)
@@ -405,93 +318,7 @@ def _train_one_step(s: _Session, *, global_batch: int) -> StepResult:
     )
 
 
-def evaluate(s: _Session) -> dict:
-    """Mean loss over ``eval_iters`` validation global batches, its perplexity, (unless
-    --eval-position-min-tokens 0) the mean loss per position bucket, and (with
-    --eval-retrieval-lengths) the retrieval accuracies."""
-    s.model.eval()
-    figures = {}
-    with torch.no_grad():
-        if s.valid_batches is not None:
-            figures.update(_validation_loss(s))
-        if s.retrieval:
-            figures.update(
-                evaluate_retrieval(
-                    s.retrieval,
-                    model=s.model,
-                    forward_backward=s.forward_backward,
-                    device=s.ctx.device,
-                    dp_rank=s.ctx.dp_rank,
-                    dp_size=s.ctx.dp_size,
-                    vocab_size=s.run.shape.vocab_size,
-                    show_progress=s.run.evaluation.skip_train and s.ctx.is_logging_rank,
-                )
-            )
-            maybe_empty_cache(s.run.cleanup, level=1)
-    for extension in s.extensions:
-        extension.end_evaluation()
-    s.model.train()
-    return figures
-
-
-def _validation_loss(s: _Session) -> dict:
-    pair = loss_pair([])
-    by_position = _maybe_position_loss(s)
-    forward_step = s.forward_step
-    if by_position is not None:
-        forward_step = partial(s.forward_step, position_loss=by_position)
-    for _ in range(s.run.evaluation.eval_iters):
-        out = _forward_backward(s, s.valid_batches, forward_only=True, forward_step=forward_step)
-        pair += out.pair
-        maybe_empty_cache(s.run.cleanup, level=1)
-    loss = mean_loss(pair)
-    figures = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
-    if by_position is not None:
-        figures[POSITION_KEY] = by_position.reduce()
-    return figures
-
-
-def _retrieval_samples(run: RunConfig, tokenizer, haystack: list[int] | None) -> list:
-    """The prompts of --eval-retrieval-lengths (none without it), made before the first step:
-    a tokenizer without digits or a length too short for a prompt stops the run here."""
-    evaluation = run.evaluation
-    if not evaluation.retrieval:
-        return []
-    samples = build_samples(evaluation, tokenizer, seed=run.train.seed, haystack=haystack)
-    if "needle" in evaluation.eval_retrieval_tasks:
-        where = "validation documents" if haystack is not None else "the filler sentences"
-        logger.info("retrieval: %d prompts per evaluation; the needle hides in %s",
-                    len(samples), where)  # fmt: skip
-    return samples
-
-
-def _evaluate_only(s: _Session, progress: TrainProgress, *, iteration: int) -> TrainSummary:
-    """--skip-train: one evaluation of the loaded weights, recorded at ``iteration``, that of
-    the checkpoint they came from (0 without one), also under --finetune or
-    --pretrained-checkpoint, whose run would count its own steps from 0."""
-    figures = evaluate(s)
-    record = {"iteration": iteration, "consumed_samples": progress.consumed_samples}
-    record.update(figures)
-    if s.ctx.is_logging_rank:
-        writer = MetricsWriter(s.run.logging.metrics_file, resume_from=iteration)
-        writer.write(record)
-        board = TensorBoardWriter(s.run.logging.tensorboard_dir)
-        board.write(record)
-        board.close()
-    logger.info("evaluation at iteration %d | %s", iteration, evaluation_line(figures))
-    return TrainSummary(iterations=iteration, resumed_at=iteration)
-
-
-def _maybe_position_loss(s: _Session) -> PositionLoss | None:
-    """An empty per-position accumulator for one evaluation, or None when turned off."""
-    min_tokens = s.run.evaluation.eval_position_min_tokens
-    if not min_tokens:
-        return None
-    bounds = position_bounds(seq_length=s.run.data.seq_length, min_tokens=min_tokens)
-    return PositionLoss(bounds, device=s.ctx.device)
-
-
-def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> TrainSummary:
+def _run_steps(s: Session, progress: TrainProgress, stop: StopConditions) -> TrainSummary:
     run = s.run
     reporter = Reporter(
         run=run,
@@ -580,7 +407,7 @@ def _run_steps(s: _Session, progress: TrainProgress, stop: StopConditions) -> Tr
     return summary
 
 
-def _save(s: _Session, progress: TrainProgress) -> None:
+def _save(s: Session, progress: TrainProgress) -> None:
     with params_in_sync(s.model):  # --overlap-param-gather: no stale weight shards on disk
         save_checkpoint(
             save_dir=s.run.checkpoint.save,

@@ -310,14 +310,14 @@ def test_an_evaluation_hands_its_fallback_blocks_back(core):
 
 
 def test_the_trainer_ends_each_evaluation_at_the_extensions():
-    from memo_ext.training import loop
+    from memo_ext.training.evaluation import evaluate
 
     ended = []
     extension = types.SimpleNamespace(end_evaluation=lambda: ended.append("ended"))
     session = types.SimpleNamespace(
         model=torch.nn.Linear(2, 2), valid_batches=None, retrieval=[], extensions=[extension]
     )
-    loop.evaluate(session)
+    evaluate(session)
     assert ended == ["ended"] and session.model.training
 
 
