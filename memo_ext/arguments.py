@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from memo_ext import config as c
+from memo_ext import plugins
 from memo_ext.config.train import parse_step_schedule
 from memo_ext.data.input_files import check_inputs
 from memo_ext.errors import UsageError
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     for section, cls, title in SECTIONS:
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         add_flags(group, cls, section=section)
+    plugins.add_flag(parser.add_argument_group("plugins"))
     return parser
 
 

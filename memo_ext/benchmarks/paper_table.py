@@ -137,7 +137,7 @@ def crossover_tokens(efficiency: Efficiency, *, device=DEVICE, step: int = 4 * K
     model, layout, batch = MODELS["gpt-7b"], ParallelLayout(tp=8, sp=True), Batch()
     link = host_copy_gbps(device, layout) * 1e9
     for tokens in range(step, 4096 * K, step):
-        none = layer_figures(model, layout, batch, tokens=tokens, method="none")
+        none = layer_figures(model, layout, batch, tokens=tokens)
         place = Place(
             model=model, layout=layout, batch=batch, device=device, eff=efficiency, tokens=tokens
         )
@@ -150,7 +150,7 @@ def crossover_tokens(efficiency: Efficiency, *, device=DEVICE, step: int = 4 * K
 def attention_share(efficiency: Efficiency, tokens: int = SHARE_TOKENS) -> float:
     """Fig. 6: attention's share of one 7B layer's forward compute time (TP 8 + SP, A800)."""
     model, layout, batch = MODELS["gpt-7b"], ParallelLayout(tp=8, sp=True), Batch()
-    fig = layer_figures(model, layout, batch, tokens=tokens, method="none")
+    fig = layer_figures(model, layout, batch, tokens=tokens)
     kw = dict(
         device=DEVICE,
         eff=efficiency,
@@ -171,13 +171,13 @@ def reserved_over_allocated(tokens: int = 512 * K) -> dict:
     from memo_ext.estimate.fragmentation import stage_replay
 
     model, layout, batch = MODELS["gpt-7b"], ParallelLayout(tp=8, sp=True), Batch()
-    none = layer_figures(model, layout, batch, tokens=tokens, method="none")
+    none = layer_figures(model, layout, batch, tokens=tokens)
     states = model_state_bytes(params_per_gpu(model, layout, none, tokens), layout, batch)
     usable = int(DEVICE.memory_bytes * (1 - Efficiency().headroom))
     replay = stage_replay(
         model,
         layout,
-        method="full",
+        method=memory_method("full"),
         seq_length=tokens,
         micro_batch_size=1,
         num_microbatches=1,

@@ -91,6 +91,7 @@ from memo_ext.hardware import (  # noqa: E402
     write_calibration,
 )
 from memo_ext.parallel import LayoutError, ParallelLayout  # noqa: E402
+from memo_ext.plugins import add_flag, with_plugins  # noqa: E402
 from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
 
 MODEL_FIELDS = tuple(f.name for f in cli_fields(ModelShape)) + ("vocab_size",)
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     _add_launch_flags(p)
     _add_device_flags(p)
+    add_flag(p)
     out = p.add_argument_group("output")
     out.add_argument("--out", default="runs/compare", help="Folder of the results (resumable).")
     out.add_argument("--no-plot", action="store_true", help="Skip compare.png.")
@@ -514,6 +516,7 @@ def report(comp: Comparison, results: Results, *, plot: bool) -> None:
     print(f"plot: {path}")
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     argv = sys.argv[1:] if argv is None else argv

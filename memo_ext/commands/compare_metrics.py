@@ -14,12 +14,14 @@ import sys
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
+from memo_ext.plugins import with_plugins
 from memo_ext.training.metrics import CURVE_KEYS, curve_differences, read_metrics
 
 PROG = "memo-compare-metrics"
 """The installed command: its usage line and error prefix."""
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("reference", help="Metrics file of the reference run.")

@@ -36,6 +36,7 @@ warnings.filterwarnings("ignore")
 from memo_ext.arguments import OneSentenceParser  # noqa: E402
 from memo_ext.errors import ReportedError, UsageError  # noqa: E402
 from memo_ext.hf import FAMILIES  # noqa: E402
+from memo_ext.plugins import with_plugins  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 """``memo_ext.hf.checkpoint.DTYPES``'s names (that module imports megatron-core; a test checks
@@ -91,6 +92,7 @@ def run(argv: list[str]) -> None:
     print(f"Hugging Face model: {out}")
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

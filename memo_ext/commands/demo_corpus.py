@@ -14,10 +14,13 @@ import logging
 import sys
 from pathlib import Path
 
+from memo_ext.plugins import with_plugins
+
 PROG = "memo-demo-corpus"
 """The installed command: its usage line and error prefix."""
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False

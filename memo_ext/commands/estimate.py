@@ -57,6 +57,7 @@ from memo_ext.hardware import (  # noqa: E402
     read_calibration,
 )
 from memo_ext.parallel import ParallelLayout  # noqa: E402
+from memo_ext.plugins import add_flag, with_plugins  # noqa: E402
 from memo_ext.shapes import MODELS, ModelShape, model_shape  # noqa: E402
 
 # the flag sections of this tool: (namespace, dataclass, only these fields)
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         title = titles.get(section, "batch and MEMO (unset: the defaults, or searched)")
         group = groups.get(title) or groups.setdefault(title, p.add_argument_group(title))
         add_flags(group, cls, section=section, overrides=True, only=only)
+    add_flag(p)
     return p
 
 
@@ -300,6 +302,7 @@ def json_record(est: Estimate, *, searched: bool) -> dict:
     return record
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:

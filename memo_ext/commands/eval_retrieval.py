@@ -43,6 +43,7 @@ from memo_ext.config import EvaluationConfig, TokenizerSpec, installed
 from memo_ext.errors import UsageError
 from memo_ext.files import read_json
 from memo_ext.flags import FlagHelpFormatter, add_flags, from_flags
+from memo_ext.plugins import with_plugins
 
 PROG = "memo-eval-retrieval"
 """The installed command: its usage line and error prefix."""
@@ -133,6 +134,7 @@ def _passed_through_help() -> str:
     )
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:

@@ -36,9 +36,18 @@ import warnings
 from dataclasses import asdict
 
 from memo_ext.arguments import OneSentenceParser, parse_tool_args
-from memo_ext.compare.memory import SECTIONS, Setup, format_table, method_figures, trace_methods
+from memo_ext.compare.memory import (
+    SECTIONS,
+    Setup,
+    format_table,
+    method_figures,
+    report_notes,
+    report_rows,
+    trace_rows,
+)
 from memo_ext.errors import UsageError
 from memo_ext.flags import FlagHelpFormatter, add_flags
+from memo_ext.plugins import add_flag, with_plugins
 
 PROG = "memo-memory-report"
 """The installed command: its usage line and error prefix."""
@@ -55,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(p, cls, section=section, only=only, overrides=optional)
     p.add_argument("--num-micro-batches", type=int, default=1, help="Per iteration and process.")
     p.add_argument("--json", action="store_true", help="End with one JSON line of the figures.")
+    add_flag(p)
     return p
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -74,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    figures = method_figures(setup, trace_methods(setup))
+    rows = report_rows(setup)
+    figures = method_figures(setup, rows, trace_rows(setup, rows))
     layout, shape = setup.layout, setup.shape
+    notes = "".join(f", {note}" for note in report_notes(setup))
     print(
         f"per process, per iteration: {shape.num_layers} layers / PP {layout.pp}, TP "
         f"{layout.tp}{' + SP' if layout.sp else ''}, CP {layout.cp}, {setup.seq_length} tokens × "
-        f"{setup.micro_batch_size} sequence(s), MEMO keeps the last {setup.kept_layers('memo-0')} "
-        f"layers, chunked MEMO {setup.kept_layers('memo-chunked-0')} with chunks of "
-        f"{setup.chunk_tokens} local tokens (one layer traced per method)"
+        f"{setup.micro_batch_size} sequence(s){notes} (one layer traced per method)"
     )
     print(format_table(figures))
     if args.json:

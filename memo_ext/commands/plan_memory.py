@@ -32,6 +32,7 @@ from memo_ext.flags import add_flags, finite_float, flag_values, overrides_from_
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner import PlannerConfig, load_trace, plan_trace, save_plan, save_trace
 from memo_ext.planner.solvers import SOLVERS
+from memo_ext.plugins import with_plugins
 from memo_ext.shapes import MODELS, ModelShape, model_shape
 
 logger = logging.getLogger("plan_memory")
@@ -267,6 +268,7 @@ def run(args: argparse.Namespace) -> None:
         _report_allocator(trace, plan, args)
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

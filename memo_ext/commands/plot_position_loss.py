@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import UsageError
+from memo_ext.plugins import with_plugins
 from memo_ext.training.metrics import read_metrics
 
 METRICS_KEY = "val_loss_by_position"
@@ -79,6 +80,7 @@ def draw(curves: list[tuple[str, int, dict]], out: Path) -> None:
     plt.close(fig)
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("metrics", nargs="+", help="Metrics files (--metrics-file) of the runs.")

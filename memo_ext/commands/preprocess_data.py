@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.config import TOKENIZER_TYPES, TokenizerSpec, check_writable_directory
 from memo_ext.errors import UsageError
+from memo_ext.plugins import with_plugins
 
 if TYPE_CHECKING:
     from memo_ext.data.preprocess import PreprocessSummary
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; returns the process exit status (0 on success, 2 on bad input, as every
     entry point of this project)."""

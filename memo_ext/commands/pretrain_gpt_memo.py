@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from memo_ext import plugins
 from memo_ext.arguments import parse_args
 from memo_ext.errors import REPORTS_ERRORS, ReportedError, UsageError, out_of_memory
 
@@ -90,7 +91,7 @@ def _interrupted(run) -> str:
 def _train_reporting_oom(argv: list[str] | None):
     """Train; an allocator's out-of-memory error becomes :class:`OutOfMemory` (one sentence with
     the bytes asked for, exit status 3): too big for this machine is a result, not a bug."""
-    run = parse_args(argv)
+    run = parse_args(plugins.load(sys.argv[1:] if argv is None else argv))
     if int(os.environ.get("RANK", "0")) == 0:  # the imports below take seconds, more when loaded
         logging.getLogger("pretrain_gpt_memo").info(
             "flags checked; loading megatron-core and building the run on %d process(es)",

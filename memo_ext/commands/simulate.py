@@ -31,6 +31,7 @@ from pathlib import Path
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import OutOfMemory, UsageError
 from memo_ext.hardware import DEVICES, GIB
+from memo_ext.plugins import with_plugins
 
 PROG = "memo-simulate"
 """The installed command: its usage line and error prefix."""
@@ -168,6 +169,7 @@ def report(s: dict, *, gpu: str, gpus: int, out: Path, trace: bool) -> str:
     return "\n".join(lines)
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (

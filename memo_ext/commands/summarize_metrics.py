@@ -15,6 +15,7 @@ from pathlib import Path
 from memo_ext.arguments import OneSentenceParser
 from memo_ext.errors import UsageError
 from memo_ext.flags import finite_float
+from memo_ext.plugins import with_plugins
 from memo_ext.training.metrics import read_metrics
 
 PROG = "memo-summarize-metrics"
@@ -36,6 +37,7 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+@with_plugins(PROG)
 def main(argv: list[str] | None = None) -> int:
     parser = OneSentenceParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("metrics_file", type=Path)

@@ -15,7 +15,7 @@ from memo_ext.compare.jobs import (
     Launch,
     Method,
 )
-from memo_ext.compare.memory import Setup, method_figures
+from memo_ext.compare.memory import Row, Setup, method_figures, trace_rows
 from memo_ext.errors import UsageError
 from memo_ext.estimate.calibration import (
     KernelRates,
@@ -200,9 +200,10 @@ def traced_figures(
     layout = comp.layouts[method.label]
     if layout.cp > 1:
         return {"note": "context parallelism cannot be traced on fake tensors"}
-    key = method.spec.traced(dict(method.settings), measured=measured, predicted=predicted)
-    if key is None:
+    traced = method.spec.traced(dict(method.settings), measured=measured, predicted=predicted)
+    if traced is None:
         return {"note": method.spec.untraced_note()}
+    row = Row(traced[0].traced_name(traced[1]), *traced)
     setup = Setup(
         shape=comp.model,
         layout=layout,
@@ -212,13 +213,10 @@ def traced_figures(
         fp32=comp.fp32,
         keep_last_layers=comp.keep_last_layers,
     )
-    from memo_ext.estimate.measure import trace_layer  # megatron-core: not for --help
-
-    kw = dict(tp=layout.tp, sp=layout.sp, tokens=seq, micro_batch_size=comp.micro_batch_size)
     try:
-        layers = {m: trace_layer(comp.model, method=m, fp32=comp.fp32, **kw) for m in {"none", key}}
+        layers = trace_rows(setup, [row])
     except Exception as err:  # noqa: BLE001 - as predict: the run's record is written regardless
         logger.warning("no traced figures for %s @ %s: %s", method.label, seq, err, exc_info=True)
         return {"note": f"the trace failed: {type(err).__name__}: {err}"}
-    figures = dataclasses.asdict(method_figures(setup, layers)[key])
-    return {**figures, "traced_as": key, "dtype": "fp32" if comp.fp32 else "bf16"}
+    figures = dataclasses.asdict(method_figures(setup, [row], layers)[row.name])
+    return {**figures, "traced_as": row.name, "dtype": "fp32" if comp.fp32 else "bf16"}

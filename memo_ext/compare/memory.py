@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from memo_ext.config import DataConfig, MemoConfig, TrainConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.fits import LayerFigures
+from memo_ext.estimate.stage import MemoryMethod
+from memo_ext.features.registry import METHODS
 from memo_ext.flags import flag_values
-from memo_ext.memo.alpha import slots_after_forward
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
 
-ROWS = ("none", "full", "selective", "memo-0", "memo-0.5", "memo-1")
-"""The report's rows: traced methods (``memo_ext.estimate.fits``), MEMO at three α."""
-CHUNKED = ("memo-chunked-0", "memo-chunked-1")
+PLAIN = "none"
+"""The plain layer's row name: the layer every row is scaled against."""
 DEFAULT_CHUNK_TOKENS = 4096
 """Chunk of the ``memo-chunked`` rows without ``--memo-chunk-tokens`` (local tokens)."""
 
@@ -75,13 +76,6 @@ class Setup:
                 f"--memo-chunk-tokens must be a positive token count here, got {self.chunk_tokens}"
             )
 
-    def kept_layers(self, method: str) -> int:
-        """Kept last layers of ``method``'s rows, capped at the stage's layers."""
-        keep = self.keep_last_layers
-        if keep is None:
-            keep = 0 if method.startswith("memo-chunked") else 2
-        return min(keep, self.shape.num_layers // self.layout.pp)
-
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Setup:
         values = {
@@ -101,58 +95,81 @@ class Setup:
         )
 
 
-def trace_methods(setup: Setup) -> dict[str, LayerFigures]:
-    """One layer of each method on fake tensors (``memo_ext.estimate.measure``)."""
+@dataclass(frozen=True)
+class Row:
+    """One row of the report: a memory method's layer with the settings it is traced at."""
+
+    name: str
+    method: MemoryMethod
+    settings: Any = None
+
+
+def report_rows(setup: Setup) -> list[Row]:
+    """Every registered method's rows (``MemoryMethod.report_rows``), in the registry's order."""
+    return [
+        Row(name, method, settings)
+        for method in METHODS
+        for name, settings in method.report_rows(chunk_tokens=setup.chunk_tokens)
+    ]
+
+
+def report_notes(setup: Setup) -> list[str]:
+    """What the methods say of their rows in the report's header."""
+    stage_layers = setup.shape.num_layers // setup.layout.pp
+    notes = (
+        method.report_note(
+            stage_layers=stage_layers,
+            keep_last_layers=setup.keep_last_layers,
+            chunk_tokens=setup.chunk_tokens,
+        )
+        for method in METHODS
+    )
+    return [note for note in notes if note]
+
+
+def trace_rows(setup: Setup, rows: list[Row]) -> dict[str, LayerFigures]:
+    """One layer of each row on fake tensors (``memo_ext.estimate.measure``), and the plain
+    layer (``none``) the others are scaled against."""
     from memo_ext.estimate.measure import trace_layer  # megatron-core: not for --help
 
-    return {
-        method: trace_layer(
+    def trace(method: MemoryMethod | None, settings: Any) -> LayerFigures:
+        return trace_layer(
             setup.shape,
             tp=setup.layout.tp,
             sp=setup.layout.sp,
             tokens=setup.seq_length // setup.layout.cp,
             micro_batch_size=setup.micro_batch_size,
-            method=_traced(method, setup),
+            method=None if method is None or method.plain else method,
+            settings=settings,
             fp32=setup.fp32,
         )
-        for method in ROWS + CHUNKED
-    }
+
+    return {PLAIN: trace(None, None), **{row.name: trace(row.method, row.settings) for row in rows}}
 
 
-def _traced(method: str, setup: Setup) -> str:
-    """The traced method (``memo_ext.estimate.measure``) of a row."""
-    if method.startswith("memo-chunked-"):
-        return f"memo-{method.removeprefix('memo-chunked-')}@{setup.chunk_tokens}"
-    return method
-
-
-def method_figures(setup: Setup, layer: dict[str, LayerFigures]) -> dict[str, MethodFigures]:
-    """Scale the traced layers to the stage, the micro-batches in flight and the iteration."""
+def method_figures(
+    setup: Setup, rows: list[Row], layers: dict[str, LayerFigures]
+) -> dict[str, MethodFigures]:
+    """Scale each row's traced layer to the stage, the micro-batches in flight and the
+    iteration (``MemoryMethod.report_stage``)."""
     stage_layers = setup.shape.num_layers // setup.layout.pp
     in_flight = min(setup.layout.pp, setup.micro_batches)
-    base = _backward_flops(layer["none"])
+    plain = layers[PLAIN]
     out = {}
-    for method, fig in layer.items():
-        recompute = (_backward_flops(fig) - base) * setup.micro_batches
-        if method.startswith("memo-"):
-            kept = setup.kept_layers(method)
-            offloaded = stage_layers - kept
-            if method in CHUNKED:  # a few chunks in flight, whatever the layers
-                pingpong = fig.slot_bytes if offloaded else 0
-            else:
-                pingpong = slots_after_forward(offloaded=offloaded, kept=kept) * fig.slot_bytes
-            device = in_flight * (kept * layer["none"].saved_bytes + offloaded * fig.saved_bytes)
-            out[method] = MethodFigures(
-                device_activation_bytes=device + pingpong,
-                host_bytes=in_flight * offloaded * fig.host_bytes,
-                recompute_flops=offloaded * recompute,
-            )
-        else:
-            out[method] = MethodFigures(
-                device_activation_bytes=in_flight * stage_layers * fig.saved_bytes,
-                host_bytes=0,
-                recompute_flops=stage_layers * recompute,
-            )
+    for row in rows:
+        fig = layers[row.name]
+        device, host, recomputed = row.method.report_stage(
+            fig,
+            plain,
+            row.settings,
+            stage_layers=stage_layers,
+            in_flight=in_flight,
+            keep_last_layers=setup.keep_last_layers,
+        )
+        recompute = (_backward_flops(fig) - _backward_flops(plain)) * setup.micro_batches
+        out[row.name] = MethodFigures(
+            device_activation_bytes=device, host_bytes=host, recompute_flops=recomputed * recompute
+        )
     return out
 
 

@@ -203,13 +203,25 @@ class Estimate:
 
 
 def layer_figures(
-    model: ModelShape, layout: ParallelLayout, batch: Batch, *, tokens: int, method: str
+    model: ModelShape,
+    layout: ParallelLayout,
+    batch: Batch,
+    *,
+    tokens: int,
+    method: MemoryMethod | None = None,
+    settings: Any = None,
 ) -> LayerFigures:
-    """Measured figures of one layer at ``tokens`` tokens per sequence on this process."""
+    """Measured figures of one layer of ``method`` with ``settings`` (``None``: the plain
+    layer) at ``tokens`` tokens per sequence on this process."""
     from memo_ext.estimate.measure import layer_fit  # the tracer: megatron-core, when first used
 
     fit = layer_fit(
-        model, tp=layout.tp, sp=layout.sp, micro_batch_size=batch.micro_batch_size, method=method
+        model,
+        tp=layout.tp,
+        sp=layout.sp,
+        micro_batch_size=batch.micro_batch_size,
+        method=method,
+        settings=settings,
     )
     return fit.at(tokens)
 
@@ -485,7 +497,7 @@ def estimate(
     eff, tokens = efficiency, seq_length // layout.cp
     stage_layers = model.num_layers // layout.pp
     in_flight = min(layout.pp, batch.num_microbatches)
-    none = layer_figures(model, layout, batch, tokens=tokens, method="none")
+    none = layer_figures(model, layout, batch, tokens=tokens)
     from memo_ext.estimate.measure import transient_fit
 
     transient = transient_fit(
@@ -561,7 +573,8 @@ def _finish(stage: Stage, ctx: StageContext, *, seq_length, states, params, meth
         replay = stage_replay(
             model,
             layout,
-            method=method.name,
+            method=method,
+            settings=ctx.settings,
             seq_length=seq_length,
             micro_batch_size=batch.micro_batch_size,
             num_microbatches=batch.num_microbatches,

@@ -1,7 +1,8 @@
-"""What the estimator knows of a layer, without tracing one: the traced methods, the figures
-of one trace, and the exact fits that scale two traces to any token count (the traces are
-``memo_ext.estimate.measure``'s, which imports megatron-core; this module does not, so the
-tools' ``--help`` and argument errors answer at once).
+"""What the estimator knows of a layer, without tracing one: the figures of one trace (of a
+memory method's layer, ``memo_ext.estimate.stage.MemoryMethod``), and the exact fits that scale
+two traces to any token count (the traces are ``memo_ext.estimate.measure``'s, which imports
+megatron-core; this module does not, so the tools' ``--help`` and argument errors answer at
+once).
 
 Every figure is linear in the tokens except attention FLOPs, which are quadratic; ``LayerFit``
 traces two lengths and scales, which is exact (``tests/unit/test_estimate.py`` checks a third).
@@ -10,40 +11,6 @@ traces two lengths and scales, which is exact (``tests/unit/test_estimate.py`` c
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-
-TRACED = ("none", "full", "selective", "memo-0", "memo-1")
-"""Traced methods; MEMO at any α is interpolated between α = 0 and α = 1 (linear in α).
-``memo-A@C`` is MEMO at α ``A`` by sub-sequence chunks of ``C`` local tokens; ``memo-A:RULE``
-is MEMO whose layers place their saves by the offload rule ``RULE`` (``memo_ext.memo.rules``)."""
-
-
-@dataclass(frozen=True)
-class TracedMemo:
-    """MEMO as a traced method name spells it (:func:`parse_method`)."""
-
-    alpha: float
-    chunk_tokens: int | None = None
-    offload_rule: str | None = None
-    """``None``: MEMO's own rule."""
-
-
-def parse_method(method: str) -> TracedMemo | None:
-    """The MEMO settings of a traced method name; ``None`` for a method without MEMO."""
-    if not method.startswith("memo-"):
-        if method not in TRACED:
-            raise ValueError(
-                f"method must be one of {TRACED} or memo-ALPHA[@CHUNK][:RULE], got {method!r}"
-            )
-        return None
-    settings, _, rule = method.removeprefix("memo-").partition(":")
-    alpha, _, chunk = settings.partition("@")
-    return TracedMemo(float(alpha), int(chunk) if chunk else None, rule or None)
-
-
-def memo_method(alpha: float, *, chunk_tokens: int | None = None, rule: str | None = None) -> str:
-    """The traced method name of MEMO at ``alpha`` (:func:`parse_method`'s inverse)."""
-    chunk = f"@{chunk_tokens}" if chunk_tokens else ""
-    return f"memo-{alpha:g}{chunk}" + (f":{rule}" if rule else "")
 
 
 @dataclass(frozen=True)

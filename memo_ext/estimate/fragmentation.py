@@ -31,11 +31,15 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.caching_allocator import CachingAllocatorModel, OutOfMemory
 from memo_ext.planner.trace import Alloc, Trace
 from memo_ext.shapes import ModelShape
+
+if TYPE_CHECKING:
+    from memo_ext.estimate.stage import MemoryMethod
 
 RETRY_SYNC_S = 5e-3
 """One empty-cache-and-retry: a device synchronisation that drains the queue (assumption)."""
@@ -69,20 +73,19 @@ def _trace(
     *,
     tp: int,
     sp: bool,
-    method: str,
+    method: MemoryMethod,
     tokens: int,
     layers: int,
     loss: bool,
     micro_batch_size: int,
+    settings: Any = None,
     loss_chunks: int = 1,
 ) -> Trace:
-    from memo_ext.estimate.measure import method_overrides
     from memo_ext.mcore.transformer_config import traced_transformer_config
     from memo_ext.planner.capture import trace_transformer_layer
 
-    # full recomputation is traced as megatron-core's checkpoint of each layer (below), so only
-    # selective recomputation reaches the layer's config
-    overrides = method_overrides(method) if method == "selective" else {}
+    # full recomputation is traced as megatron-core's checkpoint of each layer, its config plain
+    overrides, recompute_layers = method.replay_layers(settings)
     config = traced_transformer_config(
         model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1, **overrides
     )
@@ -94,7 +97,7 @@ def _trace(
             micro_batch_size=micro_batch_size,
             num_layers=layers,
             vocab_size=model.vocab_size if loss else None,
-            recompute_layers=method == "full",
+            recompute_layers=recompute_layers,
             megatron_loss=True,
             loss_chunks=loss_chunks if loss else 1,
         )
@@ -106,9 +109,10 @@ def iteration_fit(
     *,
     tp: int,
     sp: bool,
-    method: str,
+    method: MemoryMethod,
     layers: int,
     loss: bool,
+    settings: Any = None,
     micro_batch_size: int = 1,
     loss_chunks: int = 1,
 ) -> IterationFit:
@@ -125,6 +129,7 @@ def iteration_fit(
         tp=tp,
         sp=sp,
         method=method,
+        settings=settings,
         layers=layers,
         loss=loss,
         micro_batch_size=micro_batch_size,
@@ -133,13 +138,13 @@ def iteration_fit(
     low, high = (_trace(model, tokens=t, **kw).events for t in (t1, 2 * t1))
     if len(low) != len(high):
         raise ValueError(
-            f"the {method} iteration's trace has {len(low)} events at {t1} tokens "
+            f"the {method.name} iteration's trace has {len(low)} events at {t1} tokens "
             f"but {len(high)} at {2 * t1}"
         )
     events, first_backward = [], None
     for k, (a, b) in enumerate(zip(low, high)):
         if type(a) is not type(b) or a.id != b.id:
-            raise ValueError(f"the {method} iteration's trace differs at event {k}: {a} / {b}")
+            raise ValueError(f"the {method.name} iteration's trace differs at event {k}: {a} / {b}")
         if isinstance(a, Alloc):
             if first_backward is None and a.phase in ("loss_bwd", "bwd", "embedding_bwd"):
                 first_backward = k
@@ -262,7 +267,8 @@ def stage_replay(
     model: ModelShape,
     layout: ParallelLayout,
     *,
-    method: str,
+    method: MemoryMethod,
+    settings: Any = None,
     seq_length: int,
     micro_batch_size: int,
     num_microbatches: int,
@@ -271,7 +277,8 @@ def stage_replay(
 ) -> AllocatorOutcome:
     """The busiest stage under the caching allocator: with PP the first stage (its layers,
     ``min(pp, micro-batches)`` in flight) and the last (its layers and the loss, one in flight),
-    whichever reserves more; without PP the whole model. ``loss_chunks``: the trainer's
+    whichever reserves more; without PP the whole model. ``method`` with ``settings`` says how
+    the layers are built (``MemoryMethod.replay_layers``); ``loss_chunks``: the trainer's
     ``--loss-chunks``."""
     stage_layers = model.num_layers // layout.pp
     tokens = seq_length // layout.cp
@@ -279,6 +286,7 @@ def stage_replay(
         tp=layout.tp,
         sp=layout.sp,
         method=method,
+        settings=settings,
         layers=stage_layers,
         micro_batch_size=micro_batch_size,
     )

@@ -28,6 +28,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import tensor_parallel
@@ -38,17 +39,13 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memo_ext.config import MemoConfig, RecomputeConfig
 from memo_ext.estimate.fits import (
     LayerFigures,
     LayerFit,
     LiveFit,
-    TracedMemo,
     TransientFit,
-    parse_method,
     reference_tokens,
 )
-from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE
 from memo_ext.mcore.flop_count import flop_counter_mode
 from memo_ext.mcore.specs import build_layer_spec
 from memo_ext.mcore.tracing import (
@@ -58,7 +55,6 @@ from memo_ext.mcore.tracing import (
 )
 from memo_ext.mcore.transformer_config import traced_transformer_config
 from memo_ext.memo.policy import (
-    apply_memo,
     memo_runtime_of,
     memo_step_metrics,
     memo_trace_options,
@@ -68,33 +64,19 @@ from memo_ext.planner.capture import trace_module, trace_transformer_layer
 from memo_ext.planner.problem import lower_bound, problem_from_trace
 from memo_ext.shapes import ModelShape, embedding_rows
 
+if TYPE_CHECKING:
+    from memo_ext.estimate.stage import MemoryMethod
+
 logger = logging.getLogger(__name__)
 
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 
 
-def method_overrides(method: str) -> dict:
-    """``TransformerConfig`` fields of a Megatron recomputation method (every layer under full),
-    as the recompute feature sets them; none for the other methods."""
-    if method == "full" or method == "selective":
-        return RecomputeConfig.of_layout(method).megatron_fields()
-    return {}
-
-
-def _build_block(config, groups, *, memo: TracedMemo | None):
-    """A one-layer ``TransformerBlock`` of the method (MEMO: an offloaded layer)."""
+def _build_block(config, groups, *, method: MemoryMethod | None, settings: Any):
+    """A one-layer ``TransformerBlock`` of ``method`` (``None``: the plain layer)."""
     spec = build_layer_spec(config=config, attention_backend="sdpa")
-    if memo is not None:
-        # a huge budget: the estimator states what is needed; the α rule applies the budget
-        settings = MemoConfig(
-            enabled=True,
-            alpha=memo.alpha,
-            keep_last_layers=0,
-            host_memory_gb=2**40,
-            chunk_tokens=memo.chunk_tokens,
-            offload_rule=memo.offload_rule or DEFAULT_OFFLOAD_RULE,
-        )
-        spec = apply_memo(spec, settings, config)
+    if method is not None:
+        spec = method.layer_spec(spec, config, settings)
     submodules = TransformerBlockSubmodules(layer_specs=[spec], layer_norm=None)
     return TransformerBlock(config, submodules, post_process=False, pg_collection=groups)
 
@@ -139,28 +121,29 @@ def trace_layer(
     sp: bool,
     tokens: int,
     micro_batch_size: int,
-    method: str,
+    method: MemoryMethod | None = None,
+    settings: Any = None,
     fp32: bool = False,
 ) -> LayerFigures:
-    """Forward and backward of one layer of ``method`` on fake tensors (cached).
+    """Forward and backward of one layer of ``method`` on fake tensors (cached by the model,
+    the layout, the method and its settings).
 
     Args:
         model: the model shape (``num_layers`` is ignored: one layer is built).
         tp: tensor-parallel size; ``sp`` shards the layer input over it.
         tokens: tokens of one sequence on this process (``s / cp``).
         micro_batch_size: sequences per micro-batch.
-        method: one of :data:`~memo_ext.estimate.fits.TRACED`, or MEMO at another α, chunk
-            or offload rule (:func:`~memo_ext.estimate.fits.parse_method`).
+        method: the memory method that builds the layer (``None``: the plain layer), with its
+            ``settings`` (a hashable value, e.g. MEMO's ``MemoMethod.traced_layer``).
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """
-    memo = parse_method(method)
     sp = sp and tp > 1
     config = traced_transformer_config(
         model,
         layout=ParallelLayout(tp=tp, sp=sp),
         fp32=fp32,
         num_layers=1,
-        **method_overrides(method),
+        **(method.layer_config(settings) if method is not None else {}),
     )
     local = tokens // tp if sp else tokens
     with (
@@ -171,7 +154,7 @@ def trace_layer(
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
         warnings.simplefilter("ignore")
-        block = _build_block(config, groups, memo=memo)
+        block = _build_block(config, groups, method=method, settings=settings)
         x = torch.empty(local, micro_batch_size, model.hidden_size, dtype=config.params_dtype)
         x.requires_grad_(True)
         rope = _rope_table(model, config, tokens)
@@ -299,12 +282,18 @@ def chunked_layer_max_live_bytes(
 
 @functools.lru_cache(maxsize=512)
 def layer_fit(
-    model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int, method: str
+    model: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    micro_batch_size: int,
+    method: MemoryMethod | None = None,
+    settings: Any = None,
 ) -> LayerFit:
     """Traces ``method`` at two lengths and returns the exact scaling rule."""
-    memo = parse_method(method)
-    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=memo.chunk_tokens if memo else None)
-    kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method)
+    granule = method.trace_granule(settings) if method is not None else None
+    t1 = reference_tokens(tp=tp, sp=sp, chunk_tokens=granule)
+    kw = dict(tp=tp, sp=sp, micro_batch_size=micro_batch_size, method=method, settings=settings)
     return LayerFit(
         t1=t1,
         low=trace_layer(model, tokens=t1, **kw),
@@ -317,7 +306,7 @@ def transient_fit(model: ModelShape, *, tp: int, sp: bool, micro_batch_size: int
     """Traces the layer and the output end at the reference length."""
     t = reference_tokens(tp=tp, sp=sp)
     kw = dict(tp=tp, sp=sp, tokens=t, micro_batch_size=micro_batch_size)
-    layer = trace_layer(model, method="none", **kw)
+    layer = trace_layer(model, **kw)
     return TransientFit(
         layer_per_token=(layer_max_live_bytes(model, **kw) - layer.saved_bytes) / t,
         loss_per_token=loss_max_live_bytes(model, **kw) / t,

@@ -106,6 +106,8 @@ class MemoryMethod(abc.ABC):
     prices fragmentation); ``False`` for a method that plans its memory."""
     uses_host_memory: ClassVar[bool] = False
     """Whether it keeps activations in host memory (the preflight then reports them)."""
+    plain: ClassVar[bool] = False
+    """Whether its layer is the plain one (the estimator's baseline, traced once for all)."""
     suggestion: ClassVar[str | None] = None
     """What the preflight tells a run that does not fit to try, when this method with its
     default settings would make it fit (``add --memo``); ``None``: never suggested."""
@@ -125,3 +127,66 @@ class MemoryMethod(abc.ABC):
     def search_settings(self, space: Any) -> list[Any]:
         """The settings a search for the longest length tries (``memo_ext.estimate.search``)."""
         return [None]
+
+    # --- memo-memory-report's rows: one traced layer each, scaled to the stage
+
+    def report_rows(self, *, chunk_tokens: int) -> list[tuple[str, Any]]:
+        """(row name, settings of its traced layer) per row of ``memo-memory-report``
+        (``chunk_tokens``: the chunk of a chunked row)."""
+        return [(self.name, None)]
+
+    def report_stage(
+        self,
+        fig: LayerFigures,
+        plain: LayerFigures,
+        settings: Any,
+        *,
+        stage_layers: int,
+        in_flight: int,
+        keep_last_layers: int | None,
+    ) -> tuple[int, int, int]:
+        """(device activation bytes, host bytes, layers recomputed) of the stage whose layers
+        are ``fig`` (``plain``: the plain layer's figures), ``in_flight`` micro-batches held."""
+        return in_flight * stage_layers * fig.saved_bytes, 0, stage_layers
+
+    def report_note(
+        self, *, stage_layers: int, keep_last_layers: int | None, chunk_tokens: int
+    ) -> str | None:
+        """What the report's header says of this method's rows (``None``: nothing)."""
+        return None
+
+    # --- the layer it builds: traced on fake tensors (memo_ext.estimate.measure), replayed
+    # through the caching allocator (memo_ext.estimate.fragmentation). ``settings`` are a
+    # hashable value (the tracer caches by method and settings).
+
+    def traced_settings(self, text: str | None) -> Any:
+        """The settings of a traced layer named ``NAME-TEXT`` in reports (``memo-0.5``), or
+        ``NAME`` alone (``text`` ``None``); :meth:`traced_name`'s inverse.
+
+        Raises:
+            ValueError: for text this method does not read.
+        """
+        if text is not None:
+            raise ValueError(f"{self.name} takes no settings, got {self.name}-{text}")
+        return None
+
+    def traced_name(self, settings: Any) -> str:
+        """How reports name this method's layer with ``settings``."""
+        return self.name
+
+    def layer_config(self, settings: Any) -> dict[str, Any]:
+        """megatron-core ``TransformerConfig`` fields of a layer under this method."""
+        return {}
+
+    def layer_spec(self, spec: Any, config: Any, settings: Any) -> Any:
+        """The layer's ``ModuleSpec`` under this method (``spec``: the plain layer's)."""
+        return spec
+
+    def trace_granule(self, settings: Any) -> int | None:
+        """Local tokens the traced lengths must be a multiple of (MEMO's chunk), if any."""
+        return None
+
+    def replay_layers(self, settings: Any) -> tuple[dict[str, Any], bool]:
+        """(config fields, whether megatron-core's checkpoint wraps each layer) of the stage the
+        caching-allocator replay traces."""
+        return self.layer_config(settings), False

@@ -70,10 +70,12 @@ class ComparedMethod:
         return None
 
     def traced(self, settings: Mapping[str, str], *, measured: Mapping, predicted: Mapping):
-        """The method one layer is traced as (``memo_ext.estimate.fits``), given what the run
-        measured (empty when it did not train) and what the estimator predicted; ``None``: not
-        traced."""
-        return self.estimator.name if self.estimator is not None else None
+        """(memory method, its settings) of the layer traced on fake tensors
+        (``memo_ext.estimate.measure.trace_layer``), given what the run measured (empty when it
+        did not train) and what the estimator predicted; ``None``: not traced."""
+        if self.estimator is None:
+            return None
+        return self.estimator, self.estimator_settings(settings, keep_last_layers=None)
 
     def untraced_note(self) -> str:
         """Why it is not traced on fake tensors."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from memo_ext.config import RunConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.stage import MemoryMethod
@@ -52,6 +54,24 @@ def memory_method(name: str) -> MemoryMethod:
         if method.name == name:
             return method
     raise UsageError(f"--method must be one of {', '.join(method_names())}, got {name!r}")
+
+
+def traced(name: str) -> dict[str, Any]:
+    """The ``method`` and ``settings`` of a traced layer as reports name it
+    (``memo_ext.estimate.measure.trace_layer``'s keywords): a method's name (``full``), or
+    ``NAME-SETTINGS`` that method reads itself (``memo-0.5@4096``); ``none`` is the plain layer.
+
+    Raises:
+        ValueError: for a name no registered method reads.
+    """
+    for method in sorted(METHODS, key=lambda m: -len(m.name)):  # the longest name that fits
+        if name != method.name and not name.startswith(method.name + "-"):
+            continue
+        if method.plain:
+            return dict(method=None, settings=None)
+        text = name[len(method.name) + 1 :] if name != method.name else None
+        return dict(method=method, settings=method.traced_settings(text))
+    raise ValueError(f"no registered method traces a layer named {name!r}")
 
 
 def memory_method_of(run: RunConfig) -> MemoryMethod:

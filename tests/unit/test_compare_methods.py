@@ -83,12 +83,15 @@ def test_a_compared_rule_reaches_the_trainer_the_estimator_and_the_trace():
         assert flags[flags.index("--memo-offload-rule") + 1] == "test-everything-kept"
         settings = method.spec.estimator_settings(dict(method.settings), keep_last_layers=None)
         assert settings.offload_rule == "test-everything-kept" and settings.alpha == 0.5
-        traced = method.spec.traced(dict(method.settings), measured={}, predicted={})
-        assert traced == "memo-0.5:test-everything-kept"
+        traced, at = method.spec.traced(dict(method.settings), measured={}, predicted={})
+        assert traced.traced_name(at) == "memo-0.5:test-everything-kept"
         auto = parse_method("memo:rule=test-everything-kept")
-        assert auto.spec.traced(
-            dict(auto.settings), measured={"memo_alpha": 0.25}, predicted={}
-        ) == "memo-0.25:test-everything-kept"
+        traced, at = auto.spec.traced(
+            dict(auto.settings), measured={"memo_alpha": 0.25}, predicted={"alpha": 0.75}
+        )
+        assert traced.traced_name(at) == "memo-0.25:test-everything-kept"  # what the run chose
+        traced, at = auto.spec.traced(dict(auto.settings), measured={}, predicted={"alpha": 0.75})
+        assert traced.traced_name(at) == "memo-0.75:test-everything-kept"  # it did not train
     finally:
         rules.unregister(EverythingKept)
 

@@ -14,7 +14,7 @@ from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.estimate.cost_model import estimate
 from memo_ext.estimate.measure import layer_fit, trace_layer
 from memo_ext.estimate.search import find_max_seq_length
-from memo_ext.features.registry import memory_method
+from memo_ext.features.registry import memory_method, traced
 from memo_ext.hardware import DEVICES, GIB
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import MODELS, ModelShape, model_shape
@@ -51,9 +51,10 @@ def test_presets_match_the_paper():
 def test_layer_figures_scale_exactly(model, method):
     # bytes and matmul FLOPs affine in the tokens, attention FLOPs quadratic: a third traced
     # length must equal the fit of two others exactly
-    fit = layer_fit(model, tp=2, sp=True, micro_batch_size=1, method=method)
-    traced = trace_layer(model, tp=2, sp=True, tokens=7 * fit.t1, micro_batch_size=1, method=method)
-    assert fit.at(7 * fit.t1) == traced
+    layer = traced(method)  # the registered method that builds it, with its settings
+    fit = layer_fit(model, tp=2, sp=True, micro_batch_size=1, **layer)
+    traced_at = trace_layer(model, tp=2, sp=True, tokens=7 * fit.t1, micro_batch_size=1, **layer)
+    assert fit.at(7 * fit.t1) == traced_at
     # linear through zero up to a few bytes of scalars (selective recompute saves one)
     assert abs(fit.low.saved_bytes * 2 - fit.high.saved_bytes) <= 64
     assert fit.low.input_bytes * 2 == fit.high.input_bytes
@@ -93,7 +94,7 @@ def _real_saved_bytes(model: ModelShape, tokens: int) -> int:
 def test_estimated_bytes_equal_a_real_run(model):
     tokens = 96
     real = _real_saved_bytes(model, tokens)
-    kw = dict(tp=1, sp=False, micro_batch_size=1, method="none", fp32=True)
+    kw = dict(tp=1, sp=False, micro_batch_size=1, fp32=True)
     low, high = (trace_layer(model, tokens=t, **kw) for t in (32, 64))
     # the estimator's scaling rule (affine in tokens) applied from 32 and 64 tokens to 96
     estimated = high.saved_bytes + (high.saved_bytes - low.saved_bytes) * (tokens - 64) // 32
@@ -292,7 +293,7 @@ def test_llama3_presets_are_meta_s_shapes_with_an_output_layer_of_their_own():
     layer = 2 * h * h + 2 * h * 8 * 128 + 3 * h * 14336 + 2 * h
     assert 32 * layer + 2 * 128256 * h + h == 8_030_261_248
     model = MODELS["llama3-8b"]
-    figures = layer_fit(model, tp=1, sp=False, micro_batch_size=1, method="none").at(4096)
+    figures = layer_fit(model, tp=1, sp=False, micro_batch_size=1).at(4096)
     one = ParallelLayout()
     params = params_per_gpu(model, one, figures, 4096)
     # the estimator counts a LayerNorm's bias in the final norm: h more than RMSNorm has

@@ -83,10 +83,17 @@ def test_no_limit_is_the_replay_the_planner_benchmarks_use():
 
 @pytest.mark.parametrize("method", ["none", "full", "selective"])
 def test_the_iteration_fit_equals_a_third_trace(method):
-    fit = iteration_fit(SMALL, tp=2, sp=True, method=method, layers=2, loss=True)
+    fit = iteration_fit(SMALL, tp=2, sp=True, method=memory_method(method), layers=2, loss=True)
     tokens = 5 * fit.t1 + 2 * 2  # not a multiple of the reference: SP needs only TP
     direct = _trace(
-        SMALL, tp=2, sp=True, method=method, tokens=tokens, layers=2, loss=True, micro_batch_size=1
+        SMALL,
+        tp=2,
+        sp=True,
+        method=memory_method(method),
+        tokens=tokens,
+        layers=2,
+        loss=True,
+        micro_batch_size=1,
     ).events
     fitted = fit.events_at(tokens)
     assert len(direct) == len(fitted)
@@ -98,7 +105,7 @@ def test_the_iteration_fit_equals_a_third_trace(method):
 
 def test_the_trainers_loss_chunks_are_traced_and_fitted():
     """--loss-chunks: the output layer and loss by slices, each recomputed in backward."""
-    kw = dict(tp=2, sp=True, method="full", layers=2, loss=True)
+    kw = dict(tp=2, sp=True, method=memory_method("full"), layers=2, loss=True)
     fit = iteration_fit(SMALL, loss_chunks=4, **kw)
     tokens = 3 * fit.t1
     direct = _trace(SMALL, tokens=tokens, micro_batch_size=1, loss_chunks=4, **kw).events
@@ -117,7 +124,10 @@ def test_full_recomputation_allocates_less_than_storing_everything():
     tokens = 8192
     peaks = {
         m: replay_iteration(
-            iteration_fit(SMALL, method=m, **kw), tokens=tokens, in_flight=1, limit_bytes=None
+            iteration_fit(SMALL, method=memory_method(m), **kw),
+            tokens=tokens,
+            in_flight=1,
+            limit_bytes=None,
         ).allocated_peak_bytes
         for m in ("none", "full")
     }
@@ -125,7 +135,7 @@ def test_full_recomputation_allocates_less_than_storing_everything():
 
 
 def test_1f1b_holds_the_micro_batches_in_flight():
-    fit = iteration_fit(SMALL, tp=1, sp=False, method="none", layers=4, loss=False)
+    fit = iteration_fit(SMALL, tp=1, sp=False, method=memory_method("none"), layers=4, loss=False)
     one, three = (
         replay_iteration(fit, tokens=16384, in_flight=k, limit_bytes=None).allocated_peak_bytes
         for k in (1, 3)
@@ -134,7 +144,7 @@ def test_1f1b_holds_the_micro_batches_in_flight():
 
 
 def test_the_replay_reports_the_retry_cost_of_the_steady_state():
-    fit = iteration_fit(SMALL, tp=1, sp=False, method="none", layers=4, loss=True)
+    fit = iteration_fit(SMALL, tp=1, sp=False, method=memory_method("none"), layers=4, loss=True)
     free = replay_iteration(fit, tokens=16384, in_flight=1, limit_bytes=None)
     assert free.fits and free.retries == 0 and free.retry_s == 0
     assert free.reserved_peak_bytes >= free.allocated_peak_bytes
@@ -335,7 +345,7 @@ def test_1f1b_keeps_one_sp_gather_buffer_and_frees_each_input_gradient():
     (not once per micro-batch in flight); a stage's input gradient goes with its backward."""
     from memo_ext.estimate.fragmentation import _schedule
 
-    fit = iteration_fit(SMALL, tp=2, sp=True, method="none", layers=2, loss=False)
+    fit = iteration_fit(SMALL, tp=2, sp=True, method=memory_method("none"), layers=2, loss=False)
     schedule = _schedule(fit, tokens=4 * fit.t1, in_flight=3)
     kept = [(op, tid) for op, tid, _, persistent in schedule if persistent]
     assert kept and all(op == "alloc" for op, _ in kept)
@@ -348,7 +358,7 @@ def test_1f1b_keeps_one_sp_gather_buffer_and_frees_each_input_gradient():
 def test_a_limit_below_the_free_reserved_peak_is_met_by_emptying_the_cache():
     """32 MiB under the reserved peak of a replay without a limit, the replay empties its cache
     in the first iteration and fits, reserving no more than the limit."""
-    fit = iteration_fit(SMALL, tp=1, sp=False, method="full", layers=4, loss=True)
+    fit = iteration_fit(SMALL, tp=1, sp=False, method=memory_method("full"), layers=4, loss=True)
     free = replay_iteration(fit, tokens=65536, in_flight=1, limit_bytes=None)
     limit = free.reserved_peak_bytes - 32 * MIB
     assert free.allocated_peak_bytes < limit

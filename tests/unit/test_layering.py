@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors", "device"}),
-    frozenset({"files"}),
+    frozenset({"files", "plugins"}),
     frozenset({"shapes", "parallel", "hardware", "flags", "collectives", "extension"}),
     frozenset({"config.common"}),
     frozenset(
@@ -303,8 +303,6 @@ MEGATRON_GRANULARITIES = frozenset({"full", "selective"})
 build its layers (the recompute feature's methods take their names)."""
 
 NAMED_OUTSIDE_FEATURES: dict[tuple[str, str], str] = {
-    ("memo_ext/estimate/fits.py", "memo-"): "the tracer's name of a MEMO trace (memo-A@C:RULE)",
-    ("memo_ext/compare/memory.py", "memo-"): "the activation report's MEMO rows",
     ("memo_ext/compare/report.py", "none"): "the comparison table's baseline column",
     ("memo_ext/benchmarks/memo_chunking.py", "none"): "--chunks none: a layer without chunks",
     ("memo_ext/benchmarks/paper_table.py", "memo"): "the paper table's MEMO rows",

@@ -20,7 +20,7 @@ from memo_ext.estimate.measure import (
     trace_layer,
 )
 from memo_ext.features.memo.stage import auto_chunk_tokens
-from memo_ext.features.registry import memory_method
+from memo_ext.features.registry import memory_method, traced
 from memo_ext.hardware import DEVICES
 from memo_ext.memo.alpha import HostMemoryError, LayerCost, skeleton_layers
 from memo_ext.parallel import ParallelLayout
@@ -44,14 +44,12 @@ def test_chunk_tokens_flag_and_kept_layers_default():
 @pytest.mark.slow
 def test_chunked_figures_scale_exactly():
     """Traced at two lengths of whole chunks, a third length is predicted exactly."""
-    method = "memo-0.5@64"
-    fit = layer_fit(SMALL_LLAMA, tp=2, sp=True, micro_batch_size=1, method=method)
+    layer = traced("memo-0.5@64")
+    fit = layer_fit(SMALL_LLAMA, tp=2, sp=True, micro_batch_size=1, **layer)
     assert fit.t1 == 2 * 2048  # four chunks of 64 are fewer than the reference's 2048 tokens
     tokens = 3 * fit.t1
-    traced = trace_layer(
-        SMALL_LLAMA, tp=2, sp=True, tokens=tokens, micro_batch_size=1, method=method
-    )
-    assert fit.at(tokens) == traced
+    direct = trace_layer(SMALL_LLAMA, tp=2, sp=True, tokens=tokens, micro_batch_size=1, **layer)
+    assert fit.at(tokens) == direct
     live = chunked_live_fit(
         SMALL_LLAMA, tp=2, sp=True, micro_batch_size=1, alpha=1.0, chunk_tokens=64
     )
@@ -66,10 +64,10 @@ def test_chunking_holds_less_than_whole_layers():
     """Per layer: copies in flight and the live set of one layer's passes are smaller, the host
     bytes about the same (whole storages, plus the chunks' copies of gathered rows under SP)."""
     whole = trace_layer(
-        SMALL_LLAMA, tp=2, sp=True, tokens=8192, micro_batch_size=1, method="memo-1"
+        SMALL_LLAMA, tp=2, sp=True, tokens=8192, micro_batch_size=1, **traced("memo-1")
     )
     chunked = trace_layer(
-        SMALL_LLAMA, tp=2, sp=True, tokens=8192, micro_batch_size=1, method="memo-1@256"
+        SMALL_LLAMA, tp=2, sp=True, tokens=8192, micro_batch_size=1, **traced("memo-1@256")
     )
     assert chunked.slot_bytes < whole.slot_bytes / 2
     assert whole.host_bytes <= chunked.host_bytes <= 1.25 * whole.host_bytes

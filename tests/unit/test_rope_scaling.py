@@ -440,7 +440,7 @@ def test_estimator_traces_yarn_as_rope():
         for kind in ("rope", "yarn", "learned_absolute")
     }
     figures = {
-        kind: trace_layer(shape, tp=1, sp=False, tokens=64, micro_batch_size=1, method="none")
+        kind: trace_layer(shape, tp=1, sp=False, tokens=64, micro_batch_size=1)
         for kind, shape in shapes.items()
     }
     assert figures["yarn"] == figures["rope"] != figures["learned_absolute"]

@@ -1,55 +1,19 @@
-"""MEMO as a method the estimator prices, the search tries and the comparisons run (see the
-package's docstring)."""
+"""MEMO as the methods the estimator prices (:class:`MemoMethod`, defined with the stage it
+prices in ``memo_ext.features.memo.stage``) and the comparisons run (see the package's
+docstring)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from memo_ext.config import MemoConfig
 from memo_ext.errors import UsageError
-from memo_ext.estimate.fits import memo_method
-from memo_ext.estimate.stage import MemoryMethod, Stage, StageContext
+from memo_ext.estimate.stage import MemoryMethod
 from memo_ext.features.compared import ComparedMethod
 from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE, parse_alpha
-from memo_ext.features.memo.stage import memo_stage
+from memo_ext.features.memo.stage import MEMO
 from memo_ext.memo.rules import offload_rule
-
-if TYPE_CHECKING:
-    from memo_ext.config import RunConfig
-    from memo_ext.estimate.search import SearchSpace
-
-
-class MemoMethod(MemoryMethod):
-    """Token-wise activation swapping and recomputation (``--memo``)."""
-
-    name = "memo"
-    replays_caching_allocator = False  # MEMO plans its memory
-    uses_host_memory = True
-    suggestion = "add --memo"
-
-    def price(self, ctx: StageContext) -> Stage:
-        return memo_stage(ctx)
-
-    def selected_by(self, run: RunConfig) -> bool:
-        return run.memo.enabled
-
-    def settings_of(self, run: RunConfig) -> MemoConfig:
-        return run.memo
-
-    def search_settings(self, space: SearchSpace) -> list[MemoConfig]:
-        """Kept last layers in {2, 1, 0} and α in {the rule's, 0}, unless the space fixes them."""
-        keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
-        alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
-        return [
-            MemoConfig(enabled=True, alpha=a, keep_last_layers=k, chunk_tokens=space.chunk_tokens)
-            for k in keeps
-            for a in alphas
-        ]
-
-
-MEMO = MemoMethod()
 
 METHODS: tuple[MemoryMethod, ...] = (MEMO,)
 
@@ -95,12 +59,12 @@ class ComparedMemo(ComparedMethod):
         )
 
     def traced(self, settings: Mapping[str, str], *, measured: Mapping, predicted: Mapping):
-        """At the given α, else the α the run chose (the estimator's when it did not train)."""
+        """At the given α, else the α the run chose (the estimator's when it did not train),
+        with the rule it runs."""
         alpha = parse_alpha(settings.get("alpha", "auto"))
         if alpha is None:
             alpha = measured.get("memo_alpha") if measured else predicted.get("alpha")
-        rule = settings.get("rule")
-        return memo_method(alpha or 0.0, rule=None if rule == DEFAULT_OFFLOAD_RULE else rule)
+        return MEMO, MEMO.traced_layer(alpha or 0.0, rule=settings.get("rule"))
 
 
 COMPARED: tuple[ComparedMethod, ...] = (

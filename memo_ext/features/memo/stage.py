@@ -9,7 +9,9 @@ runtime follows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memo_ext.config import MemoConfig
 from memo_ext.estimate.cost_model import (
@@ -24,14 +26,18 @@ from memo_ext.estimate.cost_model import (
     matmul_shape_factor,
     sub_sequence_chunks,
 )
-from memo_ext.estimate.fits import LayerFigures, memo_method
-from memo_ext.estimate.stage import LayerTime, Stage, StageContext
+from memo_ext.estimate.fits import LayerFigures
+from memo_ext.estimate.stage import LayerTime, MemoryMethod, Stage, StageContext
 from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE
 from memo_ext.hardware import DeviceSpec
-from memo_ext.memo.alpha import HostMemoryError, LayerCost, solve_alpha
+from memo_ext.memo.alpha import HostMemoryError, LayerCost, slots_after_forward, solve_alpha
 from memo_ext.memo.modes import StageBytes, layer_mode
 from memo_ext.parallel import ParallelLayout
 from memo_ext.shapes import ModelShape
+
+if TYPE_CHECKING:
+    from memo_ext.config import RunConfig
+    from memo_ext.estimate.search import SearchSpace
 
 DEFAULT_EFFICIENCY = Efficiency()
 MEMO_DEFAULTS = MemoConfig(enabled=True)
@@ -69,10 +75,11 @@ def memo_at(
     saves by ``offload_rule``, MEMO's own if ``None``), interpolated between the α = 0 and α = 1
     traces (host bytes and recompute FLOPs are linear in α; a ping-pong slot pins whole
     storages as soon as α > 0)."""
-    rule = None if offload_rule == DEFAULT_OFFLOAD_RULE else offload_rule
-    at = dict(chunk_tokens=chunk_tokens, rule=rule)
-    zero = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(0.0, **at))
-    one = layer_figures(model, layout, batch, tokens=tokens, method=memo_method(1.0, **at))
+    traced = functools.partial(MEMO.traced_layer, chunk_tokens=chunk_tokens, rule=offload_rule)
+    zero, one = (
+        layer_figures(model, layout, batch, tokens=tokens, method=MEMO, settings=traced(a))
+        for a in (0.0, 1.0)
+    )
     mix = lambda a, b: round(a + alpha * (b - a))  # noqa: E731
     live = 0
     if chunk_tokens:
@@ -250,3 +257,118 @@ def memo_stage(ctx: StageContext) -> Stage:
         fits_host=fits_host and host <= host_budget,
         notes=notes,
     )
+
+
+class MemoMethod(MemoryMethod):
+    """Token-wise activation swapping and recomputation (``--memo``)."""
+
+    name = "memo"
+    replays_caching_allocator = False  # MEMO plans its memory
+    uses_host_memory = True
+    suggestion = "add --memo"
+
+    def price(self, ctx: StageContext) -> Stage:
+        return memo_stage(ctx)
+
+    def selected_by(self, run: RunConfig) -> bool:
+        return run.memo.enabled
+
+    def settings_of(self, run: RunConfig) -> MemoConfig:
+        return run.memo
+
+    @staticmethod
+    def traced_layer(
+        alpha: float, *, chunk_tokens: int | None = None, rule: str | None = None
+    ) -> MemoConfig:
+        """The settings of an offloaded layer traced at ``alpha`` (by chunks of
+        ``chunk_tokens`` local tokens if given; placing its saves by the offload rule ``rule``,
+        MEMO's own if ``None``): a huge host budget, since the estimator states what is needed
+        and the α rule applies the budget."""
+        return MemoConfig(
+            enabled=True,
+            alpha=alpha,
+            keep_last_layers=0,
+            host_memory_gb=2**40,
+            chunk_tokens=chunk_tokens,
+            offload_rule=rule or DEFAULT_OFFLOAD_RULE,
+        )
+
+    def traced_settings(self, text: str | None) -> MemoConfig:
+        """``ALPHA[@CHUNK][:RULE]``: ``memo-0.5``, ``memo-1@4096``, ``memo-0:my-rule``."""
+        if text is None:
+            raise ValueError("a traced MEMO layer needs its α: memo-ALPHA[@CHUNK][:RULE]")
+        settings, _, rule = text.partition(":")
+        alpha, _, chunk = settings.partition("@")
+        return self.traced_layer(float(alpha), chunk_tokens=int(chunk) if chunk else None,
+                                 rule=rule or None)  # fmt: skip
+
+    def traced_name(self, settings: MemoConfig) -> str:
+        chunk = f"@{settings.chunk_tokens}" if settings.chunk_tokens else ""
+        rule = settings.offload_rule
+        return f"memo-{settings.alpha:g}{chunk}" + (
+            f":{rule}" if rule != DEFAULT_OFFLOAD_RULE else ""
+        )
+
+    def report_rows(self, *, chunk_tokens: int) -> list[tuple[str, MemoConfig]]:
+        """α 0, 0.5 and 1 by whole layers; α 0 and 1 by chunks (``memo-chunked-A``)."""
+        rows = [(f"memo-{a:g}", self.traced_layer(a)) for a in (0.0, 0.5, 1.0)]
+        return rows + [
+            (f"memo-chunked-{a:g}", self.traced_layer(a, chunk_tokens=chunk_tokens))
+            for a in (0.0, 1.0)
+        ]
+
+    def report_stage(
+        self, fig, plain, settings: MemoConfig, *, stage_layers, in_flight, keep_last_layers
+    ) -> tuple[int, int, int]:
+        """The offloaded layers at ``fig``, the kept last ones at ``plain``, and the ping-pong
+        slots of copy sources (a few chunks in flight when chunked, whatever the layers)."""
+        kept = _kept(settings, stage_layers=stage_layers, keep_last_layers=keep_last_layers)
+        offloaded = stage_layers - kept
+        if settings.chunk_tokens:
+            pingpong = fig.slot_bytes if offloaded else 0
+        else:
+            pingpong = slots_after_forward(offloaded=offloaded, kept=kept) * fig.slot_bytes
+        device = in_flight * (kept * plain.saved_bytes + offloaded * fig.saved_bytes)
+        return device + pingpong, in_flight * offloaded * fig.host_bytes, offloaded
+
+    def report_note(self, *, stage_layers: int, keep_last_layers: int | None, chunk_tokens: int):
+        whole, chunked = (
+            _kept(self.traced_layer(0.0, chunk_tokens=c), stage_layers=stage_layers,
+                  keep_last_layers=keep_last_layers)
+            for c in (None, 1)
+        )  # fmt: skip
+        return (
+            f"MEMO keeps the last {whole} layers, chunked MEMO {chunked} with chunks of "
+            f"{chunk_tokens} local tokens"
+        )
+
+    def layer_spec(self, spec, config, settings: MemoConfig):
+        """The layer MEMO's runtime wraps (``memo_ext.memo.policy.apply_memo``)."""
+        from memo_ext.memo.policy import apply_memo  # megatron-core: the tracer's, not --help's
+
+        return apply_memo(spec, settings, config)
+
+    def trace_granule(self, settings: MemoConfig) -> int | None:
+        return settings.chunk_tokens
+
+    def search_settings(self, space: SearchSpace) -> list[MemoConfig]:
+        """Kept last layers in {2, 1, 0} and α in {the rule's, 0}, unless the space fixes them."""
+        keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
+        alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
+        return [
+            MemoConfig(enabled=True, alpha=a, keep_last_layers=k, chunk_tokens=space.chunk_tokens)
+            for k in keeps
+            for a in alphas
+        ]
+
+
+MEMO = MemoMethod()
+
+
+def _kept(settings: MemoConfig, *, stage_layers: int, keep_last_layers: int | None) -> int:
+    """Kept last layers of a stage: the given count, else the trainer's default (2 whole, 0
+    chunked), at most the stage's layers."""
+    keep = keep_last_layers
+    if keep is None:
+        keep = 0 if settings.chunk_tokens else 2
+    return min(keep, stage_layers)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 from memo_ext.estimate.cost_model import backward_flops, layer_figures, layer_time
 from memo_ext.estimate.stage import LayerTime, MemoryMethod, Stage, StageContext
 from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.recompute.config import RecomputeConfig
 
 if TYPE_CHECKING:
     from memo_ext.config import RunConfig
@@ -24,7 +25,8 @@ class Recompute(MemoryMethod):
     """Whether the layer being recomputed holds its whole saved set again at the peak."""
 
     def price(self, ctx: StageContext) -> Stage:
-        fig = layer_figures(ctx.model, ctx.layout, ctx.batch, tokens=ctx.tokens, method=self.name)
+        traced = None if self.plain else self
+        fig = layer_figures(ctx.model, ctx.layout, ctx.batch, tokens=ctx.tokens, method=traced)
         stored = ctx.in_flight * ctx.stage_layers * fig.saved_bytes
         again = ctx.none.saved_bytes if self.holds_again else 0
         time = LayerTime()
@@ -39,15 +41,23 @@ class Recompute(MemoryMethod):
     def selected_by(self, run: RunConfig) -> bool:
         return run.recompute.granularity == self.name
 
+    def layer_config(self, settings: None) -> dict:
+        """Megatron's recomputation of every layer at this granularity."""
+        return RecomputeConfig.of_layout(self.name).megatron_fields()
+
 
 class NoRecompute(Recompute):
     """No recomputation: every layer keeps its saved set until its backward. A run selects it
     when it selects no other method (``memo_ext.features.memory_method_of``)."""
 
     name = "none"
+    plain = True
 
     def selected_by(self, run: RunConfig) -> bool:
         return False
+
+    def layer_config(self, settings: None) -> dict:
+        return {}
 
 
 class FullRecompute(Recompute):
@@ -57,6 +67,10 @@ class FullRecompute(Recompute):
     name = "full"
     forward_passes = 2
     holds_again = True
+
+    def replay_layers(self, settings: None) -> tuple[dict, bool]:
+        """Replayed as megatron-core's checkpoint of each layer, its config left plain."""
+        return {}, True
 
 
 class SelectiveRecompute(Recompute):
