@@ -13,6 +13,11 @@ repository root with the suite's folder (``benchmarks/challenging`` of google/mi
 Each row carries a digest of the plan's offsets. ``--busy N`` keeps N processes spinning beside
 the planner for the whole run: the digests then match those of a run without them (the plans
 do not depend on load), only the seconds differ.
+
+Each row also has the plan's CPU seconds (the process's, every thread) and the CPU seconds a work
+unit cost on that file: a unit is meant to be about one CPU-second on an idle machine. The
+one-off costs of a process (imports, loading or compiling the search loops) are measured before
+the first file and printed apart, so they do not count against it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from pathlib import Path
 
 from memo_ext.flags import finite_float
 from memo_ext.planner import PlannerConfig, load_trace, plan_trace
+from memo_ext.planner.solvers.canonical import warm_up
+
+CPU_PER_UNIT_TOLERANCE = 0.3
+"""How far from one CPU-second a unit may cost on a file before the table flags it."""
 
 
 def known_capacity(path: Path) -> int | None:
@@ -37,10 +46,12 @@ def known_capacity(path: Path) -> int | None:
 def measure(path: Path, *, solver: str, work_limit: float) -> dict:
     """Plans one file; returns its peak against the known capacity and the lower bound."""
     trace = load_trace(path)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     config = PlannerConfig(solver=solver, work_limit=work_limit, alignment=1, bilevel=False)
     plan = plan_trace(trace, config=config)
+    cpu_s = time.process_time() - cpu0
     capacity = known_capacity(path)
+    units = plan.extra["work_units"]
     return {
         "file": path.name,
         "buffers": len(trace.allocs),
@@ -50,11 +61,23 @@ def measure(path: Path, *, solver: str, work_limit: float) -> dict:
         "over_capacity": None if capacity is None else plan.peak_bytes / capacity - 1,
         "gap": plan.gap,
         "status": plan.status,
-        "work_units": plan.extra["work_units"],
+        "work_units": units,
         "deterministic": plan.extra["deterministic"],
         "digest": digest(plan.offsets),
         "time_s": round(time.perf_counter() - t0, 2),
+        "cpu_s": round(cpu_s, 2),
+        "cpu_s_per_unit": round(cpu_s / units, 2) if units > 0 else None,
     }
+
+
+def start_up() -> float:
+    """CPU seconds of a process's one-off costs: CP-SAT's import and the search loops loaded
+    from numba's cache (or compiled, when it is empty)."""
+    cpu0 = time.process_time()
+    from ortools.sat.python import cp_model  # noqa: F401
+
+    warm_up()
+    return time.process_time() - cpu0
 
 
 def digest(offsets: dict[str, int]) -> str:
@@ -72,14 +95,17 @@ def table(rows: list[dict]) -> list[str]:
     """One line per file."""
     lines = [
         f"{'file':<18} {'buffers':>7} {'lower bound':>12} {'capacity':>10} {'peak':>10} "
-        f"{'vs capacity':>11} {'vs bound':>9} {'status':>8} {'work':>6} {'s':>6} {'digest':>12}"
+        f"{'vs capacity':>11} {'vs bound':>9} {'status':>8} {'work':>6} {'s':>6} {'CPU s':>6} "
+        f"{'CPU s/unit':>10} {'digest':>12}"
     ]
     for r in rows:
         over = "-" if r["over_capacity"] is None else f"{r['over_capacity']:+.2%}"
+        per_unit = "-" if r["cpu_s_per_unit"] is None else f"{r['cpu_s_per_unit']:.2f}"
         lines.append(
             f"{r['file']:<18} {r['buffers']:>7} {r['lower_bound']:>12} {r['capacity'] or '-':>10} "
             f"{r['peak']:>10} {over:>11} {r['gap']:>9.2%} {r['status']:>8} "
-            f"{r['work_units']:>6.1f} {r['time_s']:>6.1f} {r['digest']:>12}"
+            f"{r['work_units']:>6.1f} {r['time_s']:>6.1f} {r['cpu_s']:>6.1f} {per_unit:>10} "
+            f"{r['digest']:>12}"
         )
     known = [r["over_capacity"] for r in rows if r["over_capacity"] is not None]
     if known:
@@ -88,7 +114,23 @@ def table(rows: list[dict]) -> list[str]:
             f"mean peak / capacity {1 + sum(known) / len(known):.4f}; {at} of {len(known)} at "
             f"the known capacity; {sum(r['time_s'] for r in rows):.0f} s in all"
         )
+    lines += unit_summary(rows)
     return lines
+
+
+def unit_summary(rows: list[dict]) -> list[str]:
+    """What a work unit cost in CPU seconds across the files, and which files it missed by
+    more than ``CPU_PER_UNIT_TOLERANCE``."""
+    costs = {r["file"]: r["cpu_s_per_unit"] for r in rows if r["cpu_s_per_unit"] is not None}
+    if not costs:
+        return []
+    off = [name for name, cost in costs.items() if abs(cost - 1) > CPU_PER_UNIT_TOLERANCE]
+    line = (
+        f"a work unit cost {min(costs.values()):.2f}-{max(costs.values()):.2f} CPU s; "
+        f"{len(costs) - len(off)} of {len(costs)} files within "
+        f"{CPU_PER_UNIT_TOLERANCE:.0%} of one"
+    )
+    return [line + (f" (not: {', '.join(off)})" if off else "")]
 
 
 def main() -> None:
@@ -112,8 +154,10 @@ def main() -> None:
     spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
     for spinner in spinners:
         spinner.start()
-    rows = []
+    rows, start_cpu_s = [], 0.0
     try:
+        start_cpu_s = start_up()
+        print(f"start-up (imports, search loops): {start_cpu_s:.2f} CPU s", flush=True)
         for path in files:
             rows.append(measure(path, solver=args.solver, work_limit=args.work_limit))
             print(json.dumps(rows[-1]), flush=True)
@@ -121,7 +165,13 @@ def main() -> None:
         for spinner in spinners:
             spinner.kill()
     print("\n".join(table(rows)))
-    result = {"solver": args.solver, "work_limit": args.work_limit, "busy": args.busy, "rows": rows}
+    result = {
+        "solver": args.solver,
+        "work_limit": args.work_limit,
+        "busy": args.busy,
+        "start_up_cpu_s": round(start_cpu_s, 2),
+        "rows": rows,
+    }
     with open(args.json, "w") as handle:
         json.dump(result, handle)
 

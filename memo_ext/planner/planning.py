@@ -114,9 +114,9 @@ def _make_plan(
     }
     if clock.cut:
         logger.warning(
-            "the wall-clock safety net stopped the planner's search with %.1f of %.1f work "
-            "units spent: the plan is valid, but may differ from one made on a less busy "
-            "machine (raise --time-limit, or lower --work-limit)",
+            "the safety net (CPU seconds) stopped the planner's search with %.1f of %.1f work "
+            "units spent: the plan is valid, but may differ from one the whole work limit "
+            "makes (raise --time-limit, or lower --work-limit)",
             clock.spent,
             config.work_limit,
         )

@@ -11,13 +11,13 @@ from memo_ext.planner.solvers import SOLVERS, SolveOptions
 from memo_ext.planner.solvers.work import WorkClock
 
 SAFETY_FACTOR, SAFETY_MARGIN_S = 10.0, 10.0
-"""The default wall-clock safety net: this many seconds per work unit, plus this many. A work
-unit is about a second of an idle core, so the net is met only on a machine about ten times
-slower or busier than that."""
+"""The default safety net: this many CPU seconds per work unit, plus this many. A work unit is
+about a CPU-second, so the net is met only where the work counts miss about nine tenths of what
+a search costs, on a busy machine as on an idle one (the net counts CPU time)."""
 
 
 def safety_net_s(work_limit: float) -> float:
-    """The default wall-clock limit of a plan with ``work_limit`` work units."""
+    """The default safety net of a plan with ``work_limit`` work units (CPU seconds)."""
     return SAFETY_FACTOR * work_limit + SAFETY_MARGIN_S
 
 
@@ -32,8 +32,9 @@ class PlannerConfig:
     a second of one core each (``memo_ext.planner.solvers.work``): the same trace and settings
     give the same plan however busy the machine is."""
     time_limit_s: float | None = None
-    """Wall-clock safety net, seconds: a search still running past it stops where it is (the
-    plan is valid, and records that it was cut). Default: ``safety_net_s(work_limit)``."""
+    """Safety net, seconds of the process's CPU time: a search still running past it stops
+    where it is (the plan is valid, and records that it was cut). Default:
+    ``safety_net_s(work_limit)``."""
     alignment: int = 1
     """Every offset is a multiple of this many bytes (512 matches PyTorch's CUDA allocator)."""
     bilevel: bool = True

@@ -8,7 +8,7 @@ searches a whole group, the group is cut along its flat levels (``levels``) and 
 placed one by one; when that meets the lower bound the group is done.
 
 Every limit is work counted in work units (``work``), not seconds: a plan does not depend on
-how busy the machine is. ``options.time_limit_s`` is only a safety net.
+how busy the machine is. ``options.time_limit_s`` is only a safety net, in CPU seconds.
 
 Backends:
     cpsat: canonical branch and bound, then OR-Tools CP-SAT from its incumbent beside more of
@@ -166,13 +166,13 @@ def solve_dsa(
     Args:
         problem: tensors with aligned sizes and lifetimes.
         solver: one of ``SOLVERS``.
-        options: work limit, wall-clock safety net, workers, seed and optional hint (offsets
+        options: work limit, CPU-time safety net, workers, seed and optional hint (offsets
             in problem units).
 
     Returns:
         Offsets in the problem's units, the peak and whether it is proven optimal; its details
-        hold the work spent (``work_units``) and, when the wall-clock safety net stopped a
-        search, ``wall_clock_cut``.
+        hold the work spent (``work_units``) and, when the safety net stopped a search,
+        ``safety_net_cut``.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -195,6 +195,6 @@ def solve_dsa(
     peak = peak_of(problem, offsets)
     details["work_units"] = round(clock.spent, 3)
     if clock.cut:
-        details["wall_clock_cut"] = True
+        details["safety_net_cut"] = True
     logger.debug("%s: peak %d (lower bound %d)", solver, peak, lower_bound(problem))
     return Solution(offsets, peak, proven or peak == lower_bound(problem), solver, details)

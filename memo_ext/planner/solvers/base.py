@@ -17,7 +17,8 @@ class SolveOptions:
     work_limit: float = 60.0
     """Search work for the whole solve, in work units (about a second each; see ``work``)."""
     time_limit_s: float = math.inf
-    """Wall-clock safety net, seconds: a search still running past it stops where it is."""
+    """Safety net, seconds of the process's CPU time: a search still running past it stops
+    where it is (``work``)."""
     workers: int = 2
     """Threads a backend may use (CP-SAT workers, HiGHS / Gurobi threads)."""
     seed: int = 0

@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 class _Deadline(Exception):
-    """The search's work is spent (or the wall-clock safety net reached)."""
+    """The search's work is spent (or the CPU-time safety net reached)."""
 
 
 @dataclass
@@ -553,7 +553,8 @@ def solve_canonical(
 
 def warm_up() -> None:
     """Compiles the search loops into numba's cache (``make install`` calls it), so that the
-    first plan does not spend its time limit compiling."""
+    first plan does not spend its time limit compiling. The cache is per user and source
+    (``kernel_cache``): every checkout of the same kernels loads what this compiled."""
     problem = DsaProblem(
         sizes=np.array([2, 1, 1]), start=np.array([0, 0, 1]), end=np.array([2, 1, 2])
     )

@@ -17,6 +17,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uint64
 
+from memo_ext.planner.solvers.kernel_cache import install_cache_locator
+
+install_cache_locator()  # before the decorators below, which choose the cache folder
+
 FOUND, FAILED, OUT_OF_NODES = 1, 0, -1
 """Outcomes of a search (and of one call of ``run_kernel``)."""
 

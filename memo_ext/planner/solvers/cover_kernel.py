@@ -32,6 +32,9 @@ from memo_ext.planner.solvers.canonical_kernel import (
     remember_failed,
     seen_failed,
 )
+from memo_ext.planner.solvers.kernel_cache import install_cache_locator
+
+install_cache_locator()  # before the decorators below, which choose the cache folder
 
 
 @njit(cache=True, nogil=True)

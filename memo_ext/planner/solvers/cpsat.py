@@ -7,7 +7,9 @@ break their symmetry. When the incumbent already meets the lower bound no model 
 
 CP-SAT is limited by its deterministic time, not by seconds, and runs one worker (its parallel
 portfolio shares solutions as they come, and its interleaved mode overshoots the limit by whole
-batches): its result depends on the model and the seed, not on how busy the machine is.
+batches): its result depends on the model and the seed, not on how busy the machine is. It gets
+no ``max_time_in_seconds``, which is wall-clock: the planner's CPU-time safety net stops it
+through ``stop_search`` instead (``WorkClock.watching``).
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def solve_cpsat_model(problem: DsaProblem, options: SolveOptions, *, bound: int)
     solver.parameters.max_deterministic_time = max(
         clock.left() / UNITS_PER_DETERMINISTIC_SECOND, 0.01
     )
-    solver.parameters.max_time_in_seconds = max(clock.seconds_left(), 0.01)  # the safety net
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = options.seed
-    status = solver.solve(model)
+    with clock.watching(solver.stop_search):  # the safety net
+        status = solver.solve(model)
     charge_cpsat(clock, solver, finished=status in (cp_model.OPTIMAL, cp_model.INFEASIBLE))
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         offsets = np.asarray([solver.value(v) for v in offset_vars], dtype=np.int64)

@@ -38,7 +38,8 @@ def solve_highs(problem: DsaProblem, options: SolveOptions | None = None) -> Sol
     inf = highspy.kHighsInf
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    # HiGHS has no deterministic work limit: its time limit is the work left, read as seconds
+    # HiGHS has no deterministic work limit: its (wall-clock) time limit is the work left, read
+    # as seconds, or the CPU seconds left to the safety net when fewer
     h.setOptionValue("time_limit", float(max(min(clock.left(), clock.seconds_left()), 0.01)))
     h.setOptionValue("threads", int(max(options.workers, 1)))
     h.setOptionValue("random_seed", int(options.seed))

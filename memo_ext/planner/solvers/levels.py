@@ -152,10 +152,10 @@ def find_level(
     solver.parameters.max_deterministic_time = max(
         clock.left() / UNITS_PER_DETERMINISTIC_SECOND, 0.01
     )
-    solver.parameters.max_time_in_seconds = max(clock.seconds_left(), 0.01)  # the safety net
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
-    status = solver.solve(model)
+    with clock.watching(solver.stop_search):  # the safety net, in CPU time
+        status = solver.solve(model)
     charge_cpsat(clock, solver, finished=status in (cp_model.OPTIMAL, cp_model.INFEASIBLE))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

@@ -15,16 +15,25 @@ each). Work is what the searches count as they go:
 
 Every decision of the planner (how many nodes a run may visit, whether a stage runs, which
 result is kept) reads these counts, so the same trace and settings give the same plan on a busy
-machine and an idle one, only later. A wall-clock deadline stays as a safety net: a search past
-it stops where it is, the plan is still valid, and ``WorkClock.cut`` says it was cut (the plan
+machine and an idle one, only later. A deadline stays as a safety net, counted in the process's
+CPU time (``time.process_time``: every thread, so the searches run side by side count together,
+as their work does) and not on the wall clock: a machine that is slow because it is shared
+gives the process fewer CPU-seconds per second, not many more per unit of work (what sharing a
+core's caches costs), so a net well above the work limit is met on neither. A search past it
+stops where it is, the plan is still valid, and ``WorkClock.cut`` says it was cut (the plan
 records ``deterministic: false``).
+Backends whose own limits are wall-clock (CP-SAT's ``max_time_in_seconds``, Gurobi's
+``TimeLimit``) are not given them; ``WorkClock.watching`` stops them instead.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from memo_ext.planner.problem import DsaProblem, overlap_count
 
@@ -52,12 +61,14 @@ MODEL_UNITS_PER_TENSOR = 50e-6
 CPSAT_SETUP_UNITS_PER_TENSOR = 6e-3
 """CP-SAT's presolve and loading of a placement model, per tensor: seconds its deterministic
 time does not see (measured 1.6-13 s on models of 200-3,000 tensors; a rough fit)."""
+WATCH_EVERY_S = 0.05
+"""How often ``WorkClock.watching`` reads the CPU clock while a backend runs (seconds)."""
 
 
 def charge_cpsat(clock: WorkClock, solver, *, finished: bool) -> None:
     """Charges a CP-SAT solve (``solver``, a ``CpSolver`` after ``solve``) to ``clock``: its
     deterministic time. One that stopped short of its deterministic limit without ``finished``
-    (optimal, or proven infeasible) was stopped by the wall clock, which marks the tree as cut."""
+    (optimal, or proven infeasible) was stopped by the safety net, which marks the tree as cut."""
     used, limit = solver.deterministic_time, solver.parameters.max_deterministic_time
     clock.spend(min(used * UNITS_PER_DETERMINISTIC_SECOND, clock.left()))
     if not finished and used < limit:
@@ -76,10 +87,10 @@ def greedy_units(problem: DsaProblem) -> float:
 
 @dataclass
 class WorkClock:
-    """A budget of work units, shared down a tree of stages, with a wall-clock safety net.
+    """A budget of work units, shared down a tree of stages, with a CPU-time safety net.
 
     ``share`` hands a stage part of what is left; what the stage spends is charged to every
-    clock above it. ``left`` is the only thing a decision may read. ``overdue`` reads the wall
+    clock above it. ``left`` is the only thing a decision may read. ``overdue`` reads the CPU
     clock: a search checks it between steps and stops when it is true, which marks the whole
     tree as ``cut``.
     """
@@ -87,18 +98,26 @@ class WorkClock:
     limit: float
     """Work units this clock may spend."""
     deadline: float = math.inf
-    """``time.perf_counter()`` value past which searching stops whatever the work left."""
+    """Reading of ``cpu`` past which searching stops whatever the work left."""
     spent: float = 0.0
     """Work units spent so far (by this clock and the stages it shared to)."""
     parent: WorkClock | None = None
     """The clock this one was shared from (its spending is charged there too)."""
-    wall_cut: bool = False
+    net_cut: bool = False
     """Set on the root when the deadline stopped a search (read it through ``cut``)."""
+    cpu: Callable[[], float] = field(default=time.process_time, repr=False)
+    """The clock the deadline is read on: the process's CPU seconds (tests inject their own)."""
 
     @classmethod
-    def start(cls, work_limit: float, time_limit_s: float = math.inf) -> WorkClock:
-        """A root clock: ``work_limit`` units, a deadline ``time_limit_s`` seconds from now."""
-        return cls(limit=work_limit, deadline=time.perf_counter() + time_limit_s)
+    def start(
+        cls,
+        work_limit: float,
+        time_limit_s: float = math.inf,
+        cpu: Callable[[], float] = time.process_time,
+    ) -> WorkClock:
+        """A root clock: ``work_limit`` units, a deadline once the process has spent
+        ``time_limit_s`` more CPU seconds."""
+        return cls(limit=work_limit, deadline=cpu() + time_limit_s, cpu=cpu)
 
     def left(self) -> float:
         """Work units still to spend (never negative)."""
@@ -115,18 +134,19 @@ class WorkClock:
         """A clock for a stage: ``units`` of what is left, charged to this one (at least
         ``floor`` units, past this clock's limit if need be)."""
         units = max(min(units, self.left()), floor, 0.0)
-        return WorkClock(limit=units, deadline=self.deadline, parent=self)
+        return WorkClock(limit=units, deadline=self.deadline, parent=self, cpu=self.cpu)
 
     def detached(self, units: float) -> WorkClock:
         """A clock for a stage run beside others (in a thread): ``units`` of what is left,
         charged here only by ``absorb``, in an order that does not depend on the threads."""
-        return WorkClock(limit=max(min(units, self.left()), 0.0), deadline=self.deadline)
+        units = max(min(units, self.left()), 0.0)
+        return WorkClock(limit=units, deadline=self.deadline, cpu=self.cpu)
 
     def absorb(self, stage: WorkClock) -> None:
         """Charges a detached stage's work (and its cut, if the deadline stopped it)."""
         self.spend(stage.spent)
-        if stage.wall_cut:
-            self.root.wall_cut = True
+        if stage.net_cut:
+            self.root.net_cut = True
 
     @property
     def root(self) -> WorkClock:
@@ -137,14 +157,14 @@ class WorkClock:
 
     @property
     def cut(self) -> bool:
-        """Whether the wall-clock deadline stopped a search anywhere under the root."""
-        return self.root.wall_cut
+        """Whether the safety net stopped a search anywhere under the root."""
+        return self.root.net_cut
 
     def overdue(self) -> bool:
-        """Past the wall-clock deadline (the safety net); marks the tree as cut when so."""
-        if time.perf_counter() <= self.deadline:
+        """Past the CPU-time deadline (the safety net); marks the tree as cut when so."""
+        if self.cpu() <= self.deadline:
             return False
-        self.root.wall_cut = True
+        self.root.net_cut = True
         return True
 
     def exhausted(self) -> bool:
@@ -152,5 +172,31 @@ class WorkClock:
         return self.left() <= 0 or self.overdue()
 
     def seconds_left(self) -> float:
-        """Wall-clock seconds to the deadline (for backends that take only a time limit)."""
-        return max(self.deadline - time.perf_counter(), 0.0)
+        """CPU seconds to the deadline (HiGHS reads them as its wall-clock time limit: it takes
+        no other kind)."""
+        return max(self.deadline - self.cpu(), 0.0)
+
+    @contextmanager
+    def watching(self, stop: Callable[[], None], every_s: float = WATCH_EVERY_S) -> Iterator[None]:
+        """Runs the body with the safety net enforced on a backend that takes no CPU-time limit:
+        a thread reads the clock every ``every_s`` seconds and, once it is overdue, calls
+        ``stop`` (thread-safe, e.g. ``CpSolver.stop_search``) at every reading until the body
+        ends, since a stop that comes before the backend starts is not kept. Nothing runs
+        without a deadline."""
+        if math.isinf(self.deadline):
+            yield
+            return
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(every_s):
+                if self.overdue():
+                    stop()
+
+        thread = threading.Thread(target=watch, name="work-clock-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
