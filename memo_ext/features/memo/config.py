@@ -96,8 +96,9 @@ class MemoConfig:
     """Work the planner may spend on one pass sequence, in work units of about a second of one
     core each: counted, not timed, so a busy machine makes the same plan, later."""
     plan_time_limit: float | None = None
-    """Wall-clock safety net of one pass sequence's plan, seconds (default 10 per work unit,
-    plus 10): a search still running then stops where it is, with a valid plan and a warning."""
+    """Safety net of one pass sequence's plan, CPU seconds of the process (default 10 per work
+    unit, plus 10): a search still running then stops where it is, with a valid plan and a
+    warning."""
 
     @property
     def plan_cache_dir(self) -> str:
