@@ -22,6 +22,7 @@ from memo_ext import plugins
 from memo_ext.config.train import parse_step_schedule
 from memo_ext.data.input_files import check_inputs
 from memo_ext.errors import UsageError
+from memo_ext.features.feature import PLUGIN_FEATURES
 from memo_ext.flags import (
     FlagHelpFormatter,
     SpellCheckedParser,
@@ -56,6 +57,11 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
 """(RunConfig field, its dataclass, argument group), in the order ``--help`` lists them."""
 
 
+def _sections() -> list[tuple[str, type, str]]:
+    """:data:`SECTIONS`, then the sections of the features plugins registered."""
+    return [*SECTIONS, *((f.name, f.config, f.title) for f in PLUGIN_FEATURES)]
+
+
 class OneSentenceParser(SpellCheckedParser):
     """argparse, with its errors as one-sentence :class:`UsageError` (no usage dump) and a
     misspelt flag named with the closest one; the trainer's parser and the tools'."""
@@ -72,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for section, cls, title in SECTIONS:
+    for section, cls, title in _sections():
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         add_flags(group, cls, section=section)
     plugins.add_flag(parser.add_argument_group("plugins"))
@@ -103,13 +109,18 @@ def parse_args(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     sections = {name: from_flags(cls, args, section=name) for name, cls, _ in SECTIONS}
+    plugin_sections = tuple(
+        (f.name, from_flags(f.config, args, section=f.name)) for f in PLUGIN_FEATURES
+    )
     data = sections["data"]
     if data.vocab_file and data.merge_file and "--tokenizer-type" not in translation.argv:
         sections["data"] = dataclasses.replace(data, tokenizer_type="GPT2BPETokenizer")
     if getattr(args, "layout.sp") and sections["layout"].tp == 1:
         logger.warning("--sequence-parallel has no effect with TP = 1; turning it off")
     sections["layout"] = sections["layout"].with_world(world_size)
-    run = c.RunConfig(**_with_derived_defaults(sections), world_size=world_size)
+    run = c.RunConfig(
+        **_with_derived_defaults(sections), plugin_sections=plugin_sections, world_size=world_size
+    )
     run.check()
     data = check_inputs(
         run.data, evaluation=run.evaluation.enabled, calibration=run.preflight.calibration

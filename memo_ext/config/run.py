@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from memo_ext.config.common import check_writable_directory
 from memo_ext.config.data import TOKENIZER_FIELDS, DataConfig
@@ -70,8 +71,24 @@ class RunConfig:
     """MEMO's token-wise activation offloading (off by default)."""
     hotspa: HotSPaConfig = field(default_factory=HotSPaConfig)
     """HotSPa's length buckets and per-bucket layouts (off by default)."""
+    plugin_sections: tuple[tuple[str, Any], ...] = ()
+    """The sections of the features plugins add (``memo_ext.features.registry.Feature``), by
+    name; :meth:`section` reads one."""
     world_size: int = 1
     """Processes in the job (torchrun's ``WORLD_SIZE``)."""
+
+    def section(self, name: str) -> Any:
+        """The section ``name``: a built-in one (``memo``) or a plugin feature's.
+
+        Raises:
+            KeyError: for a name that is neither.
+        """
+        if name in {f.name for f in dataclasses.fields(self)} - {"plugin_sections", "world_size"}:
+            return getattr(self, name)
+        for key, section in self.plugin_sections:
+            if key == name:
+                return section
+        raise KeyError(f"the run has no section {name!r}")
 
     @property
     def num_microbatches(self) -> int:
@@ -164,6 +181,11 @@ class RunConfig:
             train=self.train,
             evaluation=self.evaluation,
         )
+        for _, section in self.plugin_sections:  # a plugin feature's own checks, then the run's
+            if hasattr(section, "check"):
+                section.check()
+            if hasattr(section, "check_with"):
+                section.check_with(self)
 
     def _check_sequence(self) -> None:
         seq = self.data.seq_length

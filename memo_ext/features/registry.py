@@ -1,14 +1,17 @@
 """The lists the rest of the house reads of the features (see the package's docstring):
-:data:`METHODS` the estimator prices, :data:`COMPARED` a comparison runs, and how to add to them."""
+:data:`METHODS` the estimator prices, :data:`COMPARED` a comparison runs, :data:`PLUGIN_FEATURES`
+the features plugins add (:mod:`memo_ext.features.feature`), and how to add to them."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from memo_ext.config import RunConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.stage import MemoryMethod
 from memo_ext.features.compared import ComparedMethod
+from memo_ext.features.feature import PLUGIN_FEATURES, Feature
 from memo_ext.features.megatron_offload import method as megatron_offload
 from memo_ext.features.memo import method as memo
 from memo_ext.features.recompute import method as recompute
@@ -21,6 +24,39 @@ order)."""
 COMPARED: list[ComparedMethod] = [*recompute.COMPARED, *megatron_offload.COMPARED, *memo.COMPARED]
 """Every method a comparison can run (``memo-compare --methods``), in the order its help lists
 them."""
+
+
+def register_feature(feature: Feature) -> Feature:
+    """Registers ``feature`` and what it brings (its methods, compared methods and extension);
+    its name must be new. Returns ``feature``."""
+    if any(known.name == feature.name for known in PLUGIN_FEATURES) or feature.name in {
+        f.name for f in dataclasses.fields(RunConfig)
+    }:
+        raise ValueError(f"a feature {feature.name!r} is registered already")
+    for method in feature.methods:
+        register(METHODS, method)
+    for method in feature.compared:
+        register(COMPARED, method)
+    if feature.extension is not None:
+        from memo_ext.features import extensions  # megatron-core: a trainer's extension is
+
+        extensions.register(feature.extension)
+    PLUGIN_FEATURES.append(feature)
+    return feature
+
+
+def unregister_feature(feature: Feature) -> None:
+    """Takes ``feature`` and what it brought out of the lists (a test's own, after the test)."""
+    for method in feature.methods:
+        unregister(METHODS, method)
+    for method in feature.compared:
+        unregister(COMPARED, method)
+    if feature.extension is not None:
+        from memo_ext.features import extensions
+
+        extensions.unregister(feature.extension)
+    if feature in PLUGIN_FEATURES:
+        PLUGIN_FEATURES.remove(feature)
 
 
 def compared_method(name: str) -> ComparedMethod | None:
