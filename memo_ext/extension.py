@@ -145,6 +145,12 @@ class Extension(abc.ABC):
     """
 
     name: ClassVar[str] = "extension"
+    flag: ClassVar[str] = ""
+    """The flag that turns it on (``--hotspa``), as the trainer's notices name it."""
+    own_layouts: ClassVar[bool] = False
+    """Builds models in process layouts of its own, with explicit process groups (HotSPa's
+    buckets): megatron-core's overlapped gradient reduce and parameter gather, and its fused
+    loss, which read the global groups, are left off (the trainer says so once)."""
     replaces_allocator: bool = False
     """Serves the process's device memory itself (:meth:`setup`): torch's memory cap cannot
     apply."""
@@ -176,6 +182,11 @@ class Extension(abc.ABC):
     def preflight_skip_reason(self, run: RunConfig) -> str | None:
         """Why the memory preflight cannot judge ``run``, or ``None`` when it can."""
         return None
+
+    def model_tp_sizes(self, run: RunConfig) -> tuple[int, ...]:
+        """TP sizes of the models it builds beside the home one (the vocabulary is padded so
+        that every one divides it); ``run`` is resolved."""
+        return ()
 
     def layer_spec(self, run: RunConfig, spec: Any, config: Any) -> Any:
         """The transformer layer spec with the feature applied (``config``: the model's

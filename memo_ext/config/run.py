@@ -19,7 +19,6 @@ from memo_ext.config.output import (
     ProfileConfig,
 )
 from memo_ext.config.train import TrainConfig
-from memo_ext.device import on_gpu
 from memo_ext.errors import UsageError
 from memo_ext.features.hotspa.config import HotSPaConfig
 from memo_ext.features.megatron_offload.config import MegatronOffloadConfig
@@ -94,13 +93,6 @@ class RunConfig:
     def num_microbatches(self) -> int:
         """Micro-batches per step on each DP rank."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.layout.dp)
-
-    @property
-    def fused_cross_entropy(self) -> bool:
-        """--cross-entropy-loss-fusion where megatron-core's fused loss runs: on CUDA, and not
-        under HotSPa (its bucket models take explicit process groups, the fused loss does not)."""
-        fusion = self.model.cross_entropy_loss_fusion
-        return fusion and on_gpu() and not self.hotspa.enabled
 
     def model_flags(self) -> list[str]:
         """The trainer flags that define this run's model, tokenizer included: what a later run

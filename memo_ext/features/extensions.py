@@ -28,6 +28,17 @@ def unregister(feature: type[Extension]) -> None:
         FEATURES.remove(feature)
 
 
+def enabled_features(run: RunConfig) -> list[type[Extension]]:
+    """The feature classes ``run`` turns on, in :data:`FEATURES`' order."""
+    return [feature for feature in FEATURES if feature.enabled(run)]
+
+
+def own_layouts(run: RunConfig) -> type[Extension] | None:
+    """The feature of ``run`` that builds models in layouts of its own, if any
+    (``Extension.own_layouts``)."""
+    return next((f for f in enabled_features(run) if f.own_layouts), None)
+
+
 def extensions_for(run: RunConfig) -> list[Extension]:
     """One extension per feature ``run`` turns on, made from the run as parsed."""
-    return [feature(run) for feature in FEATURES if feature.enabled(run)]
+    return [feature(run) for feature in enabled_features(run)]

@@ -19,6 +19,7 @@ import torch
 
 from memo_ext import device
 from memo_ext.config import CleanupConfig, ProfileConfig, RunConfig
+from memo_ext.features.extensions import own_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -213,21 +214,24 @@ def notices_for_this_machine(run: RunConfig, *, cuda: bool) -> list[str]:
         notes.append(
             "--empty-unused-memory-level does nothing on CPU: there is no CUDA caching allocator"
         )
+    layouts = own_layouts(run)
     for flag, given in (
         ("--overlap-grad-reduce", d.overlap_grad_reduce),
         ("--overlap-param-gather", d.overlap_param_gather),
     ):
-        if given and run.hotspa.enabled:
-            notes.append(f"{flag} is not applicable with --hotspa; training goes on without it")
+        if given and layouts is not None:
+            notes.append(
+                f"{flag} is not applicable with {layouts.flag}; training goes on without it"
+            )
     fusion = run.model.cross_entropy_loss_fusion
     if fusion and not cuda:
         notes.append(
             "--cross-entropy-loss-fusion is not applicable on CPU; training goes on without it"
         )
-    elif fusion and run.hotspa.enabled:
+    elif fusion and layouts is not None:
         notes.append(
-            "--cross-entropy-loss-fusion is not applicable with --hotspa; training goes on "
-            "without it"
+            f"--cross-entropy-loss-fusion is not applicable with {layouts.flag}; training goes "
+            "on without it"
         )
     if d.grad_reduce_in_bf16 and not run.train.bf16:
         notes.append("--grad-reduce-in-bf16 applies with --bf16: fp32 weights get fp32 gradients")

@@ -34,7 +34,7 @@ from memo_ext.config import RunConfig
 from memo_ext.data.sampler import close_batch_iterator
 from memo_ext.data.tokenizers import tokenizer_for
 from memo_ext.extension import Built, Extension, PlanningTarget
-from memo_ext.features.extensions import extensions_for
+from memo_ext.features.extensions import extensions_for, own_layouts
 from memo_ext.features.megatron import run_transformer_config
 from memo_ext.features.preflight import check_preflight, planning_target
 from memo_ext.mcore.microbatches import init_microbatches, update_batch_ramp
@@ -188,7 +188,7 @@ def _train(
 ) -> TrainSummary:
     # the home model's own megatron config: megatron's schedules read the gradient hooks from
     # it (_connect_schedule_hooks), so it is a copy, and the run's config stays as resolved
-    config = run_transformer_config(run)
+    config = run_transformer_config(run, global_groups=own_layouts(run) is None)
 
     def build_model(*, config, pg_collection=None, distributed_optimizer=None):
         bare = build_gpt_model(

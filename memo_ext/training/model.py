@@ -18,6 +18,7 @@ from megatron.core.transformer.module import Float16Module
 from memo_ext.config import RunConfig
 from memo_ext.config.network import resolve_attention_backend
 from memo_ext.extension import Extension
+from memo_ext.features.extensions import own_layouts
 from memo_ext.mcore.gpt import ChunkedLossGPTModel
 from memo_ext.mcore.init import init_weights_layout_independent
 from memo_ext.mcore.rotary import rotary_arguments
@@ -117,9 +118,9 @@ def wrap_for_data_parallel(
 
 
 def data_parallel_overlap(run: RunConfig) -> bool:
-    """--overlap-grad-reduce, except under HotSPa, which reduces each layout's gradients itself
-    once all its buckets have run."""
-    return run.distributed.overlap_grad_reduce and not run.hotspa.enabled
+    """--overlap-grad-reduce, except under a feature that builds models in layouts of its own
+    (HotSPa reduces each layout's gradients itself once all its buckets have run)."""
+    return run.distributed.overlap_grad_reduce and own_layouts(run) is None
 
 
 @contextmanager

@@ -51,9 +51,10 @@ def resolve_run(
             parsed.data, parsed.train, vocab_size=tokenizer.vocab_size
         ),
     )
-    for extension in extensions_for(run) if extensions is None else extensions:
+    extensions = extensions_for(run) if extensions is None else extensions
+    for extension in extensions:
         run = extension.resolve(run, context)
-    tp_sizes = [run.layout.tp] + [layout.tp for layout in run.hotspa.strategies or ()]
+    tp_sizes = [run.layout.tp] + [tp for e in extensions for tp in e.model_tp_sizes(run)]
     padded = embedding_rows(
         tokenizer.vocab_size, divisible_by=run.model.make_vocab_size_divisible_by, tp_sizes=tp_sizes
     )

@@ -190,13 +190,23 @@ def test_selective_recomputation_on_cpu_leaves_out_transformer_engine_s_advice(m
     assert advice.startswith("If you are using transformer_engine as the transformer")
 
 
+def _fused_loss(run) -> bool:
+    """Whether the home model's config runs megatron-core's fused loss (as the loop builds it)."""
+    from memo_ext.features.extensions import own_layouts
+    from memo_ext.features.megatron import run_transformer_config
+
+    config = run_transformer_config(run, global_groups=own_layouts(run) is None)
+    return config.cross_entropy_loss_fusion
+
+
 def test_overlap_applies_on_every_machine_and_the_fused_loss_on_cuda(monkeypatch):
+    """Both are left off under a feature that builds models in layouts of its own (HotSPa)."""
     run = parse("--overlap-grad-reduce", "--cross-entropy-loss-fusion")
-    assert data_parallel_overlap(run) and not run.fused_cross_entropy
+    assert data_parallel_overlap(run) and not _fused_loss(run)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert data_parallel_overlap(run) and run.fused_cross_entropy
+    assert data_parallel_overlap(run) and _fused_loss(run)
     hot = dataclasses.replace(run, hotspa=dataclasses.replace(run.hotspa, enabled=True))
-    assert not data_parallel_overlap(hot) and not hot.fused_cross_entropy
+    assert not data_parallel_overlap(hot) and not _fused_loss(hot)
 
 
 def test_console_shows_throughput_only_when_asked():

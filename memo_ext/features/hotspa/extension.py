@@ -38,6 +38,8 @@ class HotSPa(Extension):
     """Length buckets, each trained in its own parallel layout of the same processes."""
 
     name = "hotspa"
+    flag = "--hotspa"
+    own_layouts = True  # each bucket's model in its layout
     finalizes_gradients = True  # each layout's gradients once all its buckets have run
     metric_keys = (
         MetricKey(
@@ -91,6 +93,10 @@ class HotSPa(Extension):
         home as the run's layout."""
         return resolve_layouts(run, context)
 
+    def model_tp_sizes(self, run: RunConfig) -> tuple[int, ...]:
+        """Each bucket layout's TP (its model shares the home model's vocabulary)."""
+        return tuple(layout.tp for layout in run.hotspa.strategies or ())
+
     def preflight_skip_reason(self, run: RunConfig) -> str | None:
         return "HotSPa's layouts were checked bucket by bucket when they were chosen"
 
@@ -109,7 +115,9 @@ class HotSPa(Extension):
             ],
             home_model=built.model,
             home_config=built.config,
-            config_for=lambda layout, method: run_transformer_config(run, layout, recompute=method),
+            config_for=lambda layout, method: run_transformer_config(
+                run, layout, recompute=method, global_groups=False
+            ),
             build_model=built.build_model,
             gated=run.shape.swiglu,
             share_home_model=not te,
