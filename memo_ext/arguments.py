@@ -22,7 +22,7 @@ from memo_ext import plugins
 from memo_ext.config.train import parse_step_schedule
 from memo_ext.data.input_files import check_inputs
 from memo_ext.errors import UsageError
-from memo_ext.features.feature import PLUGIN_FEATURES
+from memo_ext.features.feature import BUILT_IN, PLUGIN_FEATURES
 from memo_ext.flags import (
     FlagHelpFormatter,
     SpellCheckedParser,
@@ -43,13 +43,10 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("cleanup", c.CleanupConfig, "training"),
     ("layout", ParallelLayout, "parallelism"),
     ("distributed", c.DistributedConfig, "parallelism"),
-    ("recompute", c.RecomputeConfig, "activation recomputation (Megatron baselines)"),
-    ("offload", c.MegatronOffloadConfig, "activation offloading (megatron-core baselines)"),
+    *((feature.name, feature.config, feature.title) for feature in BUILT_IN),
     ("data", c.DataConfig, "data"),
     ("logging", c.LoggingConfig, "logging"),
     ("profile", c.ProfileConfig, "profiling"),
-    ("memo", c.MemoConfig, "MEMO (token-wise activation swapping and recomputation)"),
-    ("hotspa", c.HotSPaConfig, "HotSPa (length buckets with per-bucket parallel layouts)"),
     ("evaluation", c.EvaluationConfig, "evaluation"),
     ("checkpoint", c.CheckpointConfig, "checkpointing"),
     ("preflight", c.PreflightConfig, "preflight"),

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from memo_ext.config import RunConfig
 from memo_ext.extension import Extension
-from memo_ext.features.hotspa.extension import HotSPa
-from memo_ext.features.megatron_offload.extension import MegatronOffload
-from memo_ext.features.memo.extension import Memo
+from memo_ext.features.feature import BUILT_IN
 
-FEATURES: list[type[Extension]] = [Memo, HotSPa, MegatronOffload]
+FEATURES: list[type[Extension]] = [
+    f.face("extension", f.extension) for f in BUILT_IN if f.extension is not None
+]
 """Every feature's extension, in the order its hooks run (and its figures appear in a logged
 step)."""
 

@@ -11,17 +11,15 @@ from memo_ext.config import RunConfig
 from memo_ext.errors import UsageError
 from memo_ext.estimate.stage import MemoryMethod
 from memo_ext.features.compared import ComparedMethod
-from memo_ext.features.feature import PLUGIN_FEATURES, Feature
-from memo_ext.features.megatron_offload import method as megatron_offload
-from memo_ext.features.memo import method as memo
-from memo_ext.features.recompute import method as recompute
+from memo_ext.features.feature import BUILT_IN, PLUGIN_FEATURES, Feature
+from memo_ext.features.recompute.method import NO_RECOMPUTE
 
-METHODS: list[MemoryMethod] = [*recompute.METHODS, *memo.METHODS]
+METHODS: list[MemoryMethod] = [m for f in BUILT_IN for m in f.face("method", "METHODS", ())]
 """Every memory method the estimator prices (``memo-estimate --method`` lists them in this
 order)."""
 
 
-COMPARED: list[ComparedMethod] = [*recompute.COMPARED, *megatron_offload.COMPARED, *memo.COMPARED]
+COMPARED: list[ComparedMethod] = [m for f in BUILT_IN for m in f.face("method", "COMPARED", ())]
 """Every method a comparison can run (``memo-compare --methods``), in the order its help lists
 them."""
 
@@ -112,4 +110,4 @@ def traced(name: str) -> dict[str, Any]:
 
 def memory_method_of(run: RunConfig) -> MemoryMethod:
     """The method ``run``'s flags select; no recomputation when none does."""
-    return next((m for m in METHODS if m.selected_by(run)), recompute.NO_RECOMPUTE)
+    return next((m for m in METHODS if m.selected_by(run)), NO_RECOMPUTE)

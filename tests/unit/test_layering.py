@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from memo_ext.features.feature import BUILT_IN
+
 PACKAGE = Path(__file__).resolve().parents[2] / "memo_ext"
 
 LAYERS: tuple[frozenset[str], ...] = (
@@ -19,14 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"files", "plugins"}),
     frozenset({"shapes", "parallel", "hardware", "flags", "collectives", "extension"}),
     frozenset({"config.common"}),
-    frozenset(
-        {
-            "features.recompute.config",
-            "features.memo.config",
-            "features.hotspa.config",
-            "features.megatron_offload.config",
-        }
-    ),
+    frozenset(f"{f.package.removeprefix('memo_ext.')}.config" for f in BUILT_IN),
     frozenset({"config"}),
     frozenset({"mcore", "data"}),
     frozenset({"planner", "allocator"}),
