@@ -372,6 +372,9 @@ def _check_counts(args: argparse.Namespace, granularity: int) -> None:
 
 
 def _layouts(args, methods, launch, model, lengths) -> dict[str, ParallelLayout]:
+    """Each method's layout, checked against the model and the lengths, and the method against
+    its stages (MEMO: a layer left to offload), before any job runs."""
+    keep = getattr(args, "memo.keep_last_layers")
     default = ParallelLayout(
         tp=getattr(args, "layout.tp"),
         sp=getattr(args, "layout.sp"),
@@ -385,6 +388,11 @@ def _layouts(args, methods, launch, model, lengths) -> dict[str, ParallelLayout]
             for length in lengths:
                 layout.check_fits(model, length)
         except LayoutError as err:
+            raise UsageError(f"--methods {method.label}: {err}") from None
+        try:
+            stages = model.num_layers // layout.pp
+            method.spec.check(dict(method.settings), stage_layers=stages, keep_last_layers=keep)
+        except UsageError as err:
             raise UsageError(f"--methods {method.label}: {err}") from None
         layouts[method.label] = layout
     return layouts

@@ -81,6 +81,11 @@ class ComparedMethod:
         """Why it is not traced on fake tensors."""
         return f"{self.name} is not traced on fake tensors"
 
+    def check(self, settings: Mapping[str, str], *, stage_layers: int, keep_last_layers):
+        """Raises UsageError, before any job runs, when the method cannot run on stages of
+        ``stage_layers`` layers with the comparison's kept last layers."""
+        return None
+
     def refusal(self) -> str | None:
         """Why this machine cannot run it (one sentence), or ``None``."""
         return None

@@ -607,3 +607,19 @@ def test_damaged_run_records_in_a_matching_compare_json_are_named(tmp_path):
     (tmp_path / "compare.json").write_text(json.dumps(doc))
     with pytest.raises(UsageError, match="holds damaged run records; remove it to start over"):
         Results(comp)
+
+
+def test_a_memo_that_would_offload_no_layer_is_refused_before_any_job(tmp_path):
+    """Two layers and MEMO's default two kept last layers: one sentence, exit 2, no job."""
+    from memo_ext.commands import compare_methods as tool
+
+    argv = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--vocab-size", "256", "--methods", "full", "memo", "--seq-lengths", "128",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    with pytest.raises(UsageError, match=r"--methods memo: --memo would offload no layer"):
+        tool.resolve(tool.build_parser().parse_args(argv), [])
+    fine = tool.resolve(tool.build_parser().parse_args([*argv, "--memo-keep-last-layers", "1"]), [])
+    assert [m.label for m in fine.methods] == ["full", "memo"]
+    assert not (tmp_path / "out").exists()

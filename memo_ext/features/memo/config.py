@@ -214,7 +214,10 @@ class MemoConfig:
                 "--memo-chunk-tokens cannot chunk packed documents (--variable-seq-lengths, "
                 "--hotspa): RoPE positions restart per document; drop one of them"
             )
-        stage_layers = shape.num_layers // layout.pp
+        self.check_offloads(stage_layers=shape.num_layers // layout.pp)
+
+    def check_offloads(self, *, stage_layers: int) -> None:
+        """Raises UsageError when the kept last layers leave a stage nothing to offload."""
         if self.kept_layers >= stage_layers:
             raise UsageError(
                 f"--memo would offload no layer: each pipeline stage has {stage_layers} layers and "

@@ -58,6 +58,10 @@ class ComparedMemo(ComparedMethod):
             offload_rule=settings.get("rule", DEFAULT_OFFLOAD_RULE),
         )
 
+    def check(self, settings: Mapping[str, str], *, stage_layers: int, keep_last_layers):
+        memo = self.estimator_settings(settings, keep_last_layers=keep_last_layers)
+        memo.check_offloads(stage_layers=stage_layers)
+
     def traced(self, settings: Mapping[str, str], *, measured: Mapping, predicted: Mapping):
         """At the given α, else the α the run chose (the estimator's when it did not train),
         with the rule it runs."""
