@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -37,6 +39,18 @@ def pytest_collection_modifyitems(config, items):
         )
 
     items.sort(key=rank)  # stable: files and parameters keep their order within a rank
+
+
+def pytest_configure(config):
+    """The estimator's trace cache of this test run: a fresh folder the xdist workers and every
+    process they start share (set before the workers start), never the user's own, so no test
+    reads figures an earlier run or another checkout left."""
+    from memo_ext.estimate.trace_cache import ENV
+
+    if ENV not in os.environ and not hasattr(config, "workerinput"):
+        folder = tempfile.mkdtemp(prefix="memo-estimate-cache-")
+        os.environ[ENV] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -28,11 +28,13 @@ figures of ``cudaFree`` / ``cudaMalloc`` on large segments; a calibration does n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from memo_ext.estimate.trace_cache import cached
 from memo_ext.parallel import ParallelLayout
 from memo_ext.planner.caching_allocator import CachingAllocatorModel, OutOfMemory
 from memo_ext.planner.trace import Alloc, Trace
@@ -120,10 +122,63 @@ def iteration_fit(
     loss over ``loss_chunks`` slices as the trainer's ``--loss-chunks``), traced at two lengths,
     as an :class:`IterationFit` in local tokens (``s / cp``).
 
+    Kept on disk by its inputs, the method and the code (``memo_ext.estimate.trace_cache``).
+
     Raises:
         ValueError: if the two traces' events differ in order (a size that is not affine in the
             tokens would show there).
     """
+    loss_chunks = loss_chunks if loss else 1  # the first stage's trace is the same for any
+    key = dict(
+        model=dataclasses.asdict(model),
+        tp=tp,
+        sp=sp,
+        layers=layers,
+        loss=loss,
+        micro_batch_size=micro_batch_size,
+        loss_chunks=loss_chunks,
+    )
+    return cached(
+        "iteration",
+        key,
+        lambda: _iteration_fit(
+            model,
+            tp=tp,
+            sp=sp,
+            method=method,
+            layers=layers,
+            loss=loss,
+            settings=settings,
+            micro_batch_size=micro_batch_size,
+            loss_chunks=loss_chunks,
+        ),
+        encode=dataclasses.asdict,
+        decode=_decode_iteration,
+        method=method,
+        settings=settings,
+    )
+
+
+def _decode_iteration(value: dict) -> IterationFit:
+    events = tuple((str(op), str(tid), int(a), int(b)) for op, tid, a, b in value["events"])
+    return IterationFit(
+        t1=int(value["t1"]), events=events, first_backward=int(value["first_backward"])
+    )
+
+
+def _iteration_fit(
+    model: ModelShape,
+    *,
+    tp: int,
+    sp: bool,
+    method: MemoryMethod,
+    layers: int,
+    loss: bool,
+    settings: Any,
+    micro_batch_size: int,
+    loss_chunks: int,
+) -> IterationFit:
+    """The traces behind :func:`iteration_fit`."""
     t1 = 2048 * (tp if sp else 1)
     kw = dict(
         tp=tp,
@@ -279,9 +334,57 @@ def stage_replay(
     ``min(pp, micro-batches)`` in flight) and the last (its layers and the loss, one in flight),
     whichever reserves more; without PP the whole model. ``method`` with ``settings`` says how
     the layers are built (``MemoryMethod.replay_layers``); ``loss_chunks``: the trainer's
-    ``--loss-chunks``."""
-    stage_layers = model.num_layers // layout.pp
+    ``--loss-chunks``. Kept on disk (``memo_ext.estimate.trace_cache``): the replays of a
+    question asked again cost nothing either."""
     tokens = seq_length // layout.cp
+    in_flight = min(layout.pp, num_microbatches)
+    key = dict(
+        model=dataclasses.asdict(model),
+        tp=layout.tp,
+        sp=layout.sp,
+        pp=layout.pp,
+        tokens=tokens,
+        in_flight=in_flight,
+        micro_batch_size=micro_batch_size,
+        limit_bytes=limit_bytes,
+        loss_chunks=loss_chunks,
+    )
+    return cached(
+        "replay",
+        key,
+        lambda: _stage_replay(
+            model,
+            layout,
+            method=method,
+            settings=settings,
+            tokens=tokens,
+            in_flight=in_flight,
+            micro_batch_size=micro_batch_size,
+            limit_bytes=limit_bytes,
+            loss_chunks=loss_chunks,
+        ),
+        encode=dataclasses.asdict,
+        decode=lambda value: AllocatorOutcome(**value),
+        method=method,
+        settings=settings,
+    )
+
+
+def _stage_replay(
+    model: ModelShape,
+    layout: ParallelLayout,
+    *,
+    method: MemoryMethod,
+    settings: Any,
+    tokens: int,
+    in_flight: int,
+    micro_batch_size: int,
+    limit_bytes: int | None,
+    loss_chunks: int,
+) -> AllocatorOutcome:
+    """The replays behind :func:`stage_replay`, at ``tokens`` local tokens with ``in_flight``
+    micro-batches in flight on the first stage."""
+    stage_layers = model.num_layers // layout.pp
     kw = dict(
         tp=layout.tp,
         sp=layout.sp,
@@ -296,7 +399,7 @@ def stage_replay(
     first = replay_iteration(
         iteration_fit(model, loss=False, **kw),
         tokens=tokens,
-        in_flight=min(layout.pp, num_microbatches),
+        in_flight=in_flight,
         limit_bytes=limit_bytes,
     )
     last = replay_iteration(

@@ -18,26 +18,20 @@ path: each rank saves its own q, k, v, output and log-sum-exp); the attention FL
 scaled by ``cp`` (each local query attends to ``cp`` times more keys, load-balanced).
 
 The figures of one trace and the fits that scale two traces to any length are in
-``memo_ext.estimate.fits``.
+``memo_ext.estimate.fits``. Every trace is kept on disk by its inputs, the method and the code
+(``memo_ext.estimate.trace_cache``); torch and megatron-core are imported by the traces
+themselves, so a run whose figures are all found there imports neither here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-
-import torch
-from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.transformer_block import (
-    TransformerBlock,
-    TransformerBlockSubmodules,
-)
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memo_ext.estimate.fits import (
     LayerFigures,
@@ -46,22 +40,8 @@ from memo_ext.estimate.fits import (
     TransientFit,
     reference_tokens,
 )
-from memo_ext.mcore.flop_count import flop_counter_mode
-from memo_ext.mcore.specs import build_layer_spec
-from memo_ext.mcore.tracing import (
-    fake_parallel_state,
-    fake_process_groups,
-    tracing_environment,
-)
-from memo_ext.mcore.transformer_config import traced_transformer_config
-from memo_ext.memo.policy import (
-    memo_runtime_of,
-    memo_step_metrics,
-    memo_trace_options,
-)
+from memo_ext.estimate.trace_cache import cached
 from memo_ext.parallel import ParallelLayout
-from memo_ext.planner.capture import trace_module, trace_transformer_layer
-from memo_ext.planner.problem import lower_bound, problem_from_trace
 from memo_ext.shapes import ModelShape, embedding_rows
 
 if TYPE_CHECKING:
@@ -74,6 +54,13 @@ _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention"
 
 def _build_block(config, groups, *, method: MemoryMethod | None, settings: Any):
     """A one-layer ``TransformerBlock`` of ``method`` (``None``: the plain layer)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+    )
+
+    from memo_ext.mcore.specs import build_layer_spec
+
     spec = build_layer_spec(config=config, attention_backend="sdpa")
     if method is not None:
         spec = method.layer_spec(spec, config, settings)
@@ -98,6 +85,8 @@ def _rope_table(model: ModelShape, config, tokens: int):
     # RoPE's table stands for every rotary model
     if not model.rotary:
         return None
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
     return RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(tokens)
 
 
@@ -113,7 +102,18 @@ def _quiet(logger_name: str) -> Iterator[None]:
         log.setLevel(level)
 
 
-@functools.lru_cache(maxsize=512)
+def _shape_key(model: ModelShape, **call: Any) -> dict[str, Any]:
+    """A traced figure's inputs as the disk cache keys them: every field of the model."""
+    return {"model": dataclasses.asdict(model), **call}
+
+
+def _int(value: Any) -> int:
+    """A count read back from the disk cache (anything else there is a damaged file)."""
+    if not isinstance(value, int):
+        raise TypeError(f"a cached byte count must be an integer, got {value!r}")
+    return value
+
+
 def trace_layer(
     model: ModelShape,
     *,
@@ -126,7 +126,8 @@ def trace_layer(
     fp32: bool = False,
 ) -> LayerFigures:
     """Forward and backward of one layer of ``method`` on fake tensors (cached by the model,
-    the layout, the method and its settings).
+    the layout, the method and its settings, in the process and on disk:
+    ``memo_ext.estimate.trace_cache``).
 
     Args:
         model: the model shape (``num_layers`` is ignored: one layer is built).
@@ -137,7 +138,57 @@ def trace_layer(
             ``settings`` (a hashable value, e.g. MEMO's ``MemoMethod.traced_layer``).
         fp32: trace in float32 instead of bf16 (to compare with a real CPU run).
     """
-    sp = sp and tp > 1
+    # SP without TP is no SP: one trace for both spellings
+    return _layer_figures(
+        model, tp, sp and tp > 1, tokens, micro_batch_size, method, settings, fp32
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _layer_figures(
+    model: ModelShape,
+    tp: int,
+    sp: bool,
+    tokens: int,
+    micro_batch_size: int,
+    method: MemoryMethod | None,
+    settings: Any,
+    fp32: bool,
+) -> LayerFigures:
+    """:func:`trace_layer` with SP normalised, from the disk cache or traced."""
+    key = _shape_key(
+        model, tp=tp, sp=sp, tokens=tokens, micro_batch_size=micro_batch_size, fp32=fp32
+    )
+    return cached(
+        "layer",
+        key,
+        lambda: _trace_layer(model, tp, sp, tokens, micro_batch_size, method, settings, fp32),
+        encode=dataclasses.asdict,
+        decode=lambda value: LayerFigures(**{k: _int(v) for k, v in value.items()}),
+        method=method,
+        settings=settings,
+    )
+
+
+def _trace_layer(
+    model: ModelShape,
+    tp: int,
+    sp: bool,
+    tokens: int,
+    micro_batch_size: int,
+    method: MemoryMethod | None,
+    settings: Any,
+    fp32: bool,
+) -> LayerFigures:
+    """The trace behind :func:`trace_layer` (megatron-core imported here, when first needed)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memo_ext.mcore.flop_count import flop_counter_mode
+    from memo_ext.mcore.tracing import fake_process_groups, tracing_environment
+    from memo_ext.mcore.transformer_config import traced_transformer_config
+    from memo_ext.memo.policy import memo_runtime_of, memo_step_metrics
+
     config = traced_transformer_config(
         model,
         layout=ParallelLayout(tp=tp, sp=sp),
@@ -206,16 +257,27 @@ def layer_max_live_bytes(
     From the planner's fake-tensor trace and its lower bound (no plan can peak below it); the
     layer input is pre-existing and not counted, its saved tensors are.
     """
-    config = traced_transformer_config(model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trace = trace_transformer_layer(
-            config=config, seq_length=tokens, micro_batch_size=micro_batch_size
-        )
-    return _max_live(trace)
+
+    def trace() -> int:
+        from memo_ext.mcore.transformer_config import traced_transformer_config
+        from memo_ext.planner.capture import trace_transformer_layer
+
+        layout = ParallelLayout(tp=tp, sp=sp)
+        config = traced_transformer_config(model, layout=layout, num_layers=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trace = trace_transformer_layer(
+                config=config, seq_length=tokens, micro_batch_size=micro_batch_size
+            )
+        return _max_live(trace)
+
+    key = _shape_key(model, tp=tp, sp=sp, tokens=tokens, micro_batch_size=micro_batch_size)
+    return cached("layer_max_live", key, trace, encode=int, decode=_int)
 
 
 def _max_live(trace) -> int:
+    from memo_ext.planner.problem import lower_bound, problem_from_trace
+
     _, problem = problem_from_trace(trace)
     return int(lower_bound(problem))
 
@@ -232,6 +294,25 @@ def loss_max_live_bytes(
     of fp32 softmax per process). The final hidden state is pre-existing, not counted.
     """
     sp = sp and tp > 1
+    key = _shape_key(model, tp=tp, sp=sp, tokens=tokens, micro_batch_size=micro_batch_size)
+    return cached(
+        "loss_max_live",
+        key,
+        lambda: _trace_loss(model, tp=tp, sp=sp, tokens=tokens, micro_batch_size=micro_batch_size),
+        encode=int,
+        decode=_int,
+    )
+
+
+def _trace_loss(model: ModelShape, *, tp: int, sp: bool, tokens: int, micro_batch_size: int):
+    """The trace behind :func:`loss_max_live_bytes`."""
+    import torch
+    from megatron.core import tensor_parallel
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memo_ext.mcore.tracing import fake_parallel_state
+    from memo_ext.planner.capture import trace_module
+
     h, b = model.hidden_size, micro_batch_size
     padded = embedding_rows(model.vocab_size, tp_sizes=(tp,))
     with warnings.catch_warnings(), fake_parallel_state(tp):
@@ -269,15 +350,34 @@ def chunked_layer_max_live_bytes(
     """Largest total live over one chunked MEMO layer's forward and backward (its restored
     data and recomputation included, host buffers not), from the planner's trace."""
     sp = sp and tp > 1
-    config = traced_transformer_config(model, layout=ParallelLayout(tp=tp, sp=sp), num_layers=1)
-    spec = build_layer_spec(config=config, attention_backend="sdpa")
-    options = memo_trace_options(config, spec, alpha=alpha, chunk_tokens=chunk_tokens)
-    with warnings.catch_warnings(), _quiet("memo_ext.memo"):
-        warnings.simplefilter("ignore")
-        trace = trace_transformer_layer(
-            config=config, seq_length=tokens, micro_batch_size=micro_batch_size, **options
-        )
-    return _max_live(trace)
+
+    def trace() -> int:
+        from memo_ext.mcore.specs import build_layer_spec
+        from memo_ext.mcore.transformer_config import traced_transformer_config
+        from memo_ext.memo.policy import memo_trace_options
+        from memo_ext.planner.capture import trace_transformer_layer
+
+        layout = ParallelLayout(tp=tp, sp=sp)
+        config = traced_transformer_config(model, layout=layout, num_layers=1)
+        spec = build_layer_spec(config=config, attention_backend="sdpa")
+        options = memo_trace_options(config, spec, alpha=alpha, chunk_tokens=chunk_tokens)
+        with warnings.catch_warnings(), _quiet("memo_ext.memo"):
+            warnings.simplefilter("ignore")
+            trace = trace_transformer_layer(
+                config=config, seq_length=tokens, micro_batch_size=micro_batch_size, **options
+            )
+        return _max_live(trace)
+
+    key = _shape_key(
+        model,
+        tp=tp,
+        sp=sp,
+        tokens=tokens,
+        micro_batch_size=micro_batch_size,
+        alpha=alpha,
+        chunk_tokens=chunk_tokens,
+    )
+    return cached("chunked_layer_max_live", key, trace, encode=int, decode=_int)
 
 
 @functools.lru_cache(maxsize=512)

@@ -25,11 +25,12 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from memo_ext.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch  # a saved tensor's dtype, as a type: the rules are read without torch
 from memo_ext.features.memo.config import DEFAULT_OFFLOAD_RULE
 
 
