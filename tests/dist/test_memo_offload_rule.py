@@ -108,7 +108,7 @@ def test_the_estimator_traces_the_bytes_training_copied(trained, registered, rul
     """One layer traced on fake tensors under the rule (what the preflight and memo-estimate
     price) copies per layer forward exactly what each offloaded layer of the run copied."""
     from memo_ext.estimate.measure import trace_layer
-    from memo_ext.features.memo.method import MEMO
+    from memo_ext.features.memo.stage import MEMO as MEMO_METHOD
 
     run = parse_args([*ARGS, *MEMO], world_size=1)
     figures = trace_layer(
@@ -117,8 +117,8 @@ def test_the_estimator_traces_the_bytes_training_copied(trained, registered, rul
         sp=False,
         tokens=run.data.seq_length,
         micro_batch_size=run.train.micro_batch_size,
-        method=MEMO,
-        settings=MEMO.traced_layer(float(ALPHA), rule=rule),
+        method=MEMO_METHOD,
+        settings=MEMO_METHOD.traced_layer(float(ALPHA), rule=rule),
         fp32=True,  # as the CPU run trained
     )
     last = trained[rule][-1]
