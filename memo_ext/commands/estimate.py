@@ -41,7 +41,14 @@ from memo_ext.estimate.search import (  # noqa: E402
     best_at_length,
     find_max_seq_length,
 )
-from memo_ext.features.registry import memory_method, method_names  # noqa: E402
+from memo_ext.estimate.stage import MemoryMethod  # noqa: E402
+from memo_ext.features.registry import (  # noqa: E402
+    COMPARED,
+    compared_method,
+    memory_method,
+    method_names,
+)
+from memo_ext.features.spelling import parse_spelling  # noqa: E402
 from memo_ext.flags import (  # noqa: E402
     SpellCheckedParser,
     add_flags,
@@ -106,9 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--method",
-        choices=method_names(),
         default="memo",
-        help="Memory method (default: %(default)s).",
+        help=_method_help(),
     )
     what = p.add_mutually_exclusive_group()
     add_flags(what, DataConfig, section="data", overrides=True, only=("seq_length",))
@@ -173,17 +179,52 @@ def _inputs(args: argparse.Namespace):
     )
     layout, memo = given["layout"], MemoConfig(enabled=True, **given["memo"])
     memo.check()
+    _, fixed = method_of(args.method)
+    for field, value in given["memo"].items():
+        if field in fixed:
+            raise UsageError(f"--method {args.method} and --memo-{field.replace('_', '-')} both "
+                             f"give {field}; give it once")  # fmt: skip
+        fixed[field] = value
     space = SearchSpace(
         tp=layout.get("tp"),
         cp=layout.get("cp"),
         pp=layout.get("pp", 1),
         sp=layout.get("sp"),
-        keep_last_layers=given["memo"].get("keep_last_layers"),
-        alpha=memo.alpha,
-        chunk_tokens=memo.chunk_tokens,
+        fixed=tuple(sorted(fixed.items())),
     )
     _check_positive(args, batch, space)
     return model, device, batch, space, efficiency
+
+
+def _method_help() -> str:
+    names = ", ".join(method_names())
+    takers = [m for m in COMPARED if m.settings_help and m.estimator is not None]
+    settings = "".join(
+        f" {m.name} takes " + "; ".join(f"{k}: {v}" for k, v in m.settings_help.items()) + "."
+        for m in takers
+        if m.name in method_names()
+    )
+    return f"Memory method, NAME[:KEY=VALUE,...]: {names} (default: %(default)s).{settings}"
+
+
+def method_of(text: str) -> tuple[MemoryMethod, dict]:
+    """The memory method ``--method`` names and the settings its spelling fixes
+    (``memo:alpha=0.5,rule=NAME``, read by the method as ``memo-compare --methods`` reads it).
+
+    Raises:
+        UsageError: for an unknown method, a layout, or a setting it does not take.
+    """
+    spelling = parse_spelling(text, flag="--method")
+    if spelling.layout is not None:
+        raise UsageError(f"--method {text}: no @LAYOUT here; the layout flags fix it, or search")
+    method = memory_method(spelling.name)
+    if not spelling.settings:
+        return method, {}
+    compared = compared_method(spelling.name)
+    if compared is None or compared.estimator is not method or not compared.settings_help:
+        raise UsageError(f"--method {text}: {spelling.name} takes no settings")
+    settings = compared.parse_settings(spelling.settings, text=text, flag="--method")
+    return method, compared.fixed_settings(dict(settings))
 
 
 def _check_positive(args: argparse.Namespace, batch: Batch, space: SearchSpace) -> None:
@@ -313,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             model=model,
             device=device,
             gpus=args.gpus,
-            method=memory_method(args.method),
+            method=method_of(args.method)[0],
             host_memory_bytes=int(args.host_memory_gb * GIB),
             space=space,
             batch=batch,

@@ -14,6 +14,7 @@ import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
@@ -43,11 +44,10 @@ class SearchSpace:
     cp: int | None = None
     pp: int = 1
     sp: bool | None = None
-    keep_last_layers: int | None = None
-    alpha: float | None = None
-    """MEMO α fixed by the user; ``None`` tries the rule's α and 0."""
-    chunk_tokens: int | str | None = None
-    """MEMO's sub-sequence chunk (local tokens, or ``auto``); ``None``: whole layers."""
+    fixed: tuple[tuple[str, Any], ...] = ()
+    """The method's own settings the user fixed, by its settings' field names (MEMO:
+    ``alpha``, ``keep_last_layers``, ``chunk_tokens``, ``offload_rule``); the method's search
+    tries the rest (``MemoryMethod.search_settings``)."""
 
 
 def candidate_layouts(

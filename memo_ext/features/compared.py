@@ -39,9 +39,10 @@ class ComparedMethod:
                 raise TypeError(f"{type(self).__name__} has no setting {key!r}")
             setattr(self, key, value)
 
-    def parse_settings(self, pairs: Settings, *, text: str) -> Settings:
+    def parse_settings(self, pairs: Settings, *, text: str, flag: str = "--methods") -> Settings:
         """``pairs`` checked, each value in its one spelling (the label shows them so), in the
-        order :attr:`settings_help` lists the keys; ``text`` is the whole spelling, for errors.
+        order :attr:`settings_help` lists the keys; ``text`` is the whole spelling and ``flag``
+        the option it came with, for errors.
 
         Raises:
             UsageError: for a key the method does not take, or a value it cannot read.
@@ -49,8 +50,10 @@ class ComparedMethod:
         for key, _ in pairs:
             if key not in self.settings_help:
                 takes = ", ".join(self.settings_help) or "no settings"
-                raise UsageError(f"--methods: {text!r}: {self.name} takes {takes}, not {key}")
-        values = {key: self.read_setting(key, value, text=text) for key, value in pairs}
+                raise UsageError(f"{flag}: {text!r}: {self.name} takes {takes}, not {key}")
+        values = {
+            key: self.read_setting(key, value, text=f"{flag}: {text!r}") for key, value in pairs
+        }
         return tuple(
             (key, values[key])
             for key in self.settings_help
@@ -58,8 +61,13 @@ class ComparedMethod:
         )
 
     def read_setting(self, key: str, value: str, *, text: str) -> str:
-        """``value`` of ``key`` in its one spelling (UsageError when it cannot be read)."""
+        """``value`` of ``key`` in its one spelling (UsageError, starting with ``text``, when it
+        cannot be read)."""
         return value
+
+    def fixed_settings(self, settings: Mapping[str, str]) -> dict[str, Any]:
+        """The estimator's settings fields ``settings`` fix (``SearchSpace.fixed``)."""
+        return {}
 
     def trainer_flags(self, settings: Mapping[str, str], *, keep_last_layers: int | None):
         """The trainer's flags that select it with ``settings``."""

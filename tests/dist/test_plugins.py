@@ -80,6 +80,14 @@ def test_memo_estimate_prices_the_plugins_policy(env):
     assert 0 < toy["recompute_flops"] < full["recompute_flops"]
 
 
+def test_memo_estimate_prices_memo_with_the_plugins_rule(env):
+    """``--method memo:alpha=0.5,rule=toy-whole``: the same device bytes as MEMO's own rule at
+    that α, more host bytes (every saved tensor goes whole)."""
+    own, toy = (_estimate(env, f"memo:alpha=0.5{rule}") for rule in ("", f",rule={RULE}"))
+    assert own["alpha"] == toy["alpha"] == 0.5
+    assert toy["host_bytes"] > own["host_bytes"]
+
+
 def test_memo_memory_report_traces_its_layer(env):
     done = _tool(
         env, "memo_ext.commands.memory_report", "--plugin", PLUGIN, "--num-layers", "4",
@@ -141,7 +149,7 @@ def test_memo_compare_runs_predicts_and_traces_both(env, tmp_path):
 
 def test_without_the_flag_nothing_of_it_is_known(env):
     done = _tool(env, "memo_ext.commands.estimate", "--method", POLICY, *SEVEN_B_32K, status=2)
-    assert f"invalid choice: '{POLICY}'" in done.stderr
+    assert f"--method must be one of none, full, selective, memo, got '{POLICY}'" in done.stderr
     done = _tool(env, "memo_ext.commands.estimate", "--plugin", "no_such_plugin", status=2)
     assert done.stderr.strip().splitlines() == [
         "memo-estimate: error: --plugin no_such_plugin: cannot import it (No module named "

@@ -623,3 +623,29 @@ def test_a_memo_that_would_offload_no_layer_is_refused_before_any_job(tmp_path):
     fine = tool.resolve(tool.build_parser().parse_args([*argv, "--memo-keep-last-layers", "1"]), [])
     assert [m.label for m in fine.methods] == ["full", "memo"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "fixed", "says"),
+    [
+        ("memo", {}, None),
+        ("memo:alpha=0.5", {"alpha": 0.5}, None),
+        ("memo:alpha=auto,rule=tokenwise", {}, None),
+        ("full", {}, None),
+        ("full:alpha=1", None, "full takes no settings"),
+        ("memo@tp8", None, "no @LAYOUT here"),
+        ("memo:alpha=2", None, "alpha must be in [0, 1]"),
+        ("memo:beta=1", None, "memo takes alpha, rule, not beta"),
+        ("fast", None, "--method must be one of none, full, selective, memo"),
+    ],
+)
+def test_memo_estimate_reads_a_method_as_memo_compare_does(text, fixed, says):
+    """``memo-estimate --method`` takes the spelling with settings; the method reads them."""
+    from memo_ext.commands.estimate import method_of
+
+    if says is None:
+        method, got = method_of(text)
+        assert method.name == text.partition(":")[0] and got == fixed
+    else:
+        with pytest.raises(UsageError, match=re.escape(says)):
+            method_of(text)

@@ -85,7 +85,9 @@ def test_memo_estimate_offers_it(registered):
     from memo_ext.commands import estimate as tool
 
     (action,) = [a for a in tool.build_parser()._actions if "--method" in a.option_strings]
-    assert HALF.name in action.choices
+    assert HALF.name in action.help
+    method, fixed = tool.method_of(HALF.name)
+    assert method is HALF and fixed == {}
 
 
 def test_a_comparison_runs_and_predicts_it(registered, tmp_path):

@@ -116,6 +116,6 @@ def test_estimate_s_help_says_what_it_assumes_unless_told():
         "GPUs in the job (default: 8)",
         "(default: a800-80g)",
         "GiB (default: 2048)",
-        "Memory method (default: memo)",
+        "none, full, selective, memo (default: memo)",
     ):
         assert assumed in text

@@ -37,9 +37,9 @@ class ComparedMemo(ComparedMethod):
                 return value
             alpha = parse_alpha(value)
         except (UsageError, ValueError, argparse.ArgumentTypeError) as err:
-            raise UsageError(f"--methods: {text!r}: {key}: {err}") from None
+            raise UsageError(f"{text}: {key}: {err}") from None
         if alpha is not None and not 0.0 <= alpha <= 1.0:
-            raise UsageError(f"--methods: {text!r}: alpha must be in [0, 1] or auto")
+            raise UsageError(f"{text}: alpha must be in [0, 1] or auto")
         return "auto" if alpha is None else f"{alpha:g}"
 
     def trainer_flags(self, settings: Mapping[str, str], *, keep_last_layers: int | None):
@@ -57,6 +57,14 @@ class ComparedMemo(ComparedMethod):
             keep_last_layers=keep_last_layers,
             offload_rule=settings.get("rule", DEFAULT_OFFLOAD_RULE),
         )
+
+    def fixed_settings(self, settings: Mapping[str, str]) -> dict:
+        fixed = {}
+        if "alpha" in settings:
+            fixed["alpha"] = parse_alpha(settings["alpha"])
+        if "rule" in settings:
+            fixed["offload_rule"] = settings["rule"]
+        return fixed
 
     def check(self, settings: Mapping[str, str], *, stage_layers: int, keep_last_layers):
         memo = self.estimator_settings(settings, keep_last_layers=keep_last_layers)

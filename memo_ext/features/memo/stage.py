@@ -352,11 +352,22 @@ class MemoMethod(MemoryMethod):
         return settings.chunk_tokens
 
     def search_settings(self, space: SearchSpace) -> list[MemoConfig]:
-        """Kept last layers in {2, 1, 0} and α in {the rule's, 0}, unless the space fixes them."""
-        keeps = [space.keep_last_layers] if space.keep_last_layers is not None else [2, 1, 0]
-        alphas = [space.alpha] if space.alpha is not None else [None, 0.0]
+        """Kept last layers in {2, 1, 0} and α in {the rule's, 0}, unless the space fixes them;
+        whole layers and MEMO's own offload rule unless it fixes a chunk or a rule."""
+        fixed = dict(space.fixed)
+        keeps = (
+            [fixed["keep_last_layers"]] if fixed.get("keep_last_layers") is not None else [2, 1, 0]
+        )
+        alphas = [fixed["alpha"]] if fixed.get("alpha") is not None else [None, 0.0]
+        rule = fixed.get("offload_rule") or DEFAULT_OFFLOAD_RULE
         return [
-            MemoConfig(enabled=True, alpha=a, keep_last_layers=k, chunk_tokens=space.chunk_tokens)
+            MemoConfig(
+                enabled=True,
+                alpha=a,
+                keep_last_layers=k,
+                chunk_tokens=fixed.get("chunk_tokens"),
+                offload_rule=rule,
+            )
             for k in keeps
             for a in alphas
         ]
