@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from memo_ext.training.metrics import read_metrics
-from tests.launch import ROOT, SMALL_LLAMA, cli, free_port
+from tests.dist.test_memo_parity import COMMON, LLAMA
+from tests.launch import ROOT, cli, free_port
 
 pytestmark = pytest.mark.launch
 
@@ -28,18 +29,8 @@ SEVEN_B_32K = [
     "--model", "gpt-7b", "--gpus", "8", "--seq-length", "32768",
     "--tensor-model-parallel-size", "8", "--sequence-parallel",
 ]  # fmt: skip
-TRAIN = SMALL_LLAMA + cli(
-    num_layers=3,
-    micro_batch_size=2,
-    global_batch_size=4,
-    train_iters=3,
-    lr="2e-3",
-    mock_data=True,
-    seed=5,
-    hidden_dropout=0,
-    attention_dropout=0,
-    log_interval=1,
-)
+TRAIN = LLAMA + COMMON + cli(log_interval=1)
+"""The MEMO parity tests' one-process run."""
 
 
 @pytest.fixture(scope="module")
